@@ -1,0 +1,12 @@
+"""twobp_autograd: 2-stage backpropagation for unchanged PyTorch models.
+
+``patch(model)`` makes backward compute input gradients only (backward-p1) and queue the
+weight-gradient work; ``flush_weight_grads()`` runs it (backward-p2), one concatenated kernel
+call per layer over all queued micro-batches.
+"""
+
+from .patching import patch, unpatch
+from .queue import WeightGradQueue, flush_weight_grads, pending, use_queue
+from .registry import register
+
+__all__ = ["patch", "unpatch", "flush_weight_grads", "pending", "register", "WeightGradQueue", "use_queue"]

@@ -1,0 +1,292 @@
+"""Pending weight-gradient work (backward-p2), grouped per layer and flushed in one batch.
+
+Backward-p1 leaves one :class:`WeightGradJob` per patched call: the tensors the layer's
+weight-gradient kernel needs and the gradient of the layer's output. A flush groups the jobs
+that share a kernel, parameters and trailing shapes, concatenates their micro-batches on
+dimension 0 and runs the kernel once per group, then hands the sums to autograd's own
+gradient accumulation, so ``.grad`` ends exactly as plain backward would leave it (``None``
+handling, dtype, layout, tensor hooks and post-accumulate hooks included).
+
+Each thread has its own default queue; :func:`use_queue` selects another one for the
+forwards run inside it (a queue is bound at forward time, because on CUDA the backward runs
+on autograd's device threads, not the caller's).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "WeightGradKernel",
+    "WeightGradJob",
+    "WeightGradQueue",
+    "PendingWork",
+    "use_queue",
+    "current_queue",
+    "flush_weight_grads",
+    "pending",
+]
+
+#: ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``.
+#: ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0.
+WeightGradKernel = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[bool]], Sequence["Tensor | None"]]
+
+FlushStrategy = Literal["concat", "loop", "auto"]
+
+
+class PendingWork(NamedTuple):
+    """What a queue holds: number of jobs, and bytes of distinct tensors they keep alive."""
+
+    jobs: int
+    bytes: int
+
+
+@dataclass(eq=False)
+class WeightGradJob:
+    """One patched call's deferred weight-gradient work."""
+
+    kernel: WeightGradKernel
+    group: Hashable  # jobs with equal ``group`` may be concatenated and run as one kernel call
+    concatenate: bool  # False: the kernel must see one micro-batch at a time (e.g. BatchNorm)
+    params: tuple["torch.nn.Parameter | None", ...]  # None where that gradient is not wanted
+    saved: tuple[Tensor, ...]
+    grad_outputs: tuple[Tensor, ...]
+    tag: Hashable = None
+    versions: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        self.versions = tuple(t._version for t in self._watched())
+
+    def _watched(self) -> Iterator[Tensor]:
+        yield from self.saved
+        yield from self.grad_outputs
+        yield from (p for p in self.params if p is not None)
+
+    def check_unmodified(self) -> None:
+        now = tuple(t._version for t in self._watched())
+        if now != self.versions:
+            raise RuntimeError(
+                "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
+                "output gradient or the parameter itself) was modified in place between backward "
+                "and flush_weight_grads(). Flush before modifying it, or do not modify it in place."
+            )
+
+    def tensors(self) -> Iterator[Tensor]:
+        yield from self.saved
+        yield from self.grad_outputs
+
+    @property
+    def needs(self) -> tuple[bool, ...]:
+        return tuple(p is not None for p in self.params)
+
+
+_live_queues: "weakref.WeakSet[WeightGradQueue]" = weakref.WeakSet()
+
+
+class WeightGradQueue:
+    """Weight-gradient work queued by backward-p1, run by :meth:`flush`.
+
+    ``strategy`` chooses how a group of jobs of one layer runs: ``"concat"`` concatenates the
+    micro-batches and calls the kernel once, ``"loop"`` calls it per micro-batch and sums,
+    ``"auto"`` concatenates unless the concatenated copies would exceed
+    ``max_concat_bytes``.
+    """
+
+    def __init__(self, strategy: FlushStrategy = "concat", *, max_concat_bytes: int = 1 << 30) -> None:
+        if strategy not in ("concat", "loop", "auto"):
+            raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {strategy!r}")
+        self.strategy: FlushStrategy = strategy
+        self.max_concat_bytes = max_concat_bytes
+        self._jobs: list[WeightGradJob] = []
+        self._lock = threading.Lock()
+        self._running_backwards: dict[int, int] = {}  # graph task id -> thread ident
+        self._tag: Hashable = None
+        _live_queues.add(self)
+
+    # -- filling -------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tagged(self, tag: Hashable) -> Iterator["WeightGradQueue"]:
+        """Tag the jobs of the backward passes run inside (e.g. with a micro-batch index)."""
+        previous, self._tag = self._tag, tag
+        try:
+            yield self
+        finally:
+            self._tag = previous
+
+    def enqueue(self, job: WeightGradJob) -> None:
+        """Called from backward-p1. Records the running backward so a flush elsewhere waits."""
+        task = torch._C._current_graph_task_id()
+        with self._lock:
+            if job.tag is None:  # not tagged at forward time: take the backward's tag
+                job.tag = self._tag
+            self._jobs.append(job)
+            if task >= 0 and task not in self._running_backwards:
+                self._running_backwards[task] = threading.get_ident()
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._running_backwards.pop(task, None)
+                )
+
+    # -- reading -------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._jobs)
+
+    def pending(self) -> PendingWork:
+        seen: dict[int, int] = {}
+        for job in self._jobs:
+            for t in job.tensors():
+                seen[id(t)] = t.numel() * t.element_size()
+        return PendingWork(len(self._jobs), sum(seen.values()))
+
+    def tags(self) -> list[Hashable]:
+        return list(dict.fromkeys(job.tag for job in self._jobs))
+
+    def has_work_for(self, params: Sequence[Tensor]) -> bool:
+        if not self._jobs:
+            return False
+        queued = {id(p) for job in self._jobs for p in job.params if p is not None}
+        return any(id(p) in queued for p in params)
+
+    # -- running -------------------------------------------------------------------------
+
+    def clear(self) -> None:
+        """Drop all queued work without computing it."""
+        with self._lock:
+            self._jobs.clear()
+            self._running_backwards.clear()
+
+    def take(self, tags: "Sequence[Hashable] | None" = None) -> list[WeightGradJob]:
+        """Remove and return the jobs with the given tags (all jobs when ``tags`` is None)."""
+        self._check_no_backward_elsewhere()
+        with self._lock:
+            if tags is None:
+                taken, self._jobs = self._jobs, []
+            else:
+                wanted = set(tags)
+                taken = [j for j in self._jobs if j.tag in wanted]
+                self._jobs = [j for j in self._jobs if j.tag not in wanted]
+        return taken
+
+    def flush(self, tags: "Sequence[Hashable] | None" = None) -> None:
+        """Run the queued weight-gradient work (all of it, or that of ``tags``) into ``.grad``."""
+        run_jobs(self.take(tags), self.strategy, self.max_concat_bytes)
+
+    def _check_no_backward_elsewhere(self) -> None:
+        me = threading.get_ident()
+        current = torch._C._current_graph_task_id()
+        with self._lock:
+            for task, thread in list(self._running_backwards.items()):
+                # Another backward of this thread has ended: CPU backward runs synchronously on
+                # its caller (one that raised never ran its end-of-task callback).
+                if task != current and thread == me:
+                    del self._running_backwards[task]
+            running_elsewhere = [t for t in self._running_backwards if t != current]
+        if running_elsewhere:
+            raise RuntimeError(
+                "twobp: flush while a backward pass that feeds this queue is still running on "
+                "another thread. Wait for that backward (join the thread) before flushing, or give "
+                "each thread its own queue with twobp.use_queue(). If that backward raised, "
+                "queue.clear() drops its partial work."
+            )
+
+
+def run_jobs(jobs: Sequence[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int) -> None:
+    """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd."""
+    if not jobs:
+        return
+    for job in jobs:
+        job.check_unmodified()
+    groups: dict[tuple, list[WeightGradJob]] = {}
+    for job in jobs:
+        shapes = tuple((t.shape[1:], t.dtype, t.device) for t in job.tensors())
+        groups.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
+
+    grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(param) -> (param, summed gradient)
+    with torch.no_grad():
+        for group in groups.values():
+            for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
+                if param is None or grad is None:
+                    continue
+                if id(param) in grads:
+                    grads[id(param)] = (param, grads[id(param)][1] + grad)
+                else:
+                    grads[id(param)] = (param, grad)
+    if grads:
+        params = [p for p, _ in grads.values()]
+        totals = [g.to(p.dtype) for p, g in grads.values()]
+        # Autograd's own AccumulateGrad: same None/stealing/layout rules and hooks as backward().
+        torch.autograd.backward(params, totals)
+
+
+def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int) -> Sequence["Tensor | None"]:
+    first = group[0]
+    needs = first.needs
+    if len(group) == 1:
+        return first.kernel(first.saved, first.grad_outputs, needs)
+    concat = first.concatenate and (
+        strategy == "concat"
+        or (strategy == "auto" and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= max_concat_bytes)
+    )
+    if concat:
+        saved = [torch.cat(ts) for ts in zip(*(j.saved for j in group))]
+        grad_outputs = [torch.cat(ts) for ts in zip(*(j.grad_outputs for j in group))]
+        return first.kernel(saved, grad_outputs, needs)
+    total: list["Tensor | None"] = [None] * len(needs)
+    for job in group:
+        for i, grad in enumerate(job.kernel(job.saved, job.grad_outputs, needs)):
+            if grad is not None:
+                total[i] = grad if total[i] is None else total[i] + grad
+    return total
+
+
+# -- the queue in use -----------------------------------------------------------------------
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.default = WeightGradQueue()
+        self.stack: list[WeightGradQueue] = []
+
+
+_state = _ThreadState()
+
+
+def current_queue() -> WeightGradQueue:
+    """The queue that forwards run now feed: the innermost :func:`use_queue`, else the thread's."""
+    return _state.stack[-1] if _state.stack else _state.default
+
+
+@contextlib.contextmanager
+def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
+    """Send the weight-gradient work of the forwards run inside this block to ``queue``."""
+    if not isinstance(queue, WeightGradQueue):
+        raise TypeError(f"use_queue expects a WeightGradQueue, got {type(queue).__name__}")
+    _state.stack.append(queue)
+    try:
+        yield queue
+    finally:
+        _state.stack.pop()
+
+
+def flush_weight_grads(queue: "WeightGradQueue | None" = None) -> None:
+    """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``."""
+    (queue or current_queue()).flush()
+
+
+def pending(queue: "WeightGradQueue | None" = None) -> PendingWork:
+    """Jobs and bytes held by ``queue`` (default: the current one)."""
+    return (queue or current_queue()).pending()
+
+
+def queues_with_work() -> list[WeightGradQueue]:
+    return [q for q in list(_live_queues) if len(q)]
+
