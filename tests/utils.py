@@ -1,0 +1,72 @@
+"""Shared checks: a patched model against plain autograd on a deep copy, parameter by parameter."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+
+import twobp_autograd as twobp
+
+#: (rtol, atol) per dtype: fp64 is exact up to summation order; fp32 micro-batch concatenation
+#: reorders sums; bf16 keeps 8 mantissa bits.
+TOLERANCES = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 2e-2)}
+
+
+def patched_and_reference(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """A deep copy kept on plain autograd, and the model itself patched in place."""
+    reference = copy.deepcopy(model)
+    return twobp.patch(model), reference
+
+
+def assert_grads_match(patched: nn.Module, reference: nn.Module, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> None:
+    """Every parameter's .grad equal (both None, or close within the dtype's tolerance)."""
+    rtol, atol = TOLERANCES[dtype]
+    for (name, p), (_, q) in zip(patched.named_parameters(), reference.named_parameters(), strict=True):
+        if q.grad is None:
+            assert p.grad is None, f"{name}: .grad should be None, got a tensor"
+            continue
+        assert p.grad is not None, f"{name}: .grad is None, plain autograd has one"
+        assert p.grad.dtype == q.grad.dtype and p.grad.shape == q.grad.shape, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=atol * scale, msg=lambda m: f"{name}: {m}")
+
+
+def assert_no_grads(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        assert p.grad is None, f"{name}: .grad was written during backward-p1"
+
+
+def check_against_autograd(
+    model: nn.Module,
+    make_inputs: Callable[[], Sequence[Tensor]],
+    *,
+    micro_batches: int = 3,
+    dtype: torch.dtype = torch.float32,
+    loss: Callable[[object], Tensor] | None = None,
+) -> None:
+    """Patch ``model``; run ``micro_batches`` backward calls on it and on a plain deep copy;
+    check .grad is untouched before the flush and equal after it; check the queue is empty."""
+    loss = loss or _default_loss
+    patched, reference = patched_and_reference(model)
+    for _ in range(micro_batches):
+        inputs = make_inputs()
+        loss(patched(*inputs)).backward()
+        loss(reference(*[t.clone() for t in inputs])).backward()
+    assert_no_grads_on_deferred(patched)
+    assert twobp.pending().jobs > 0, "nothing was queued: the patched ops did not defer"
+    twobp.flush_weight_grads()
+    assert twobp.pending() == (0, 0)
+    assert_grads_match(patched, reference, dtype)
+
+
+def assert_no_grads_on_deferred(model: nn.Module) -> None:
+    assert_no_grads(model)
+
+
+def _default_loss(output: object) -> Tensor:
+    if isinstance(output, Tensor):
+        return (output.float() ** 2).sum() / output.numel()
+    tensors = [t for t in output if isinstance(t, Tensor) and t.is_floating_point()]  # type: ignore[union-attr]
+    return sum((t.float() ** 2).sum() / t.numel() for t in tensors)  # type: ignore[return-value]

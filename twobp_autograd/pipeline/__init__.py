@@ -1,0 +1,2 @@
+"""Pipeline parallelism with 2BP: schedules as pure functions, a torch.distributed runtime,
+metrics and traces, and the torch.distributed.pipelining adapter."""
