@@ -9,8 +9,9 @@ through unchanged and queues ``(saved tensors, output gradient)`` for the op's w
 
 The tap also keeps autograd's scoping: it asks the engine whether this backward will reach
 each parameter, so ``backward(inputs=...)`` / ``autograd.grad`` that do not ask for a weight
-queue nothing; ``autograd.grad`` that does ask, and ``create_graph=True``, get the weight
-gradient computed at once (differentiably), exactly as plain autograd returns it.
+queue nothing, and ``autograd.grad`` that does ask gets the weight gradient computed at once.
+``create_graph=True`` is refused: the input gradient was built from detached weights, so any
+second-order term through a weight would silently be missing.
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ class _WeightGradTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple["Tensor | None", ...]:
         spec: _TapSpec = ctx.spec
+        if torch.is_grad_enabled():  # only true in backward under create_graph=True
+            raise RuntimeError(
+                "twobp: create_graph=True (higher-order gradients) through a patched module is not "
+                "supported: its input gradient is computed with detached weights, so second-order "
+                "terms through the weights would be missing. Run this step on the unpatched model "
+                "(twobp.unpatch(model), or patch(model, exclude=[...]) for the modules involved)."
+            )
         n = spec.num_outputs
         saved = ctx.saved_tensors
         edges = ctx.next_functions[n:]  # one edge per tensor input: outputs, then parameters
@@ -87,16 +95,14 @@ class _WeightGradTap(torch.autograd.Function):
 
 def _decide(param_node: Any) -> str:
     """'defer' when this backward accumulates into the parameter, 'skip' when it does not
-    reach it, 'now' when its gradient must be returned at once (autograd.grad, create_graph)."""
+    reach it, 'now' when its gradient must be returned at once (autograd.grad asks for it)."""
     try:
         reached = torch._C._will_engine_execute_node(param_node)
     except RuntimeError:
         # The engine refuses the question for a leaf that autograd.grad captures: the caller
         # wants the value returned now.
         return "now"
-    if not reached:
-        return "skip"
-    return "now" if torch.is_grad_enabled() else "defer"  # grad mode in backward = create_graph
+    return "defer" if reached else "skip"
 
 
 def defer_weight_grads(

@@ -29,9 +29,8 @@ def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], 
 def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
     output = F.linear(input, weight.detach(), detached(bias))
-    # Saved as 2-D rows in the dtype the product ran in (autocast's), as plain autograd would;
-    # not detached, so that create_graph=True gets a differentiable weight gradient.
-    rows = input.reshape(-1, input.shape[-1]).to(output.dtype)
+    # Saved as 2-D rows in the dtype the product ran in (autocast's), as plain autograd would.
+    rows = input.detach().reshape(-1, input.shape[-1]).to(output.dtype)
     return defer_weight_grads(output, (weight, bias), (rows,), linear_weight_grad)
 
 

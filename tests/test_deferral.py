@@ -1,0 +1,203 @@
+"""DESIGN.md contract point 1 (and 5's create_graph): .grad untouched by backward-p1, equal to
+plain autograd after the flush, for every way autograd can be driven."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import twobp_autograd as twobp
+from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
+
+
+def mlp(dtype=torch.float32) -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 3)).to(dtype)
+
+
+def loss_of(model, x):
+    return model(x).pow(2).mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("micro_batches", [1, 4], ids=["one-micro-batch", "four-micro-batches"])
+def test_accumulation_over_backward_calls(dtype, micro_batches):
+    patched, reference = patched_and_reference(mlp(dtype))
+    for _ in range(micro_batches):
+        x = torch.randn(5, 6, dtype=dtype)
+        loss_of(patched, x).backward()
+        loss_of(reference, x).backward()
+    assert_no_grads(patched)
+    assert twobp.pending().jobs == 3 * micro_batches
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, dtype)
+
+
+def test_flush_adds_to_existing_grads_and_respects_set_to_none():
+    patched, reference = patched_and_reference(mlp())
+    opt_p = torch.optim.SGD(patched.parameters(), lr=0.1)
+    opt_r = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        for _ in range(2):
+            x = torch.randn(4, 6)
+            loss_of(patched, x).backward()
+            loss_of(reference, x).backward()
+        twobp.flush_weight_grads()
+        assert_grads_match(patched, reference)
+        opt_p.step()
+        opt_r.step()
+        # zero_grad(set_to_none=False) on one step, True on the others: both must match
+        opt_p.zero_grad(set_to_none=step != 1)
+        opt_r.zero_grad(set_to_none=step != 1)
+    for p, q in zip(patched.parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+def test_retain_graph_backward_twice():
+    patched, reference = patched_and_reference(mlp())
+    x = torch.randn(4, 6)
+    for model in (patched, reference):
+        loss = loss_of(model, x)
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert twobp.pending().jobs == 6
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_module_called_several_times_and_leading_dims():
+    layer = nn.Linear(6, 6)
+    patched, reference = patched_and_reference(layer)
+    x = torch.randn(2, 3, 6)
+    for model in (patched, reference):
+        model(torch.tanh(model(model(x)))).sum().backward()
+    assert twobp.pending().jobs == 3
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_tied_weights_across_modules():
+    model = nn.Sequential(nn.Linear(5, 5), nn.Tanh(), nn.Linear(5, 5))
+    model[2].weight = model[0].weight
+    patched, reference = patched_and_reference(model)
+    assert reference[2].weight is reference[0].weight
+    x = torch.randn(3, 5)
+    loss_of(patched, x).backward()
+    loss_of(reference, x).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+@pytest.mark.parametrize("frozen", ["whole-layer", "weight-only", "bias-only"])
+def test_frozen_parameters(frozen):
+    model = mlp()
+    if frozen == "whole-layer":
+        model[2].requires_grad_(False)
+    elif frozen == "weight-only":
+        model[2].weight.requires_grad_(False)
+    else:
+        model[2].bias.requires_grad_(False)
+    patched, reference = patched_and_reference(model)
+    x = torch.randn(4, 6)
+    loss_of(patched, x).backward()
+    loss_of(reference, x).backward()
+    assert_no_grads(patched)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_input_only_backward_queues_nothing():
+    """torch.distributed.pipelining infers shapes with an input-only pass: it must not queue."""
+    patched = twobp.patch(mlp())
+    x = torch.randn(4, 6, requires_grad=True)
+    (gx,) = torch.autograd.grad(loss_of(patched, x), x)
+    assert twobp.pending().jobs == 0
+    loss_of(patched, x).backward(inputs=[x])
+    assert twobp.pending().jobs == 0
+    assert_no_grads(patched)
+    twobp.flush_weight_grads()
+    assert_no_grads(patched)
+    reference = copy.deepcopy(twobp.unpatch(patched))
+    x_ref = x.detach().requires_grad_()
+    torch.testing.assert_close(gx, torch.autograd.grad(loss_of(reference, x_ref), x_ref)[0])
+
+
+def test_backward_with_weight_inputs_is_deferred_and_scoped():
+    patched, reference = patched_and_reference(mlp())
+    x = torch.randn(4, 6)
+    wanted_p = [patched[2].weight]
+    wanted_r = [reference[2].weight]
+    loss_of(patched, x).backward(inputs=wanted_p)
+    loss_of(reference, x).backward(inputs=wanted_r)
+    assert twobp.pending().jobs == 1
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_autograd_grad_of_weights_returns_them_at_once():
+    patched, reference = patched_and_reference(mlp())
+    x = torch.randn(4, 6)
+    got = torch.autograd.grad(loss_of(patched, x), [patched[0].weight, patched[4].bias])
+    want = torch.autograd.grad(loss_of(reference, x), [reference[0].weight, reference[4].bias])
+    assert twobp.pending().jobs == 0
+    assert_no_grads(patched)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+@pytest.mark.parametrize("call", ["backward", "autograd.grad"])
+def test_create_graph_is_refused_not_silently_wrong(call):
+    patched = twobp.patch(mlp(torch.float64))
+    loss = loss_of(patched, torch.randn(4, 6, dtype=torch.float64))
+    with pytest.raises(RuntimeError, match="create_graph=True"):
+        if call == "backward":
+            loss.backward(create_graph=True)
+        else:
+            torch.autograd.grad(loss, list(patched.parameters()), create_graph=True)
+    assert twobp.pending().jobs == 0
+
+
+def test_tensor_and_post_accumulate_hooks_see_the_gradient_at_flush():
+    """During backward-p1 a deferred parameter's hooks are called with None (its gradient does
+    not exist yet, as for any custom autograd Function returning None); at the flush they see
+    the real gradient, and the hook's result is what lands in .grad."""
+    patched, reference = patched_and_reference(mlp())
+    seen = {"pre": [], "post": []}
+    for model in (patched, reference):
+        model[0].weight.register_hook(lambda g: None if g is None else g * 2)
+    patched[0].weight.register_hook(lambda g: seen["pre"].append(g))
+    patched[0].weight.register_post_accumulate_grad_hook(lambda p: seen["post"].append(p.grad))
+    x = torch.randn(4, 6)
+    loss_of(patched, x).backward()
+    assert seen == {"pre": [None], "post": [None]}
+    twobp.flush_weight_grads()
+    assert len(seen["pre"]) == 2 and seen["pre"][1] is not None
+    assert seen["post"][1] is patched[0].weight.grad
+    loss_of(reference, x).backward()
+    assert_grads_match(patched, reference)
+
+
+def test_bf16_autocast_on_cpu():
+    patched, reference = patched_and_reference(mlp())
+    x = torch.randn(8, 6)
+    for model in (patched, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(x)
+        assert out.dtype == torch.bfloat16
+        out.float().pow(2).mean().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16)
+
+
+@pytest.mark.parametrize("strategy", ["concat", "loop", "auto"])
+def test_flush_strategies_agree(strategy):
+    queue = twobp.WeightGradQueue(strategy, max_concat_bytes=256)
+    patched, reference = patched_and_reference(mlp())
+    with twobp.use_queue(queue):
+        for batch in (3, 5, 2):
+            x = torch.randn(batch, 6)
+            loss_of(patched, x).backward()
+            loss_of(reference, x).backward()
+    assert twobp.pending().jobs == 0 and twobp.pending(queue).jobs == 9
+    twobp.flush_weight_grads(queue)
+    assert_grads_match(patched, reference)
