@@ -1,0 +1,297 @@
+"""Pipeline schedules as pure functions: each rank's ordered list of actions.
+
+A schedule is data, not code that talks to other ranks, so it can be asserted exactly, checked
+for coverage and deadlock before anything runs, replayed by the simulator and executed by the
+runtime from the same list.
+
+The paper's three schedules (GPipe with N = p micro-batches, 1F1B-1 with N = p, 1F1B-2 with
+N = 2p) place backward-p2 as the paper's code does: with 2BP on, GPipe runs one concatenated
+``W`` after its last ``I``; 1F1B runs a single-micro-batch ``W`` (the oldest pending one) after
+each cool-down ``I`` and then one concatenated ``W`` over the rest. ``"zb"`` is this project's
+own placement: the 1F1B order of ``F`` and ``I``, with a single-micro-batch ``W`` wherever the
+rank would otherwise wait for a neighbour, or before an ``I`` once ``max_pending`` micro-batches
+wait for their ``W`` (so activation memory does not grow with N), as in ZB-H1.
+
+Every ``W`` names its micro-batches explicitly (never ``W()``), so a schedule says exactly
+which work each ``W`` concatenates.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Sequence
+
+from .actions import Action, B, F, I, W
+
+__all__ = [
+    "SCHEDULES",
+    "ScheduleError",
+    "schedule",
+    "default_num_micro_batches",
+    "gpipe",
+    "one_f_one_b",
+    "zero_bubble",
+    "validate_schedule",
+]
+
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b-1", "1f1b-2", "zb")
+
+RankActions = list[Action]
+
+
+class ScheduleError(ValueError):
+    """A schedule that misses or repeats work, or whose ranks would wait on each other forever."""
+
+
+def default_num_micro_batches(name: str, num_stages: int) -> int:
+    """The paper's micro-batch counts: p for GPipe and 1F1B-1, 2p for 1F1B-2 (and for ``zb``,
+    so that it compares with 1F1B-2)."""
+    _check_name(name)
+    return 2 * num_stages if name in ("1f1b-2", "zb") else num_stages
+
+
+def schedule(
+    name: str,
+    num_stages: int,
+    num_micro_batches: int | None = None,
+    twobp: bool = True,
+    *,
+    max_pending: int | None = None,
+) -> list[RankActions]:
+    """One action list per rank for schedule ``name`` (one of :data:`SCHEDULES`).
+
+    ``num_micro_batches`` defaults to :func:`default_num_micro_batches`. With ``twobp`` False
+    every backward is a full ``B``; ``"zb"`` then degenerates to 1F1B, since without a
+    separate ``W`` there is nothing to move. ``max_pending`` applies to ``"zb"`` only.
+    """
+    _check_name(name)
+    if num_micro_batches is None:
+        num_micro_batches = default_num_micro_batches(name, num_stages)
+    if max_pending is not None and name != "zb":
+        raise ValueError(f"max_pending applies to 'zb' only, not {name!r}")
+    if name == "gpipe":
+        ranks = gpipe(num_stages, num_micro_batches, twobp)
+    elif name in ("1f1b-1", "1f1b-2"):
+        ranks = one_f_one_b(num_stages, num_micro_batches, twobp)
+    else:
+        ranks = zero_bubble(num_stages, num_micro_batches, twobp, max_pending=max_pending)
+    validate_schedule(ranks, num_micro_batches)
+    return ranks
+
+
+def gpipe(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
+    """All forwards, then all backwards in micro-batch order; with 2BP one concatenated ``W``."""
+    _check_sizes(num_stages, num_micro_batches)
+    micro_batches = range(num_micro_batches)
+    ranks = []
+    for _ in range(num_stages):
+        actions = [F(k) for k in micro_batches]
+        if twobp:
+            actions += [I(k) for k in micro_batches] + [W(*micro_batches)]
+        else:
+            actions += [B(k) for k in micro_batches]
+        ranks.append(actions)
+    return ranks
+
+
+def one_f_one_b(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
+    """Rank r warms up with p − r forwards, alternates backward/forward until every forward is
+    issued, then cools down with the remaining backwards. With 2BP each cool-down ``I`` is
+    followed by the ``W`` of the oldest pending micro-batch, and one concatenated ``W`` runs
+    whatever is still pending at the end."""
+    _check_sizes(num_stages, num_micro_batches)
+    ranks = []
+    for rank in range(num_stages):
+        warmup = min(num_micro_batches, num_stages - rank)
+        actions = [F(k) for k in range(warmup)]
+        backward = I if twobp else B
+        for k in range(warmup, num_micro_batches):
+            actions += [backward(k - warmup), F(k)]
+        pending: deque[int] = deque(range(num_micro_batches - warmup) if twobp else ())
+        for k in range(num_micro_batches - warmup, num_micro_batches):
+            actions.append(backward(k))
+            if twobp:
+                pending.append(k)
+                actions.append(W(pending.popleft()))
+        if pending:
+            actions.append(W(*pending))
+        ranks.append(actions)
+    return ranks
+
+
+def zero_bubble(
+    num_stages: int, num_micro_batches: int, twobp: bool, *, max_pending: int | None = None
+) -> list[RankActions]:
+    """1F1B's ``F``/``I`` order with each ``W`` moved into the first gap that would otherwise be
+    idle, found by replaying the schedule with F = I = W = 1 (a ``W`` of one unit then never
+    delays the ``F``/``I`` it precedes). Before an ``I`` that would leave more than
+    ``max_pending`` (default p) micro-batches waiting for their ``W``, the oldest one's ``W``
+    runs first. The rest runs as one concatenated ``W`` at the end."""
+    _check_sizes(num_stages, num_micro_batches)
+    if not twobp:
+        return one_f_one_b(num_stages, num_micro_batches, twobp=False)
+    max_pending = num_stages if max_pending is None else max_pending
+    if max_pending < 1:
+        raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+
+    # The F/I order of 1F1B without its W; W is placed below.
+    base = [[a for a in actions if a.kind != "W"] for actions in one_f_one_b(num_stages, num_micro_batches, True)]
+    finish: dict[tuple[int, Action], int] = {}
+    clock = [0] * num_stages
+    cursor = [0] * num_stages
+    pending: list[deque[int]] = [deque() for _ in range(num_stages)]
+    ranks: list[RankActions] = [[] for _ in range(num_stages)]
+
+    def run(rank: int, action: Action, start: int) -> None:
+        clock[rank] = start + 1
+        finish[rank, action] = clock[rank]
+        ranks[rank].append(action)
+
+    while True:
+        active = [r for r in range(num_stages) if cursor[r] < len(base[r])]
+        if not active:
+            break
+        rank = min(active, key=lambda r: (clock[r], r))
+        action = base[rank][cursor[rank]]
+        if action.kind == "I" and len(pending[rank]) >= max_pending:
+            run(rank, W(pending[rank].popleft()), clock[rank])
+            continue
+        dependency = _remote_dependency(action, rank, num_stages)
+        ready_at = finish.get(dependency) if dependency is not None else 0
+        if ready_at is not None and ready_at <= clock[rank]:
+            run(rank, action, clock[rank])
+            cursor[rank] += 1
+            if action.kind == "I":
+                pending[rank].append(action.micro_batch)
+        elif pending[rank]:
+            # Idle until the neighbour delivers: do one micro-batch's weight work meanwhile.
+            run(rank, W(pending[rank].popleft()), clock[rank])
+        elif ready_at is not None:
+            clock[rank] = ready_at
+        else:
+            # The neighbour has not run the dependency yet; it cannot finish it sooner than this.
+            clock[rank] = max(clock[rank], clock[dependency[0]] + 1)
+    for rank in range(num_stages):
+        if pending[rank]:
+            ranks[rank].append(W(*pending[rank]))
+    return ranks
+
+
+def validate_schedule(ranks: Sequence[Sequence[Action]], num_micro_batches: int | None = None) -> None:
+    """Raise :class:`ScheduleError` unless ``ranks`` is a complete, runnable schedule.
+
+    Per rank: every micro-batch has exactly one ``F``, and after it either one ``B`` or one
+    ``I`` followed by exactly one ``W`` that covers it (``W()`` covers all that is pending).
+    Across ranks (with non-blocking sends): rank r's ``F(k)`` needs rank r−1's ``F(k)``, and
+    rank r's ``B``/``I(k)`` needs rank r+1's; each pair of neighbours exchanges messages in the
+    same order on both sides, so plain in-order send/recv matches them. Replaying the lists
+    must finish: a rank whose next action waits on a neighbour that waits on it is a deadlock.
+    """
+    if not ranks:
+        raise ScheduleError("a schedule needs at least one rank")
+    if num_micro_batches is None:
+        num_micro_batches = 1 + max((a.micro_batch for rank in ranks for a in rank if a.kind == "F"), default=-1)
+    for rank, actions in enumerate(ranks):
+        _check_rank(rank, actions, num_micro_batches)
+    _check_message_order(ranks)
+    _check_no_deadlock(ranks)
+
+
+def _check_rank(rank: int, actions: Sequence[Action], num_micro_batches: int) -> None:
+    forwarded: set[int] = set()
+    backwarded: set[int] = set()
+    pending: set[int] = set()
+    weight_done: set[int] = set()
+    for position, action in enumerate(actions):
+        where = f"rank {rank}, action {position} ({action!r})"
+        if action.kind == "W":
+            covered = set(pending) if action.micro_batches is None else set(action.micro_batches)
+            if not covered:
+                raise ScheduleError(f"{where}: W with no pending weight work")
+            if action.micro_batches is not None and len(covered) != len(action.micro_batches):
+                raise ScheduleError(f"{where}: W names a micro-batch twice")
+            if not covered <= pending:
+                late = sorted(covered - pending - weight_done)
+                again = sorted(covered & weight_done)
+                reason = f"before its I: {late}" if late else f"a second time: {again}"
+                raise ScheduleError(f"{where}: W of micro-batches {reason}")
+            pending -= covered
+            weight_done |= covered
+            continue
+        k = action.micro_batch
+        if not 0 <= k < num_micro_batches:
+            raise ScheduleError(f"{where}: micro-batch {k} outside 0..{num_micro_batches - 1}")
+        if action.kind == "F":
+            if k in forwarded:
+                raise ScheduleError(f"{where}: second forward of micro-batch {k}")
+            forwarded.add(k)
+            continue
+        if k not in forwarded:
+            raise ScheduleError(f"{where}: backward before the forward of micro-batch {k}")
+        if k in backwarded:
+            raise ScheduleError(f"{where}: second backward of micro-batch {k}")
+        backwarded.add(k)
+        if action.kind == "B":
+            weight_done.add(k)
+        else:
+            pending.add(k)
+    everything = set(range(num_micro_batches))
+    for what, done in (("forward", forwarded), ("backward", backwarded), ("weight gradient", weight_done)):
+        if done != everything:
+            raise ScheduleError(f"rank {rank}: no {what} for micro-batches {sorted(everything - done)}")
+
+
+def _check_message_order(ranks: Sequence[Sequence[Action]]) -> None:
+    """Neighbours must agree on the order of what one sends and the other receives."""
+
+    def order(actions: Sequence[Action], kinds: str) -> list[int]:
+        return [a.micro_batch for a in actions if a.kind in kinds]
+
+    for rank in range(len(ranks) - 1):
+        for kinds, what in (("F", "activations"), ("BI", "gradients")):
+            here, there = order(ranks[rank], kinds), order(ranks[rank + 1], kinds)
+            if here != there:
+                raise ScheduleError(
+                    f"ranks {rank} and {rank + 1} exchange {what} in different orders: {here} vs {there}"
+                )
+
+
+def _remote_dependency(action: Action, rank: int, num_stages: int) -> tuple[int, Action] | None:
+    """The (rank, action) whose output ``action`` receives, or None when it needs nothing remote."""
+    if action.kind == "F" and rank > 0:
+        return rank - 1, action
+    if action.kind in "BI" and rank < num_stages - 1:
+        return rank + 1, action
+    return None
+
+
+def _check_no_deadlock(ranks: Sequence[Sequence[Action]]) -> None:
+    num_stages = len(ranks)
+    done: set[tuple[int, Action]] = set()
+    cursor = [0] * num_stages
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank, actions in enumerate(ranks):
+            while cursor[rank] < len(actions):
+                action = actions[cursor[rank]]
+                dependency = _remote_dependency(action, rank, num_stages)
+                if dependency is not None and dependency not in done:
+                    break
+                done.add((rank, action))
+                cursor[rank] += 1
+                progressed = True
+    stuck = {rank: ranks[rank][cursor[rank]] for rank in range(num_stages) if cursor[rank] < len(ranks[rank])}
+    if stuck:
+        waits = ", ".join(f"rank {rank} at {action!r}" for rank, action in stuck.items())
+        raise ScheduleError(f"deadlock: {waits} wait on each other")
+
+
+def _check_name(name: str) -> None:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+
+
+def _check_sizes(num_stages: int, num_micro_batches: int) -> None:
+    if num_stages < 1 or num_micro_batches < 1:
+        raise ValueError(f"need at least one stage and one micro-batch, got {num_stages} and {num_micro_batches}")
