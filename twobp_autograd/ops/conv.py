@@ -1,1 +1,186 @@
-"""Placeholder: filled in by the conv op family."""
+"""nn.Conv1d/2d/3d and nn.ConvTranspose1d/2d/3d: dX by PyTorch's own convolution derivative
+(the forward runs with the parameters detached); dW and db by one
+``aten.convolution_backward`` call over all queued micro-batches concatenated on the batch dim.
+
+The forwards replicate the modules' own (``F.pad`` first for non-zero padding modes, the
+padding strings, ``output_size`` of the transposed convolutions). What the weight kernel needs
+is the input the convolution really saw (padded, in autocast's dtype) and an explicit,
+symmetric numeric padding: ``padding='same'`` with an even receptive field pads one more on
+the right, which the kernel re-creates with a zero ``F.pad`` on the concatenated input rather
+than keeping a padded copy alive until the flush. Unbatched inputs run as a batch of one, as
+PyTorch itself does, so the saved tensors always have the batch on dim 0.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..deferral import defer_weight_grads
+from ..registry import register
+
+__all__ = ["conv_weight_grad", "conv_forward", "conv_transpose_forward"]
+
+IntTuple = tuple[int, ...]
+
+
+def conv_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    weight_shape: IntTuple,
+    stride: IntTuple,
+    padding: IntTuple,
+    dilation: IntTuple,
+    transposed: bool,
+    output_padding: IntTuple,
+    groups: int,
+    extra_right_padding: "IntTuple | None" = None,
+) -> list["Tensor | None"]:
+    """Weight and bias gradients of a convolution with the given (hashable) configuration.
+
+    ``extra_right_padding`` is an ``F.pad`` argument (last dim first) of zeros added after the
+    symmetric ``padding``; the weight is only needed for its shape, so a zero-stride stand-in
+    is passed (no weight-sized allocation)."""
+    (input,) = saved
+    (grad_output,) = grad_outputs
+    if extra_right_padding is not None:
+        input = F.pad(input, extra_right_padding)
+    need_weight = needs[0]
+    need_bias = len(needs) > 1 and needs[1]
+    weight = input.new_zeros(()).expand(weight_shape)
+    bias_sizes = [grad_output.shape[1]] if need_bias else None
+    _, weight_grad, bias_grad = torch.ops.aten.convolution_backward(
+        grad_output,
+        input,
+        weight,
+        bias_sizes,
+        list(stride),
+        list(padding),
+        list(dilation),
+        transposed,
+        list(output_padding),
+        groups,
+        [False, need_weight, need_bias],
+    )
+    return [weight_grad if need_weight else None, bias_grad if need_bias else None]
+
+
+def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, "IntTuple | None"]:
+    """``padding='same'`` as symmetric per-dim padding plus the extra right-side zeros."""
+    reversed_pairs = module._reversed_padding_repeated_twice  # (left, right) per dim, last dim first
+    lefts = reversed_pairs[0::2]
+    rights = reversed_pairs[1::2]
+    symmetric = tuple(reversed(lefts))
+    extra: list[int] = []
+    for left, right in zip(lefts, rights):
+        extra += [0, right - left]
+    return symmetric, (tuple(extra) if any(extra) else None)
+
+
+def _detached_if_leaf(param: "Tensor | None") -> "Tensor | None":
+    return param.detach() if param is not None and param.is_leaf else param
+
+
+def _deferred_conv(
+    functional: Callable[..., Tensor],
+    module: nn.modules.conv._ConvNd,
+    input: Tensor,
+    functional_args: Sequence[Any],
+    kernel_config: dict[str, Any],
+) -> Tensor:
+    """Run ``functional(input, weight, bias, *functional_args)`` with the parameters detached
+    and defer their gradients; ``input`` is what the convolution itself receives."""
+    # A parameter is deferred only if it is a leaf: a weight recomputed by a hook each call
+    # (torch.nn.utils.weight_norm) stays in the graph and gets its gradient from autograd.
+    weight, bias = module.weight, module.bias
+    params = tuple(p if p is not None and p.is_leaf else None for p in (weight, bias))
+    output = functional(input, _detached_if_leaf(weight), _detached_if_leaf(bias), *functional_args)
+    unbatched = input.dim() == len(module.kernel_size) + 1
+    if unbatched:
+        # The tap sits on the batch-of-one output PyTorch computes internally; the caller
+        # gets the same squeezed view F.convNd returns.
+        output = output.unsqueeze(0)
+        input = input.unsqueeze(0)
+    # Saved in the dtype the convolution really ran in (autocast's), as plain autograd saves it.
+    saved_input = input.to(output.dtype)
+    kernel = functools.partial(
+        conv_weight_grad,
+        weight_shape=tuple(module.weight.shape),
+        dilation=tuple(module.dilation),
+        groups=module.groups,
+        **kernel_config,
+    )
+    output = defer_weight_grads(output, params, (saved_input,), kernel)
+    return output.squeeze(0) if unbatched else output
+
+
+def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
+    """The forward of ``nn.Conv1d/2d/3d`` (``_conv_forward``) with deferred weight gradients."""
+    functional = _CONV_FUNCTIONALS[type(module)]
+    zeros = (0,) * len(module.kernel_size)
+    conv_padding: "str | IntTuple" = module.padding  # what the module passes to F.convNd
+    kernel_padding: IntTuple = zeros  # the same, as symmetric numbers for the weight kernel
+    extra: "IntTuple | None" = None
+    if module.padding_mode != "zeros":
+        input = F.pad(input, module._reversed_padding_repeated_twice, mode=module.padding_mode)
+        conv_padding = zeros
+    elif module.padding == "same":
+        kernel_padding, extra = _same_padding(module)
+    elif module.padding != "valid":
+        kernel_padding = tuple(module.padding)
+    config = dict(
+        stride=tuple(module.stride),
+        padding=kernel_padding,
+        transposed=False,
+        output_padding=zeros,
+        extra_right_padding=extra,
+    )
+    args = (module.stride, conv_padding, module.dilation, module.groups)
+    return _deferred_conv(functional, module, input, args, config)
+
+
+def conv_transpose_forward(
+    module: nn.modules.conv._ConvTransposeNd, input: Tensor, output_size: "list[int] | None" = None
+) -> Tensor:
+    """The forward of ``nn.ConvTranspose1d/2d/3d`` with deferred weight gradients."""
+    if module.padding_mode != "zeros":
+        raise ValueError(f"Only `zeros` padding mode is supported for {type(module).__name__}")
+    if not isinstance(module.padding, tuple):
+        raise AssertionError("self.padding must be a tuple")
+    functional = _CONV_FUNCTIONALS[type(module)]
+    num_spatial_dims = len(module.kernel_size)
+    output_padding = module._output_padding(
+        input, output_size, module.stride, module.padding, module.kernel_size,  # type: ignore[arg-type]
+        num_spatial_dims, module.dilation,  # type: ignore[arg-type]
+    )
+    config = dict(
+        stride=tuple(module.stride),
+        padding=tuple(module.padding),
+        transposed=True,
+        output_padding=tuple(output_padding),
+    )
+    args = (module.stride, module.padding, output_padding, module.groups, module.dilation)
+    return _deferred_conv(functional, module, input, args, config)
+
+
+_CONV_FUNCTIONALS: dict[type, Callable[..., Tensor]] = {
+    nn.Conv1d: F.conv1d,
+    nn.Conv2d: F.conv2d,
+    nn.Conv3d: F.conv3d,
+    nn.ConvTranspose1d: F.conv_transpose1d,
+    nn.ConvTranspose2d: F.conv_transpose2d,
+    nn.ConvTranspose3d: F.conv_transpose3d,
+}
+
+
+for _conv_type in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    register(_conv_type, conv_forward)
+for _conv_type in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+    register(_conv_type, conv_transpose_forward)
