@@ -76,7 +76,8 @@ class WeightGradJob:
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place between backward "
-                "and flush_weight_grads(). Flush before modifying it, or do not modify it in place."
+                "and flush_weight_grads(). Flush before modifying it; the work stays queued until "
+                "queue.clear() drops it."
             )
 
     def tensors(self) -> Iterator[Tensor]:
@@ -177,8 +178,17 @@ class WeightGradQueue:
         return taken
 
     def flush(self, tags: "Sequence[Hashable] | None" = None) -> None:
-        """Run the queued weight-gradient work (all of it, or that of ``tags``) into ``.grad``."""
-        run_jobs(self.take(tags), self.strategy, self.max_concat_bytes)
+        """Run the queued weight-gradient work (all of it, or that of ``tags``) into ``.grad``.
+
+        Nothing reaches ``.grad`` unless every job ran; a flush that raises leaves its work
+        queued (so ``optimizer.step()`` stays refused) until a good flush or :meth:`clear`."""
+        jobs = self.take(tags)
+        try:
+            run_jobs(jobs, self.strategy, self.max_concat_bytes)
+        except BaseException:
+            with self._lock:
+                self._jobs[:0] = jobs
+            raise
 
     def _check_no_backward_elsewhere(self) -> None:
         me = threading.get_ident()

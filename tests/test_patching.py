@@ -1,0 +1,181 @@
+"""DESIGN.md contract points 2 and 3: patching changes nothing a user can see but the timing of
+weight gradients, and every path where no weight gradient can be wanted stays plain."""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import twobp_autograd as twobp
+from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
+from twobp_autograd.ops import recompute
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+
+
+def test_patch_keeps_class_parameters_state_dict_repr_and_optimizer():
+    model = mlp()
+    params = list(model.parameters())
+    keys, text = list(model.state_dict()), repr(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    assert twobp.patch(model) is model
+    assert type(model[0]) is nn.Linear
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert list(model.state_dict()) == keys and repr(model) == text
+    before = [p.detach().clone() for p in params]
+    model(torch.randn(3, 4)).sum().backward()
+    twobp.flush_weight_grads()
+    optimizer.step()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_patch_is_idempotent_and_reports():
+    model = nn.Sequential(mlp(), nn.Bilinear(2, 2, 2))
+    first = twobp.patch(model, report=True)
+    forward = model[0][0].forward
+    second = twobp.patch(model, report=True)
+    assert model[0][0].forward is forward
+    assert first.patched == second.patched == ["0.0", "0.2"]
+    assert "Bilinear is not registered" in second.skipped["1"]
+    assert "skipped 1" in str(second)
+
+
+def test_include_and_exclude_by_type_and_name():
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3))
+    assert twobp.patch(model, include=["1", "2"], exclude=["2"], report=True).patched == ["1"]
+    assert twobp.patch(copy.deepcopy(twobp.unpatch(model)), exclude=[nn.Linear], report=True).patched == []
+
+
+def test_subclass_keeps_plain_autograd_until_registered():
+    class MyLinear(nn.Linear):
+        pass
+
+    model = nn.Sequential(MyLinear(3, 3))
+    report = twobp.patch(model, report=True)
+    assert report.patched == [] and "MyLinear" in report.skipped["0"]
+    model(torch.randn(2, 3)).sum().backward()
+    assert model[0].weight.grad is not None and twobp.pending().jobs == 0
+
+
+def test_unpatch_restores_plain_autograd():
+    model = twobp.patch(mlp())
+    assert "forward" in vars(model[0])
+    twobp.unpatch(model)
+    assert "forward" not in vars(model[0])
+    model(torch.randn(3, 4)).sum().backward()
+    assert twobp.pending().jobs == 0 and model[0].weight.grad is not None
+
+
+def test_module_hooks_still_run_with_plain_values():
+    patched, reference = patched_and_reference(mlp())
+    seen = {}
+    def record(tag):
+        def pre_hook(module, args):
+            seen[tag + "-pre"] = args[0].shape
+
+        def backward_hook(module, grad_input, grad_output):
+            seen[tag + "-bwd"] = (grad_input[0].clone(), grad_output[0].clone())
+
+        return pre_hook, backward_hook
+
+    for tag, model in (("patched", patched), ("reference", reference)):
+        pre_hook, backward_hook = record(tag)
+        model[2].register_forward_pre_hook(pre_hook)
+        model[2].register_full_backward_hook(backward_hook)
+    x = torch.randn(5, 4)
+    patched(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    assert seen["patched-pre"] == seen["reference-pre"]
+    for a, b in zip(seen["patched-bwd"], seen["reference-bwd"]):
+        torch.testing.assert_close(a, b)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_deepcopy_and_save_load_keep_the_patch():
+    model = twobp.patch(mlp())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for clone in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert clone[0].forward.module is clone[0]
+        clone(torch.randn(2, 4)).sum().backward()
+        assert_no_grads(clone)
+        twobp.flush_weight_grads()
+        assert clone[0].weight.grad is not None and model[0].weight.grad is None
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "eval", "frozen"])
+def test_paths_without_weight_gradients_queue_nothing(mode):
+    patched, reference = patched_and_reference(mlp())
+    x = torch.randn(3, 4, requires_grad=True)
+    if mode == "no_grad":
+        with torch.no_grad():
+            out = patched(x)
+        assert not out.requires_grad
+    elif mode == "inference_mode":
+        with torch.inference_mode():
+            out = patched(x)
+        assert out.is_inference()
+    else:
+        for model in (patched, reference):
+            if mode == "eval":
+                model.eval()
+            else:
+                model.requires_grad_(False)
+        out = patched(x)
+        assert out.grad_fn is not None and "WeightGradTap" not in type(out.grad_fn).__name__
+        out.sum().backward()
+        reference(x.detach().requires_grad_()).sum().backward()
+        assert_grads_match(patched, reference)  # eval: computed at once; frozen: none at all
+    assert twobp.pending().jobs == 0
+
+
+def test_register_a_user_type_with_the_recompute_rule():
+    class Scale(nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(n))
+            self.shift = nn.Parameter(torch.randn(n))
+
+        def forward(self, x):
+            return x * self.weight + self.shift.tanh()
+
+    twobp.register(Scale, recompute)
+    model = nn.Sequential(nn.Linear(3, 4), Scale(4), nn.Linear(4, 1))
+    patched, reference = patched_and_reference(model)
+    for batch in (2, 5):
+        x = torch.randn(batch, 3)
+        patched(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+    assert_no_grads(patched)
+    assert twobp.pending().jobs == 6
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_unsupported_option_warns_once_and_stays_plain():
+    class Gate(nn.Linear):
+        pass
+
+    twobp.register(Gate, recompute, unsupported=lambda m: "out_features > 2" if m.out_features > 2 else None)
+    model = nn.Sequential(Gate(2, 3), Gate(3, 4), Gate(4, 2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = twobp.patch(model, report=True)
+    assert len([w for w in caught if "out_features > 2" in str(w.message)]) == 1
+    assert report.patched == ["2"] and set(report.skipped) == {"0", "1"}
+
+
+def test_register_rejects_what_is_not_a_module_type():
+    with pytest.raises(TypeError, match="nn.Module subclass"):
+        twobp.register(int)
+    with pytest.raises(TypeError, match="callable"):
+        twobp.register(nn.Linear, "not a function")
+    with pytest.raises(TypeError, match="nn.Module"):
+        twobp.patch(object())

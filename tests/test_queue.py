@@ -1,0 +1,134 @@
+"""The queue: byte accounting, tags, separate queues, and DESIGN.md contract point 5 (misuse
+gets a clear error, never a silent wrong step)."""
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import twobp_autograd as twobp
+from twobp_autograd.queue import current_queue
+from tests.utils import assert_grads_match, patched_and_reference
+
+
+def test_pending_bytes_are_the_tensors_held():
+    layer = twobp.patch(nn.Linear(16, 8))
+    x = torch.randn(5, 16)
+    layer(x).sum().backward()
+    layer(x).sum().backward()
+    jobs, held = twobp.pending()
+    assert jobs == 2
+    # Per job: the 5x16 saved rows and the 5x8 output gradient, fp32; counted once per tensor.
+    assert held == 2 * (5 * 16 + 5 * 8) * 4
+    twobp.flush_weight_grads()
+    assert twobp.pending() == (0, 0)
+
+
+def test_tagged_flush_runs_only_those_micro_batches():
+    queue = twobp.WeightGradQueue()
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    xs = [torch.randn(2, 3) for _ in range(3)]
+    with twobp.use_queue(queue):
+        for mb, x in enumerate(xs):
+            with queue.tagged(mb):
+                patched(x).sum().backward()
+    assert queue.tags() == [0, 1, 2]
+    queue.flush(tags=[1])
+    reference(xs[1]).sum().backward()
+    assert_grads_match(patched, reference)
+    assert queue.tags() == [0, 2]
+    queue.flush()
+    for x in (xs[0], xs[2]):
+        reference(x).sum().backward()
+    assert_grads_match(patched, reference)
+
+
+def test_queue_is_bound_at_forward_time():
+    stage0, stage1 = twobp.patch(nn.Linear(3, 3)), twobp.patch(nn.Linear(3, 3))
+    q0, q1 = twobp.WeightGradQueue(), twobp.WeightGradQueue()
+    with twobp.use_queue(q0):
+        h = stage0(torch.randn(2, 3))
+    with twobp.use_queue(q1):
+        out = stage1(h)
+    out.sum().backward()  # backward outside any use_queue block
+    assert (len(q0), len(q1), twobp.pending().jobs) == (1, 1, 0)
+    q1.flush()
+    assert stage1.weight.grad is not None and stage0.weight.grad is None
+    q0.flush()
+    assert stage0.weight.grad is not None
+
+
+def test_each_thread_has_its_own_default_queue():
+    layer = twobp.patch(nn.Linear(3, 3))
+    counts = []
+    worker = threading.Thread(target=lambda: (layer(torch.randn(2, 3)).sum().backward(), counts.append(twobp.pending().jobs)))
+    worker.start()
+    worker.join()
+    assert counts == [1] and twobp.pending().jobs == 0
+
+
+def test_optimizer_step_with_queued_work_is_refused():
+    model = twobp.patch(nn.Linear(3, 2))
+    other = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="flush_weight_grads"):
+        optimizer.step()
+    other(torch.randn(1, 3)).sum().backward()
+    torch.optim.SGD(other.parameters(), lr=0.1).step()  # unrelated parameters: allowed
+    twobp.flush_weight_grads()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("what", ["saved-activation", "parameter"])
+def test_in_place_change_between_backward_and_flush_is_refused(what):
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+    x = torch.randn(4, 3)
+    hidden = model[0](x)
+    model[1](hidden).sum().backward()
+    with torch.no_grad():
+        (hidden if what == "saved-activation" else model[1].weight).mul_(2)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        twobp.flush_weight_grads()
+    assert model[1].weight.grad is None  # refused before anything was accumulated
+    assert twobp.pending().jobs == 2  # still queued: a step stays refused until it is dealt with
+    with pytest.raises(RuntimeError, match="flush_weight_grads"):
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    current_queue().clear()
+
+
+def test_flush_while_another_thread_is_in_backward_is_refused():
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+    queue = twobp.WeightGradQueue()
+    reached, release = threading.Event(), threading.Event()
+    errors = []
+
+    def train():
+        with twobp.use_queue(queue):
+            hidden = model[0](torch.randn(2, 3))
+            out = model[1](hidden)
+        hidden.register_hook(lambda g: (reached.set(), release.wait(30), None)[2])
+        out.sum().backward()  # blocks in the hook, after model[1] queued its job
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    assert reached.wait(30)
+    try:
+        queue.flush()
+    except RuntimeError as error:
+        errors.append(error)
+    finally:
+        release.set()
+        worker.join()
+    assert errors and "still running on another thread" in str(errors[0])
+    queue.flush()
+    assert model[0].weight.grad is not None and model[1].weight.grad is not None
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="strategy"):
+        twobp.WeightGradQueue("fastest")
+    with pytest.raises(TypeError, match="WeightGradQueue"):
+        with twobp.use_queue("queue"):
+            pass
