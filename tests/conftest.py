@@ -3,6 +3,8 @@ import random
 import pytest
 import torch
 
+from twobp_autograd.queue import current_queue
+
 
 @pytest.fixture(autouse=True)
 def seed_everything():
@@ -10,3 +12,11 @@ def seed_everything():
     random.seed(0)
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def empty_default_queue():
+    """No test sees weight-gradient work left queued by another."""
+    current_queue().clear()
+    yield
+    current_queue().clear()
