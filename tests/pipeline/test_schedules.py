@@ -1,0 +1,219 @@
+"""Every schedule's exact action lists for 2 and 3 stages, and the checker that guards them."""
+
+from __future__ import annotations
+
+import pytest
+
+from twobp_autograd.pipeline.actions import Action, B, F, I, W
+from twobp_autograd.pipeline.schedules import (
+    SCHEDULES,
+    ScheduleError,
+    default_num_micro_batches,
+    schedule,
+    validate_schedule,
+)
+
+# (name, stages, 2BP) -> one action list per rank, micro-batch count left to the default.
+EXPECTED: dict[tuple[str, int, bool], list[list[Action]]] = {
+    ("gpipe", 2, False): [
+        [F(0), F(1), B(0), B(1)],
+        [F(0), F(1), B(0), B(1)],
+    ],
+    ("gpipe", 2, True): [
+        [F(0), F(1), I(0), I(1), W(0, 1)],
+        [F(0), F(1), I(0), I(1), W(0, 1)],
+    ],
+    ("gpipe", 3, False): [
+        [F(0), F(1), F(2), B(0), B(1), B(2)],
+        [F(0), F(1), F(2), B(0), B(1), B(2)],
+        [F(0), F(1), F(2), B(0), B(1), B(2)],
+    ],
+    ("gpipe", 3, True): [
+        [F(0), F(1), F(2), I(0), I(1), I(2), W(0, 1, 2)],
+        [F(0), F(1), F(2), I(0), I(1), I(2), W(0, 1, 2)],
+        [F(0), F(1), F(2), I(0), I(1), I(2), W(0, 1, 2)],
+    ],
+    ("1f1b-1", 2, False): [
+        [F(0), F(1), B(0), B(1)],
+        [F(0), B(0), F(1), B(1)],
+    ],
+    ("1f1b-1", 2, True): [
+        [F(0), F(1), I(0), W(0), I(1), W(1)],
+        [F(0), I(0), F(1), I(1), W(0), W(1)],
+    ],
+    ("1f1b-1", 3, False): [
+        [F(0), F(1), F(2), B(0), B(1), B(2)],
+        [F(0), F(1), B(0), F(2), B(1), B(2)],
+        [F(0), B(0), F(1), B(1), F(2), B(2)],
+    ],
+    ("1f1b-1", 3, True): [
+        [F(0), F(1), F(2), I(0), W(0), I(1), W(1), I(2), W(2)],
+        [F(0), F(1), I(0), F(2), I(1), W(0), I(2), W(1), W(2)],
+        [F(0), I(0), F(1), I(1), F(2), I(2), W(0), W(1, 2)],
+    ],
+    ("1f1b-2", 2, False): [
+        [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)],
+        [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)],
+    ],
+    ("1f1b-2", 2, True): [
+        [F(0), F(1), I(0), F(2), I(1), F(3), I(2), W(0), I(3), W(1), W(2, 3)],
+        [F(0), I(0), F(1), I(1), F(2), I(2), F(3), I(3), W(0), W(1, 2, 3)],
+    ],
+    ("1f1b-2", 3, False): [
+        [F(0), F(1), F(2), B(0), F(3), B(1), F(4), B(2), F(5), B(3), B(4), B(5)],
+        [F(0), F(1), B(0), F(2), B(1), F(3), B(2), F(4), B(3), F(5), B(4), B(5)],
+        [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3), F(4), B(4), F(5), B(5)],
+    ],
+    ("1f1b-2", 3, True): [
+        [F(0), F(1), F(2), I(0), F(3), I(1), F(4), I(2), F(5), I(3), W(0), I(4), W(1), I(5), W(2), W(3, 4, 5)],
+        [F(0), F(1), I(0), F(2), I(1), F(3), I(2), F(4), I(3), F(5), I(4), W(0), I(5), W(1), W(2, 3, 4, 5)],
+        [F(0), I(0), F(1), I(1), F(2), I(2), F(3), I(3), F(4), I(4), F(5), I(5), W(0), W(1, 2, 3, 4, 5)],
+    ],
+    # Without a separate W there is nothing to move: zb is 1F1B.
+    ("zb", 2, False): [
+        [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)],
+        [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)],
+    ],
+    ("zb", 2, True): [
+        [F(0), F(1), I(0), F(2), I(1), F(3), W(0), I(2), W(1), W(2), I(3), W(3)],
+        [F(0), I(0), F(1), I(1), F(2), W(0), I(2), F(3), W(1), I(3), W(2, 3)],
+    ],
+    ("zb", 3, False): [
+        [F(0), F(1), F(2), B(0), F(3), B(1), F(4), B(2), F(5), B(3), B(4), B(5)],
+        [F(0), F(1), B(0), F(2), B(1), F(3), B(2), F(4), B(3), F(5), B(4), B(5)],
+        [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3), F(4), B(4), F(5), B(5)],
+    ],
+    ("zb", 3, True): [
+        [F(0), F(1), F(2), I(0), F(3), I(1), F(4), I(2), F(5), W(0), I(3), W(1), W(2), I(4), W(3), W(4), I(5), W(5)],
+        [F(0), F(1), I(0), F(2), I(1), F(3), I(2), F(4), W(0), I(3), F(5), W(1), I(4), W(2), W(3), I(5), W(4, 5)],
+        [F(0), I(0), F(1), I(1), F(2), I(2), F(3), W(0), I(3), F(4), W(1), I(4), F(5), W(2), I(5), W(3, 4, 5)],
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "name,num_stages,twobp", list(EXPECTED), ids=[f"{n}-p{p}-{'2bp' if t else 'plain'}" for n, p, t in EXPECTED]
+)
+def test_exact_actions(name: str, num_stages: int, twobp: bool) -> None:
+    assert schedule(name, num_stages, twobp=twobp) == EXPECTED[name, num_stages, twobp]
+
+
+def test_expected_covers_every_schedule() -> None:
+    assert {name for name, _, _ in EXPECTED} == set(SCHEDULES)
+
+
+@pytest.mark.parametrize(
+    "name,expected", [("gpipe", 3), ("1f1b-1", 3), ("1f1b-2", 6), ("zb", 6)], ids=lambda v: str(v)
+)
+def test_default_micro_batch_counts_follow_the_paper(name: str, expected: int) -> None:
+    assert default_num_micro_batches(name, 3) == expected
+    assert [a.micro_batch for a in schedule(name, 3)[0] if a.kind == "F"] == list(range(expected))
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+@pytest.mark.parametrize("num_stages,num_micro_batches", [(1, 1), (1, 4), (3, 1), (3, 2), (3, 5), (4, 9)], ids=str)
+@pytest.mark.parametrize("twobp", [False, True], ids=["plain", "2bp"])
+def test_any_micro_batch_count_gives_a_valid_schedule(
+    name: str, num_stages: int, num_micro_batches: int, twobp: bool
+) -> None:
+    ranks = schedule(name, num_stages, num_micro_batches, twobp)
+    assert len(ranks) == num_stages
+    validate_schedule(ranks, num_micro_batches)
+    kinds = {a.kind for rank in ranks for a in rank}
+    assert kinds == ({"F", "I", "W"} if twobp else {"F", "B"})
+    for actions in ranks:
+        assert sum(a.kind == "F" for a in actions) == num_micro_batches
+        assert all(a.micro_batches is not None for a in actions)  # every W names its work
+
+
+def test_1f1b_with_fewer_micro_batches_than_stages() -> None:
+    assert schedule("1f1b-1", 3, 2, True) == [
+        [F(0), F(1), I(0), W(0), I(1), W(1)],
+        [F(0), F(1), I(0), W(0), I(1), W(1)],
+        [F(0), I(0), F(1), I(1), W(0), W(1)],
+    ]
+
+
+def test_zb_max_pending_one_runs_each_w_before_the_next_i() -> None:
+    assert schedule("zb", 2, 4, max_pending=1) == [
+        [F(0), F(1), I(0), F(2), W(0), I(1), F(3), W(1), I(2), W(2), I(3), W(3)],
+        [F(0), I(0), F(1), W(0), I(1), F(2), W(1), I(2), F(3), W(2), I(3), W(3)],
+    ]
+
+
+@pytest.mark.parametrize("max_pending", [1, 2, 4])
+def test_zb_never_holds_more_than_max_pending_weight_grads(max_pending: int) -> None:
+    for actions in schedule("zb", 4, 16, max_pending=max_pending):
+        pending: set[int] = set()
+        for action in actions:
+            if action.kind == "I":
+                pending.add(action.micro_batch)
+            elif action.kind == "W":
+                pending -= set(action.micro_batches or ())
+            assert len(pending) <= max_pending
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: schedule("interleaved", 2), "unknown schedule"),
+        (lambda: schedule("gpipe", 2, max_pending=2), "zb"),
+        (lambda: schedule("zb", 2, max_pending=0), "at least 1"),
+        (lambda: schedule("gpipe", 2, 0), "at least one"),
+        (lambda: schedule("1f1b-1", 0), "at least one"),
+    ],
+    ids=["unknown-name", "max-pending-not-zb", "max-pending-zero", "no-micro-batch", "no-stage"],
+)
+def test_bad_arguments_are_refused(call, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+# Each broken schedule and the reason the checker must give.
+BROKEN: list[tuple[str, list[list[Action]], str]] = [
+    ("no-ranks", [], "at least one rank"),
+    ("missing-forward", [[F(0), B(0)], [F(0), F(1), B(0), B(1)]], "forward"),
+    ("forward-twice", [[F(0), F(0), B(0)]], "second forward"),
+    ("backward-before-forward", [[B(0), F(0)]], "backward before the forward"),
+    ("backward-twice", [[F(0), I(0), B(0), W(0)]], "second backward"),
+    ("i-without-w", [[F(0), F(1), I(0), I(1), W(0)]], r"no weight gradient for micro-batches \[1\]"),
+    ("w-before-i", [[F(0), W(0), I(0)]], r"before its I: \[0\]"),
+    ("w-twice", [[F(0), F(1), I(0), W(0), I(1), W(0, 1)]], r"a second time: \[0\]"),
+    ("w-all-with-nothing-pending", [[F(0), B(0), W()]], "no pending"),
+    ("w-names-twice", [[F(0), F(1), I(0), I(1), W(0, 0, 1)]], "twice"),
+    ("w-after-b", [[F(0), B(0), W(0)]], "a second time"),
+    ("micro-batch-out-of-range", [[F(0), B(0), F(7), B(7)]], "outside 0..1"),
+    (
+        "message-order",
+        [[F(0), F(1), B(0), B(1)], [F(1), F(0), B(0), B(1)]],
+        r"exchange activations in different orders",
+    ),
+    (
+        "gradient-order",
+        [[F(0), F(1), I(1), I(0), W(0, 1)], [F(0), F(1), I(0), I(1), W(0, 1)]],
+        r"exchange gradients in different orders",
+    ),
+    # Rank 0 waits for B0 before sending F1; rank 1 waits for F1 before running B0.
+    ("deadlock", [[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]], "deadlock: rank 0 at B0, rank 1 at F1"),
+]
+
+
+@pytest.mark.parametrize("ranks,match", [(r, m) for _, r, m in BROKEN], ids=[i for i, _, _ in BROKEN])
+def test_checker_rejects_broken_schedules(ranks: list[list[Action]], match: str) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        validate_schedule(ranks, num_micro_batches=2)
+
+
+def test_checker_accepts_w_of_everything_pending() -> None:
+    validate_schedule([[F(0), F(1), I(0), I(1), W()], [F(0), F(1), I(0), I(1), W(1), W()]])
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_checker_notices_any_single_dropped_action(name: str) -> None:
+    ranks = schedule(name, 2, 3)
+    for rank, actions in enumerate(ranks):
+        for position in range(len(actions)):
+            broken = [list(a) for a in ranks]
+            del broken[rank][position]
+            with pytest.raises(ScheduleError):
+                validate_schedule(broken, 3)
