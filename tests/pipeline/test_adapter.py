@@ -1,0 +1,289 @@
+"""twobp_autograd.pipeline.adapter: PyTorch's own pipeline schedules run 2BP's deferred weight
+gradients through ``PipelineStage(dw_builder=...)``; two gloo ranks on this machine, four
+stages (two per rank), checked against the same model trained in one process."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+
+import twobp_autograd as twobp
+from tests.utils import TOLERANCES
+from twobp_autograd.pipeline import dw_builder
+from twobp_autograd.pipeline.adapter import StageWeightGrads, WeightGradRunner
+
+WORLD = 2
+STAGES = 4
+BLOCKS = 8
+WIDTH = 16
+ROWS = 4  # per micro-batch
+MICRO_BATCHES = 4
+
+SCHEDULES = {
+    "interleaved_zb": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    # Not split: every backward is full, so each runner is called as soon as it is built.
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    schedule: str
+    static_shapes: bool  # False: PyTorch infers shapes with a real forward and an input-only backward
+
+    @property
+    def id(self) -> str:
+        return f"{self.schedule}-{'static' if self.static_shapes else 'inferred'}-shapes"
+
+
+SETTINGS = [
+    Setting("interleaved_zb", static_shapes=True),
+    Setting("interleaved_zb", static_shapes=False),
+    Setting("zbv", static_shapes=True),
+    Setting("zbv", static_shapes=False),
+    Setting("interleaved_1f1b", static_shapes=False),
+]
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(BLOCKS))
+    )
+
+
+def make_data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    inputs = torch.randn(MICRO_BATCHES * ROWS, WIDTH, generator=generator)
+    targets = torch.randn(MICRO_BATCHES * ROWS, WIDTH, generator=generator)
+    return inputs, targets
+
+
+def stage_module(model: nn.Sequential, stage: int) -> nn.Sequential:
+    per_stage = BLOCKS // STAGES
+    return model[stage * per_stage : (stage + 1) * per_stage]
+
+
+def stages_of_rank(schedule: str, rank: int) -> list[int]:
+    if schedule == "zbv":  # V shape: rank 0 holds the first and the last stage
+        return [rank, STAGES - 1 - rank]
+    return [rank, rank + WORLD]
+
+
+def deferred_params(module: nn.Module) -> list[nn.Parameter]:
+    return [p for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+
+
+class RecordingBuilder:
+    """Wraps a stage's builder to record what each runner holds and that backward-p1 left the
+    deferred weights' ``.grad`` untouched until the stage's first W step."""
+
+    def __init__(self, builder: StageWeightGrads) -> None:
+        self.builder = builder
+        self.jobs_per_runner: list[int] = []
+        self.untouched_before_first_w: "bool | None" = None
+
+    def __call__(self) -> Any:
+        runner: WeightGradRunner = self.builder()
+        assert runner.jobs is not None
+        self.jobs_per_runner.append(len(runner.jobs))
+
+        def run() -> None:
+            if self.untouched_before_first_w is None:
+                self.untouched_before_first_w = all(p.grad is None for p in deferred_params(self.builder.module))
+            runner()
+
+        return run
+
+
+def run_setting(setting: Setting, rank: int) -> dict[str, Any]:
+    model = make_model()
+    inputs, targets = make_data()
+    indices = stages_of_rank(setting.schedule, rank)
+    stages, recorders, modules = [], [], {}
+    for index in indices:
+        module = twobp.patch(stage_module(model, index))
+        recorder = RecordingBuilder(dw_builder(module))
+        shapes = {}
+        if setting.static_shapes:  # requires_grad as at run time: received activations and outputs
+            shapes = {
+                "input_args": torch.empty(ROWS, WIDTH, requires_grad=index > 0),
+                "output_args": torch.empty(ROWS, WIDTH, requires_grad=True),
+            }
+        stages.append(PipelineStage(module, index, STAGES, torch.device("cpu"), dw_builder=recorder, **shapes))
+        recorders.append(recorder)
+        modules[index] = module
+    schedule = SCHEDULES[setting.schedule](stages, n_microbatches=MICRO_BATCHES, loss_fn=F.mse_loss)
+    args = (inputs,) if 0 in indices else ()
+    target = targets if STAGES - 1 in indices else None
+    schedule.step(*args, target=target)
+    result = {
+        "grads": {
+            f"{index}.{name}": None if p.grad is None else p.grad.clone()
+            for index, module in modules.items()
+            for name, p in module.named_parameters()
+        },
+        "pending": {index: tuple(r.builder.queue.pending()) for index, r in zip(indices, recorders)},
+        "default_pending": tuple(twobp.pending()),
+        "jobs_per_runner": {index: r.jobs_per_runner for index, r in zip(indices, recorders)},
+        "untouched_before_first_w": {index: r.untouched_before_first_w for index, r in zip(indices, recorders)},
+    }
+    for recorder in recorders:
+        recorder.builder.remove()
+    return result
+
+
+def worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        results = {setting.id: run_setting(setting, rank) for setting in SETTINGS}
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pipelined(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every setting run once on two ranks (one spawn for all: starting ranks dominates)."""
+    out_dir = tmp_path_factory.mktemp("adapter")
+    mp.spawn(worker, args=(free_port(), str(out_dir)), nprocs=WORLD, join=True)
+    per_rank = [torch.load(Path(out_dir) / f"rank{r}.pt") for r in range(WORLD)]
+    merged: dict[str, dict[str, Any]] = {}
+    for setting in SETTINGS:
+        parts = [results[setting.id] for results in per_rank]
+        merged[setting.id] = {key: {k: v for part in parts for k, v in part[key].items()} for key in parts[0] if key != "default_pending"}
+        merged[setting.id]["default_pending"] = [part["default_pending"] for part in parts]
+    return merged
+
+
+@pytest.fixture(scope="module")
+def reference_grads() -> dict[str, "torch.Tensor | None"]:
+    """The same step in one process on plain autograd: mean of the micro-batch losses."""
+    model = make_model()
+    inputs, targets = make_data()
+    for x, y in zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES)):
+        (F.mse_loss(model(x), y) / MICRO_BATCHES).backward()
+    return {f"{s}.{name}": p.grad for s in range(STAGES) for name, p in stage_module(model, s).named_parameters()}
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
+def test_step_gradients_match_one_process(setting: Setting, pipelined: dict, reference_grads: dict) -> None:
+    grads = pipelined[setting.id]["grads"]
+    assert grads.keys() == reference_grads.keys()
+    rtol, atol = TOLERANCES[torch.float32]
+    for name, expected in reference_grads.items():
+        assert grads[name] is not None, f"{name}: no gradient after the step"
+        torch.testing.assert_close(grads[name], expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
+def test_each_runner_holds_one_micro_batch_of_deferred_work(setting: Setting, pipelined: dict) -> None:
+    jobs = pipelined[setting.id]["jobs_per_runner"]
+    assert sorted(jobs) == list(range(STAGES))
+    for stage, counts in jobs.items():
+        assert len(counts) == MICRO_BATCHES, f"stage {stage}: {len(counts)} runners for {MICRO_BATCHES} micro-batches"
+        # Equal counts: shape inference's input-only backward queued nothing into the first one.
+        assert counts[0] > 0 and len(set(counts)) == 1, f"stage {stage}: jobs per runner {counts}"
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
+def test_backward_input_leaves_weight_grads_to_the_runner(setting: Setting, pipelined: dict) -> None:
+    assert all(pipelined[setting.id]["untouched_before_first_w"].values()), pipelined[setting.id]["untouched_before_first_w"]
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
+def test_nothing_stays_queued_after_the_step(setting: Setting, pipelined: dict) -> None:
+    assert all(p == (0, 0) for p in pipelined[setting.id]["pending"].values()), pipelined[setting.id]["pending"]
+    assert all(p == (0, 0) for p in pipelined[setting.id]["default_pending"]), "work leaked into a thread's default queue"
+
+
+# -- one process: the builder and its hooks ---------------------------------------------------
+
+
+def test_stage_forward_feeds_its_own_queue_only() -> None:
+    first, second = twobp.patch(nn.Linear(3, 3)), twobp.patch(nn.Linear(3, 3))
+    builders = dw_builder(first), dw_builder(second)
+    x = torch.randn(2, 3)
+    first(x).sum().backward()
+    second(x).sum().backward()
+    assert [len(b.queue) for b in builders] == [1, 1]
+    assert twobp.pending() == (0, 0)
+    assert first.weight.grad is None
+    builders[0]()()
+    assert first.weight.grad is not None and second.weight.grad is None
+    for b in builders:
+        b.queue.clear()
+        b.remove()
+
+
+def test_queue_is_left_when_forward_raises() -> None:
+    module = twobp.patch(nn.Linear(3, 3))
+    builder = dw_builder(module)
+    with pytest.raises(RuntimeError):
+        module(torch.randn(2, 4))
+    other = twobp.patch(nn.Linear(3, 3))
+    other(torch.randn(2, 3)).sum().backward()
+    assert twobp.pending().jobs == 1 and len(builder.queue) == 0, "the failed forward left the stage's queue in use"
+    twobp.flush_weight_grads()
+    builder.remove()
+
+
+def test_input_only_grad_queues_nothing() -> None:
+    module = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)))
+    builder = dw_builder(module)
+    x = torch.randn(5, 3, requires_grad=True)
+    (grad,) = torch.autograd.grad(module(x), x, torch.ones(5, 2))
+    assert grad.shape == x.shape
+    assert len(builder.queue) == 0 and twobp.pending() == (0, 0)
+    assert all(p.grad is None for p in module.parameters())
+    builder.remove()
+
+
+def test_runner_runs_once() -> None:
+    module = twobp.patch(nn.Linear(3, 3))
+    builder = dw_builder(module)
+    module(torch.randn(2, 3)).sum().backward()
+    runner = builder()
+    runner()
+    with pytest.raises(RuntimeError, match="already ran"):
+        runner()
+    builder.remove()
+
+
+def test_one_builder_per_module() -> None:
+    module = twobp.patch(nn.Linear(3, 3))
+    builder = dw_builder(module)
+    assert dw_builder(module) is builder
+    with pytest.raises(ValueError):
+        dw_builder(module, twobp.WeightGradQueue())
+    builder.remove()
+    assert dw_builder(module) is not builder
+    dw_builder(module).remove()

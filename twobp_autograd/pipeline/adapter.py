@@ -1,0 +1,104 @@
+"""The torch.distributed.pipelining adapter: a patched stage's deferred weight gradients as the
+``dw_builder`` of a :class:`~torch.distributed.pipelining.PipelineStage`.
+
+PyTorch's zero-bubble schedules split backward by cutting the autograd graph between input
+and weight gradients, which breaks on custom autograd Functions (pytorch#166577). Given a
+``dw_builder``, a stage instead runs a plain full backward for its I step and calls the
+builder right after it; the runner the builder returns is the stage's W step. On a patched
+stage that full backward computes input gradients only (weight work is queued), so the
+builder only has to hand the queued work of that one micro-batch to its runner::
+
+    twobp.patch(stage_module)
+    stage = PipelineStage(stage_module, i, n, device, dw_builder=dw_builder(stage_module))
+
+Each stage gets its own queue: two stages on one rank (interleaved and V schedules) would
+otherwise mix their work. A queue is bound when the forward runs, so forward hooks on the
+stage module make its forwards (and nothing else) feed that queue. PyTorch's shape inference
+(stages built without ``input_args``) runs an input-only ``autograd.grad`` through the stage,
+which queues nothing: the weight-gradient taps only queue for a backward that reaches the
+parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any
+
+from torch import nn
+
+from ..queue import WeightGradJob, WeightGradQueue, run_jobs, use_queue
+
+__all__ = ["dw_builder", "StageWeightGrads", "WeightGradRunner"]
+
+
+class WeightGradRunner:
+    """One micro-batch's W step of one stage: the weight-gradient work its backward queued."""
+
+    def __init__(self, jobs: list[WeightGradJob], queue: WeightGradQueue) -> None:
+        self.jobs: "list[WeightGradJob] | None" = jobs
+        self.queue = queue
+
+    def __call__(self) -> None:
+        if self.jobs is None:
+            raise RuntimeError("twobp: this weight-gradient runner already ran; running it twice would add its gradients twice.")
+        jobs, self.jobs = self.jobs, None  # release the saved activations as soon as possible
+        run_jobs(jobs, self.queue.strategy, self.queue.max_concat_bytes)
+
+
+class StageWeightGrads:
+    """The ``dw_builder`` of one stage module: routes the module's forwards to its own queue;
+    each call takes the work queued since the previous call and returns its runner."""
+
+    def __init__(self, module: nn.Module, queue: "WeightGradQueue | None" = None) -> None:
+        self.module = module
+        self.queue = queue if queue is not None else WeightGradQueue()
+        self.runners_built = 0
+        self.jobs_built = 0
+        self._active: list[contextlib.AbstractContextManager[Any]] = []
+        self._handles = [
+            # First in, last out, so that the module's other hooks run under the queue too.
+            module.register_forward_pre_hook(self._enter_queue, prepend=True),
+            module.register_forward_hook(self._leave_queue, always_call=True),
+        ]
+
+    def _enter_queue(self, module: nn.Module, args: Any) -> None:
+        context = use_queue(self.queue)
+        context.__enter__()
+        self._active.append(context)
+
+    def _leave_queue(self, module: nn.Module, args: Any, output: Any) -> None:
+        # Also called when forward raised; empty when a hook before ours raised.
+        if self._active:
+            self._active.pop().__exit__(None, None, None)
+
+    def __call__(self) -> WeightGradRunner:
+        jobs = self.queue.take()
+        self.runners_built += 1
+        self.jobs_built += len(jobs)
+        return WeightGradRunner(jobs, self.queue)
+
+    def remove(self) -> None:
+        """Detach from the module: its forwards feed the thread's queue again."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        _builders.pop(self.module, None)
+
+
+_builders: "weakref.WeakKeyDictionary[nn.Module, StageWeightGrads]" = weakref.WeakKeyDictionary()
+
+
+def dw_builder(stage_module: nn.Module, queue: "WeightGradQueue | None" = None) -> StageWeightGrads:
+    """The ``dw_builder`` for ``PipelineStage(stage_module, ..., dw_builder=...)``; call after
+    :func:`twobp_autograd.patch`. One builder per module: asking again returns the same one."""
+    if not isinstance(stage_module, nn.Module):
+        raise TypeError(f"dw_builder expects the stage's nn.Module, got {type(stage_module).__name__}")
+    existing = _builders.get(stage_module)
+    if existing is not None:
+        if queue is not None and queue is not existing.queue:
+            raise ValueError("twobp: this stage module already has a dw_builder with another queue; call .remove() on it first.")
+        return existing
+    builder = _builders[stage_module] = StageWeightGrads(stage_module, queue)
+    return builder
+
