@@ -1,0 +1,245 @@
+"""The runtime against one process: every schedule, 2BP on and off, two gloo ranks.
+
+Each scenario runs once in two spawned ranks (starting processes is the slow part) and writes
+one result per setting; the parametrized tests below read them. A pipelined step must give the
+loss, every parameter's gradient and every buffer of the same model run in one process on the
+same micro-batches; a rank that dies or disagrees about shapes must end the other rank with an
+error in bounded time.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import functools
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tests.utils import TOLERANCES
+from twobp_autograd.pipeline.runtime import PipelineError, PipelineRuntime, RankMetrics, StepReport
+from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
+from twobp_autograd.pipeline.stages import split
+
+WORLD = 2
+BATCH_SIZES = (8, 8, 6)  # a repeated step shape (cached shapes), then a new one with uneven micro-batches
+RUNTIME_TIMEOUT = 20.0
+FAILURE_TIMEOUT = 8.0
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(),
+        nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(),
+        nn.Linear(16, 4),
+    )  # fmt: skip
+
+
+def conv_bn() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3),
+    )  # fmt: skip
+
+
+def _mse(output: Tensor, target: Tensor) -> Tensor:
+    return F.mse_loss(output, target)
+
+
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], Tensor], Callable[[int, torch.Generator], Tensor], Callable]] = {
+    "mlp": (mlp, lambda b, g: torch.randn(b, 8, generator=g), lambda b, g: torch.randn(b, 4, generator=g), _mse),
+    "conv_bn": (conv_bn, lambda b, g: torch.randn(b, 3, 5, 5, generator=g), lambda b, g: torch.randint(0, 3, (b,), generator=g), F.cross_entropy),
+}
+SETTINGS = [(model, name, twobp) for model in MODELS for name in SCHEDULES for twobp in (False, True)]
+SETTING_IDS = [f"{model}-{name}-{'2bp' if twobp else 'plain'}" for model, name, twobp in SETTINGS]
+
+
+# -- what each rank runs ---------------------------------------------------------------------
+
+
+def _own(report: "StepReport | RankMetrics", rank: int) -> RankMetrics:
+    return report.ranks[rank] if isinstance(report, StepReport) else report
+
+
+def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool) -> dict:
+    make_model, make_inputs, make_targets, loss_fn = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make_model()
+    reference = copy.deepcopy(model)
+    stage, reference_stage = split(model, WORLD)[rank], split(reference, WORLD)[rank]
+    m = default_num_micro_batches(schedule_name, WORLD)
+    actions = schedule(schedule_name, WORLD, m, twobp)[rank]
+    runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, timeout=RUNTIME_TIMEOUT)
+    generator = torch.Generator().manual_seed(1)
+    result: dict = {"deferred_jobs": [], "losses": [], "reference_losses": [], "events": []}
+    for batch in BATCH_SIZES:
+        inputs, targets = make_inputs(batch, generator), make_targets(batch, generator)
+        report = runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+        own = _own(report, rank)
+        result["deferred_jobs"].append(own.deferred_jobs)
+        result["events"].append([e.action for e in own.events])
+        reference_loss = 0.0
+        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
+            loss = loss_fn(reference(x), y) / m
+            loss.backward()
+            reference_loss += loss.item()
+        result["reference_losses"].append(reference_loss)
+        if isinstance(report, StepReport):
+            result["losses"].append(report.loss)
+            result["bubble_ratio"] = report.bubble_ratio
+            result["throughput"] = report.throughput
+            result["ranks_reported"] = [r.rank for r in report.ranks]
+    result["actions"] = actions
+    result["mismatches"] = _mismatches(stage, reference_stage)
+    return result
+
+
+def _mismatches(stage: nn.Module, reference: nn.Module) -> list[str]:
+    rtol, atol = TOLERANCES[torch.float32]
+    found = []
+    for (name, p), (_, q) in zip(stage.named_parameters(), reference.named_parameters(), strict=True):
+        if p.grad is None or q.grad is None:
+            if (p.grad is None) != (q.grad is None):
+                found.append(f"{name}: .grad is {p.grad is None and 'None' or 'set'}, plain autograd's is not")
+        elif not torch.allclose(p.grad, q.grad, rtol=rtol, atol=atol):
+            found.append(f"{name}.grad: max difference {(p.grad - q.grad).abs().max():.3g}")
+    for (name, b), (_, c) in zip(stage.named_buffers(), reference.named_buffers(), strict=True):
+        if not torch.allclose(b.float(), c.float(), rtol=rtol, atol=atol):
+            found.append(f"buffer {name}: max difference {(b.float() - c.float()).abs().max():.3g}")
+    return found
+
+
+def _correctness(rank: int) -> dict:
+    return {setting_id: _check_setting(rank, *setting) for setting_id, setting in zip(SETTING_IDS, SETTINGS)}
+
+
+class _DieOnArm(nn.Module):
+    """Ends its process in the middle of a step once armed (a rank that crashes hard)."""
+
+    armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            os._exit(3)
+        return x
+
+
+class _ShrinkOnArm(nn.Module):
+    """Once armed, returns a narrower output for the same input shape."""
+
+    armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x[..., :-1] if self.armed else x
+
+
+def _failure(rank: int, culprit: nn.Module, culprit_rank: int) -> dict:
+    torch.manual_seed(0)
+    stage = nn.Sequential(nn.Linear(4, 4), culprit) if rank == culprit_rank else nn.Sequential(nn.Linear(4, 4))
+    m = 2
+    runtime = PipelineRuntime(stage, schedule("gpipe", WORLD, m, True)[rank], num_micro_batches=m, loss_fn=lambda o, t: o.sum(), timeout=FAILURE_TIMEOUT)
+    inputs, targets = torch.randn(4, 4), torch.zeros(4)
+    runtime.step(inputs, targets)  # a healthy first step fixes the shapes
+    culprit.armed = True
+    start = time.perf_counter()
+    try:
+        runtime.step(inputs, targets)
+    except PipelineError as error:
+        return {"error": str(error), "elapsed": time.perf_counter() - start}
+    return {"error": None, "elapsed": time.perf_counter() - start}
+
+
+SCENARIOS: dict[str, Callable[[int], dict]] = {
+    "correctness": _correctness,
+    "killed": functools.partial(_failure, culprit=_DieOnArm(), culprit_rank=1),
+    "shape_mismatch": functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0),
+}
+
+
+def _rank_main(rank: int, scenario: str, store_path: str, result_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        result = SCENARIOS[scenario](rank)
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        result = {"crash": traceback.format_exc()}
+    torch.save(result, f"{result_path}.{rank}")
+    # No destroy_process_group: after a failure it could wait on the dead peer.
+    os._exit(0)
+
+
+def launch(scenario: str, directory: str, deadline: float = 150.0) -> list["dict | None"]:
+    """Run ``scenario`` on ``WORLD`` spawned ranks; each rank's result, None if it wrote none."""
+    context = mp.get_context("spawn")
+    store, results = os.path.join(directory, f"{scenario}.store"), os.path.join(directory, f"{scenario}.result")
+    ranks = [context.Process(target=_rank_main, args=(rank, scenario, store, results)) for rank in range(WORLD)]
+    for process in ranks:
+        process.start()
+    end = time.monotonic() + deadline
+    for process in ranks:
+        process.join(max(0.0, end - time.monotonic()))
+    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert not hung, f"ranks {hung} still running after {deadline} s: the pipeline hung"
+    return [torch.load(f"{results}.{r}", weights_only=False) if os.path.exists(f"{results}.{r}") else None for r in range(WORLD)]
+
+
+# -- the tests -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def correctness(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    results = launch("correctness", str(tmp_path_factory.mktemp("correctness")))
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} wrote no result"
+        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
+    return results  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("setting", SETTING_IDS)
+def test_pipelined_step_matches_one_process(correctness: list[dict], setting: str) -> None:
+    twobp = setting.endswith("-2bp")
+    for rank, results in enumerate(correctness):
+        result = results[setting]
+        assert not result["mismatches"], f"rank {rank}: {result['mismatches']}"
+        assert all(kinds == result["actions"] for kinds in result["events"]), "events are not the schedule's actions"
+        if twobp:  # a stage that silently fell back to plain autograd would queue nothing
+            assert all(jobs > 0 for jobs in result["deferred_jobs"]), f"rank {rank}: nothing was deferred"
+            assert any(a.kind == "I" for a in result["actions"]) and any(a.kind == "W" for a in result["actions"])
+        else:
+            assert result["deferred_jobs"] == [0] * len(BATCH_SIZES)
+            assert all(a.kind in "FB" for a in result["actions"])
+    first = correctness[0][setting]
+    torch.testing.assert_close(first["losses"], first["reference_losses"], rtol=1e-5, atol=1e-6)
+    assert first["ranks_reported"] == list(range(WORLD))
+    assert 0.0 <= first["bubble_ratio"] < 1.0 and first["throughput"] > 0.0
+
+
+def test_a_killed_rank_ends_the_others_with_an_error(tmp_path) -> None:
+    survivor, culprit = launch("killed", str(tmp_path), deadline=90.0)
+    assert culprit is None, "the killed rank should have died before writing a result"
+    assert survivor is not None and "crash" not in survivor, survivor
+    assert survivor["error"] is not None and "rank 1" in survivor["error"]
+    assert survivor["elapsed"] < 60.0
+
+
+def test_a_shape_mismatch_ends_every_rank_with_an_error(tmp_path) -> None:
+    sender, receiver = launch("shape_mismatch", str(tmp_path), deadline=90.0)
+    assert sender is not None and receiver is not None
+    assert sender.get("error") and "exchanged for this input shape" in sender["error"], sender
+    assert receiver.get("error") and "rank 0" in receiver["error"], receiver
+    assert sender["elapsed"] < 60.0 and receiver["elapsed"] < 60.0

@@ -1,0 +1,326 @@
+"""Run one rank's schedule over torch.distributed point-to-point messages.
+
+Each rank holds one stage and executes its action list (see :mod:`.schedules`): ``F`` receives
+activations from the rank before (the first rank takes the micro-batch), runs the stage and
+sends the output on; ``I``/``B`` receives the output gradient from the rank after (the last rank
+takes the loss), runs backward and sends the input gradient back; ``W`` flushes the stage's own
+:class:`~twobp_autograd.WeightGradQueue`, for the named micro-batches or everything pending.
+With 2BP on the stage is patched, so backward only computes input gradients and queues the
+weight work under the micro-batch's tag; with 2BP off it is unpatched and ``B`` is plain
+autograd.
+
+Shapes travel once per step shape (the first rank's batch shape, broadcast at each step start),
+then come from a cache. Nothing waits forever: every receive and send waits at most
+``timeout`` seconds and then raises a :class:`PipelineError` naming the peer, so a rank that
+died, raised or disagrees about shapes ends every rank with an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import resource
+import time
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .. import WeightGradQueue, patch, unpatch, use_queue
+from .actions import Action
+from .schedules import validate_schedule
+from .trace import Event
+
+__all__ = ["PipelineError", "PipelineRuntime", "RankMetrics", "StepReport", "init_distributed"]
+
+_MAX_DIMS = 8
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+_META_TAG = 1 << 20  # gloo matches messages by tag; NCCL by order, which the schedules keep equal
+
+
+class PipelineError(RuntimeError):
+    """A pipeline step could not finish: a peer failed, died, timed out or sent the wrong shape."""
+
+
+@dataclass
+class RankMetrics:
+    """One rank's view of one step. Times in seconds from this rank's step start."""
+
+    rank: int
+    step_time: float
+    receive_wait: float  # time spent blocked on receives (the rank's share of the bubble)
+    events: list[Event]
+    samples: int
+    deferred_jobs: int  # most weight-gradient jobs queued at once (0 with 2BP off)
+    peak_bytes: int  # CUDA: max_memory_allocated; CPU: queued weight work + held activations
+    peak_rss: int  # bytes, the process's peak resident set so far
+    loss: "float | None"  # on the last rank
+
+
+@dataclass
+class StepReport:
+    """All ranks' metrics of one step, on rank 0."""
+
+    ranks: list[RankMetrics]
+    step_time: float = field(init=False)
+    idle: list[float] = field(init=False)  # per rank: receive waits plus the time it finished early
+    bubble_ratio: float = field(init=False)
+    throughput: float = field(init=False)  # samples per second
+    loss: "float | None" = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.step_time = max(m.step_time for m in self.ranks)
+        self.idle = [m.receive_wait + (self.step_time - m.step_time) for m in self.ranks]
+        self.bubble_ratio = sum(self.idle) / (len(self.ranks) * self.step_time)
+        self.throughput = self.ranks[0].samples / self.step_time
+        self.loss = self.ranks[-1].loss
+
+
+def init_distributed(*, timeout: float = 120.0, backend: "str | None" = None) -> torch.device:
+    """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...):
+    NCCL on CUDA, gloo on CPU, with ``timeout`` seconds for every collective. Returns the
+    rank's device."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    cuda = torch.cuda.is_available() and backend in (None, "nccl")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=timeout))
+    return device
+
+
+class PipelineRuntime:
+    """Executes ``actions`` (this rank's list of a schedule) on ``stage`` at every :meth:`step`.
+
+    ``loss_fn(output, target)`` is used on the last rank; each micro-batch's loss is divided by
+    ``num_micro_batches``, so the step's gradients are those of the mean over micro-batches.
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        actions: Sequence[Action],
+        *,
+        num_micro_batches: int,
+        loss_fn: "Callable[[Tensor, Tensor], Tensor] | None" = None,
+        twobp: bool = True,
+        group: "dist.ProcessGroup | None" = None,
+        device: "torch.device | None" = None,
+        timeout: float = 60.0,
+        queue: "WeightGradQueue | None" = None,
+    ) -> None:
+        validate_schedule([list(actions)], num_micro_batches)
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.first = self.rank == 0
+        self.last = self.rank == self.world_size - 1
+        if self.last and loss_fn is None:
+            raise ValueError("the last rank needs a loss_fn")
+        if twobp:
+            patch(stage)
+        else:
+            unpatch(stage)
+        self.stage = stage
+        self.actions = list(actions)
+        self.num_micro_batches = num_micro_batches
+        self.loss_fn = loss_fn
+        self.twobp = twobp
+        self.device = device or next((p.device for p in stage.parameters()), torch.device("cpu"))
+        self.timeout = timeout
+        self.queue = queue or WeightGradQueue()
+        self._sent_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
+        self._received_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
+
+    # -- one step -----------------------------------------------------------------------
+
+    def step(self, inputs: "Tensor | None" = None, targets: "Tensor | None" = None, *, gather: bool = True) -> "StepReport | RankMetrics":
+        """Run the schedule once over the batch: ``inputs`` on the first rank, ``targets`` on
+        the last (split on dim 0 into the micro-batches). Returns the gathered
+        :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
+        m = self.num_micro_batches
+        if self.first and inputs is None:
+            raise ValueError("the first rank needs the inputs")
+        if self.last and targets is None:
+            raise ValueError("the last rank needs the targets")
+        self._micro_inputs = list(inputs.tensor_split(m)) if self.first else []
+        self._micro_targets = list(targets.tensor_split(m)) if self.last else []
+        self._key = self._agree_on_step_shape(inputs)
+        self._held: dict[int, tuple[Tensor, Tensor]] = {}
+        self._sends: list[tuple[Any, Tensor, str]] = []
+        self._losses: list[Tensor] = []
+        self._receive_wait = 0.0
+        self._peak_bytes = 0
+        self._deferred_jobs = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        events: list[Event] = []
+        start = time.perf_counter()
+        try:
+            for action in self.actions:
+                begin = time.perf_counter() - start
+                self._run(action)
+                if self.device.type == "cuda":
+                    torch.cuda.synchronize(self.device)  # so the event's end is the work's end
+                events.append(Event(rank=self.rank, action=action, start=begin, end=time.perf_counter() - start))
+                self._account_memory()
+            if self._held:
+                raise PipelineError(f"rank {self.rank}: the schedule left micro-batches {sorted(self._held)} without a backward")
+            if len(self.queue):
+                raise PipelineError(
+                    f"rank {self.rank}: weight-gradient work of micro-batches {self.queue.tags()} is still "
+                    "queued after the schedule's last W"
+                )
+            for work, _, what in self._sends:
+                self._wait(work, what)
+        except BaseException:
+            self.queue.clear()
+            raise
+        finally:
+            self._sends = []
+            self._held = {}
+        step_time = time.perf_counter() - start
+        loss = float(torch.stack(self._losses).sum()) if self.last else None
+        if self.device.type == "cuda":
+            self._peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        metrics = RankMetrics(
+            rank=self.rank,
+            step_time=step_time,
+            receive_wait=self._receive_wait,
+            events=events,
+            samples=0 if inputs is None else len(inputs),
+            deferred_jobs=self._deferred_jobs,
+            peak_bytes=self._peak_bytes,
+            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            loss=loss,
+        )
+        if not gather:
+            return metrics
+        gathered: "list[RankMetrics] | None" = [None] * self.world_size if self.first else None  # type: ignore[list-item]
+        dist.gather_object(metrics, gathered, group_dst=0, group=self.group)
+        return StepReport(gathered) if gathered is not None else metrics
+
+    def _run(self, action: Action) -> None:
+        if action.kind == "F":
+            self._forward(action.micro_batch)
+        elif action.kind in ("I", "B"):
+            self._backward(action.micro_batch)
+            if action.kind == "B" and self.twobp:
+                self.queue.flush(tags=[action.micro_batch])
+        else:
+            self.queue.flush(tags=action.micro_batches)
+
+    def _forward(self, k: int) -> None:
+        if self.first:
+            x = self._micro_inputs[k].to(self.device)
+        else:
+            x = self._receive_activation(k)
+            x.requires_grad_(x.is_floating_point())
+        with use_queue(self.queue), self.queue.tagged(k):
+            out = self.stage(x)
+        if not isinstance(out, Tensor):
+            raise TypeError(f"rank {self.rank}: a pipeline stage must return one tensor, got {type(out).__name__}")
+        if self.last:
+            loss = self.loss_fn(out, self._micro_targets[k].to(self.device)) / self.num_micro_batches  # type: ignore[misc]
+            self._losses.append(loss.detach())
+            self._held[k] = (x, loss)
+        else:
+            self._send_activation(out.detach(), k)
+            self._held[k] = (x, out)
+
+    def _backward(self, k: int) -> None:
+        x, out = self._held.pop(k)
+        if self.last:
+            out.backward()
+        else:
+            grad = self._receive(torch.empty(out.shape, dtype=out.dtype, device=self.device), self.rank + 1, 2 * k + 1, f"the output gradient of micro-batch {k}")
+            out.backward(grad)
+        if not self.first and x.is_floating_point():
+            grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
+            self._send(grad_input, self.rank - 1, 2 * k + 1, f"the input gradient of micro-batch {k}")
+
+    # -- shapes -------------------------------------------------------------------------
+
+    def _agree_on_step_shape(self, inputs: "Tensor | None") -> Hashable:
+        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
+        if self.first:
+            header.copy_(_meta(inputs))  # type: ignore[arg-type]
+        work = dist.broadcast(header, group_src=0, group=self.group, async_op=True)
+        self._wait(work, "the step's input shape from rank 0", idle=False)
+        return tuple(header.tolist())
+
+    def _send_activation(self, out: Tensor, k: int) -> None:
+        known = self._sent_shapes.get((self._key, k))
+        if known is None:
+            self._sent_shapes[(self._key, k)] = (out.shape, out.dtype)
+            self._send(_meta(out), self.rank + 1, _META_TAG + k, f"the shape of micro-batch {k}")
+        elif known != (out.shape, out.dtype):
+            raise PipelineError(
+                f"rank {self.rank}: the stage output of micro-batch {k} is {tuple(out.shape)} {out.dtype}, but "
+                f"{tuple(known[0])} {known[1]} was exchanged for this input shape; a stage's output shape must "
+                "depend only on the batch shape"
+            )
+        self._send(out.contiguous(), self.rank + 1, 2 * k, f"the activations of micro-batch {k}")
+
+    def _receive_activation(self, k: int) -> Tensor:
+        known = self._received_shapes.get((self._key, k))
+        if known is None:
+            meta = self._receive(torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device), self.rank - 1, _META_TAG + k, f"the shape of micro-batch {k}")
+            code, ndim, *dims = meta.tolist()
+            known = (torch.Size(dims[:ndim]), _DTYPES[code])
+            self._received_shapes[(self._key, k)] = known
+        shape, dtype = known
+        return self._receive(torch.empty(shape, dtype=dtype, device=self.device), self.rank - 1, 2 * k, f"the activations of micro-batch {k}")
+
+    # -- messages -----------------------------------------------------------------------
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def _send(self, tensor: Tensor, peer: int, tag: int, what: str) -> None:
+        work = dist.isend(tensor, group_dst=peer, group=self.group, tag=tag)
+        self._sends.append((work, tensor, f"sending {what} to rank {peer}"))  # the tensor lives until sent
+
+    def _receive(self, buffer: Tensor, peer: int, tag: int, what: str) -> Tensor:
+        work = dist.irecv(buffer, group_src=peer, group=self.group, tag=tag)
+        self._wait(work, f"receiving {what} from rank {peer}")
+        return buffer
+
+    def _wait(self, work: Any, what: str, *, idle: bool = True) -> None:
+        start = time.perf_counter()
+        try:
+            work.wait(datetime.timedelta(seconds=self.timeout))
+        except Exception as error:
+            raise PipelineError(
+                f"rank {self.rank}: {what} failed after {time.perf_counter() - start:.1f} s (timeout "
+                f"{self.timeout:g} s); that rank probably failed or died, or runs a different "
+                f"schedule or model: {error}"
+            ) from error
+        if idle:
+            self._receive_wait += time.perf_counter() - start
+
+    def _account_memory(self) -> None:
+        pending = self.queue.pending()
+        self._deferred_jobs = max(self._deferred_jobs, pending.jobs)
+        if self.device.type != "cuda":
+            held = sum(t.numel() * t.element_size() for pair in self._held.values() for t in pair)
+            self._peak_bytes = max(self._peak_bytes, pending.bytes + held)
+
+
+def _meta(tensor: Tensor) -> Tensor:
+    if tensor.dim() > _MAX_DIMS:
+        raise ValueError(f"activations of more than {_MAX_DIMS} dimensions cannot cross stages")
+    meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
+    meta[: 2 + tensor.dim()] = torch.tensor([_dtype_code(tensor.dtype), tensor.dim(), *tensor.shape])
+    return meta.to(tensor.device)
+
+
+def _dtype_code(dtype: torch.dtype) -> int:
+    if dtype not in _DTYPES:
+        raise TypeError(f"cannot send {dtype} between stages")
+    return _DTYPES.index(dtype)
