@@ -1,1 +1,286 @@
-"""Placeholder: filled in by the attention op family."""
+"""nn.MultiheadAttention: the training forward of ``F.multi_head_attention_forward`` re-run
+with every parameter detached, so the attention core (SDPA or the explicit softmax path, masks,
+dropout) differentiates natively for the inputs, while the weight work is queued:
+
+- the in-projection: self-attention with the packed ``in_proj_weight`` is one deferred linear;
+  any other in-projection (cross-attention, separate ``q/k/v_proj_weight`` for ``kdim``/``vdim``)
+  is one tap over its 2 or 3 products whose kernel returns the parameters' full gradients (the
+  packed weight and the packed ``in_proj_bias`` in one piece);
+- ``bias_k`` / ``bias_v`` (``add_bias_kv``): one tap whose kernel sums over the batch;
+- the out-projection: a deferred linear on ``out_proj``'s parameters (MHA never calls
+  ``out_proj.forward``).
+
+Projections are taken on 2-D rows of the inputs in the caller's layout (rows of different
+micro-batches and sequence lengths concatenate freely), then laid out (L, N, E) exactly as
+PyTorch's own forward does, so dropout draws the same random numbers as plain autograd.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
+
+from ..deferral import defer_weight_grads
+from ..registry import register
+from .linear import detached, linear_forward, linear_weight_grad
+
+__all__ = ["multihead_attention", "in_projection_weight_grad", "kv_bias_grad"]
+
+
+def in_projection_weight_grad(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, packed_weight: bool
+) -> list["Tensor | None"]:
+    """Gradients of an in-projection made of one linear per (rows, output) pair.
+
+    ``packed_weight``: params are ``(in_proj_weight, in_proj_bias)``, each product using a
+    consecutive block of rows of both; else ``(q_w, k_w, v_w, in_proj_bias)``.
+    """
+    need_bias = needs[-1]
+    need_weights = [needs[0]] * len(saved) if packed_weight else list(needs[:-1])
+    per_product = [
+        linear_weight_grad((rows,), (grad,), (need_weight, need_bias))
+        for rows, grad, need_weight in zip(saved, grad_outputs, need_weights)
+    ]
+    bias_grad = torch.cat([b for _, b in per_product]) if need_bias else None
+    if packed_weight:
+        weight_grads = [torch.cat([w for w, _ in per_product]) if needs[0] else None]
+    else:
+        weight_grads = [w for w, _ in per_product]
+    return [*weight_grads, bias_grad]
+
+
+def kv_bias_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
+    """``bias_k`` / ``bias_v`` were repeated once per sample as (N, 1, E): sum over dim 0."""
+    return [grad.sum(0, keepdim=True) if need else None for grad, need in zip(grad_outputs, needs)]
+
+
+def _rows(x: Tensor) -> Tensor:
+    return x.reshape(-1, x.shape[-1])
+
+
+def _deferred_products(
+    inputs: Sequence[Tensor], weights: Sequence[Tensor], biases: Sequence["Tensor | None"], params: Sequence["Tensor | None"], packed_weight: bool
+) -> tuple[Tensor, ...]:
+    """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``."""
+    products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases))
+    saved = tuple(_rows(x).detach().to(p.dtype) for x, p in zip(inputs, products))
+    kernel = functools.partial(in_projection_weight_grad, packed_weight=packed_weight)
+    tapped = defer_weight_grads(products, params, saved, kernel)
+    return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped))
+
+
+def _split_packed(proj: Tensor, parts: int, embed_dim: int) -> tuple[Tensor, ...]:
+    # PyTorch's layout for a packed product: (parts, ..., E), contiguous, in q, k, v order.
+    proj = proj.unflatten(-1, (parts, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2).contiguous()
+    return tuple(proj[i] for i in range(parts))
+
+
+def _in_projection(
+    module: nn.MultiheadAttention, query: Tensor, key: Tensor, value: Tensor, to_seq_first: Callable[[Tensor], Tensor]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v in (L, N, E) layout, computed as ``F._in_projection_packed`` / ``F._in_projection``."""
+    E = module.embed_dim
+    bias = module.in_proj_bias
+    b = detached(bias)
+    if module._qkv_same_embed_dim:
+        weight = module.in_proj_weight
+        w = weight.detach()
+        if key is value and query is key:  # self-attention: one linear over the packed weight
+            proj = linear_forward(_rows(query), weight, bias).view(*query.shape[:-1], 3 * E)
+            return _split_packed(to_seq_first(proj), 3, E)  # type: ignore[return-value]
+        if key is value:  # encoder-decoder attention: q, and k/v packed
+            w_q, w_kv = w.split([E, 2 * E])
+            b_q, b_kv = b.split([E, 2 * E]) if b is not None else (None, None)
+            q, kv = _deferred_products((query, key), (w_q, w_kv), (b_q, b_kv), (weight, bias), True)
+            k, v = _split_packed(to_seq_first(kv), 2, E)
+            return to_seq_first(q), k, v
+        biases = b.chunk(3) if b is not None else (None,) * 3
+        q, k, v = _deferred_products((query, key, value), w.chunk(3), biases, (weight, bias), True)
+    else:
+        weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
+        biases = b.chunk(3) if b is not None else (None,) * 3
+        q, k, v = _deferred_products(
+            (query, key, value), [p.detach() for p in weights], biases, (*weights, bias), False
+        )
+    return to_seq_first(q), to_seq_first(k), to_seq_first(v)
+
+
+def _deferred_kv_bias(module: nn.MultiheadAttention, bsz: int) -> tuple[Tensor, Tensor]:
+    """``bias_k.repeat(1, bsz, 1)`` and the same for ``bias_v``, with their gradients deferred."""
+    bias_k, bias_v = module.bias_k, module.bias_v
+    assert bias_k is not None and bias_v is not None
+    # Repeated with the batch on dim 0, as (N, 1, E), so micro-batches concatenate.
+    repeated = (bias_k.detach().repeat(bsz, 1, 1), bias_v.detach().repeat(bsz, 1, 1))
+    k_rows, v_rows = defer_weight_grads(repeated, (bias_k, bias_v), (), kv_bias_grad)
+    return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
+
+
+@register(nn.MultiheadAttention)
+def multihead_attention(
+    module: nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: "Tensor | None" = None,
+    need_weights: bool = True,
+    attn_mask: "Tensor | None" = None,
+    average_attn_weights: bool = True,
+    is_causal: bool = False,
+) -> tuple[Tensor, "Tensor | None"]:
+    if query.is_nested or key.is_nested or value.is_nested:
+        # Outside its inference fast path PyTorch refuses nested tensors: let it say so.
+        return type(module).forward(
+            module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+        )
+    # MultiheadAttention.forward
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    attn_mask = F._canonical_mask(
+        mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype, check_other=False
+    )
+    # F.multi_head_attention_forward, training=True
+    num_heads, embed_dim = module.num_heads, module.embed_dim
+    is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, num_heads)
+    if query.shape[-1] != embed_dim:
+        raise AssertionError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}")
+    if module._qkv_same_embed_dim and key.shape != value.shape:
+        raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
+    if not module._qkv_same_embed_dim and key.shape[:-1] != value.shape[:-1]:
+        raise AssertionError(f"key's sequence and batch dims {key.shape[:-1]} do not match value's {value.shape[:-1]}")
+
+    if not is_batched:
+        def to_seq_first(t: Tensor) -> Tensor:
+            return t.unsqueeze(1)
+
+        if key_padding_mask is not None:
+            key_padding_mask = key_padding_mask.unsqueeze(0)
+    elif module.batch_first:
+        def to_seq_first(t: Tensor) -> Tensor:
+            return t.transpose(0, 1)
+    else:
+        def to_seq_first(t: Tensor) -> Tensor:
+            return t
+
+    tgt_len, bsz = to_seq_first(query).shape[:2]
+    src_len = to_seq_first(key).shape[0]
+    key_padding_mask = F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+    if is_causal and attn_mask is None:
+        raise RuntimeError(
+            "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
+            "`generate_square_subsequent_mask` to create this mask."
+        )
+    if is_causal and key_padding_mask is None and not need_weights:
+        attn_mask = None  # SDPA applies the causal mask itself
+    elif key_padding_mask is not None:
+        is_causal = False  # the merged mask is no longer causal
+    head_dim = embed_dim // num_heads
+
+    q, k, v = _in_projection(module, query, key, value, to_seq_first)
+
+    if attn_mask is not None:
+        if attn_mask.dim() == 2:
+            if attn_mask.shape != (tgt_len, src_len):
+                raise RuntimeError(
+                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
+                )
+            attn_mask = attn_mask.unsqueeze(0)
+        elif attn_mask.shape != (bsz * num_heads, tgt_len, src_len):
+            raise RuntimeError(
+                f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {(bsz * num_heads, tgt_len, src_len)}."
+            )
+    if module.bias_k is not None and module.bias_v is not None:
+        bias_k, bias_v = _deferred_kv_bias(module, bsz)
+        k = torch.cat([k, bias_k])
+        v = torch.cat([v, bias_v])
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (0, 1))
+        if key_padding_mask is not None:
+            key_padding_mask = F.pad(key_padding_mask, (0, 1))
+
+    # reshape, not view: with batch_first the projections are transposed views
+    q = q.reshape(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
+    k = k.reshape(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    v = v.reshape(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    if module.add_zero_attn:
+        zero_attn_shape = (bsz * num_heads, 1, head_dim)
+        k = torch.cat([k, torch.zeros(zero_attn_shape, dtype=k.dtype, device=k.device)], dim=1)
+        v = torch.cat([v, torch.zeros(zero_attn_shape, dtype=v.dtype, device=v.device)], dim=1)
+        if attn_mask is not None:
+            attn_mask = F.pad(attn_mask, (0, 1))
+        if key_padding_mask is not None:
+            key_padding_mask = F.pad(key_padding_mask, (0, 1))
+    src_len = k.size(1)
+    if key_padding_mask is not None:
+        if key_padding_mask.shape != (bsz, src_len):
+            raise AssertionError(f"Expected key_padding_mask of shape {(bsz, src_len)}, but got {tuple(key_padding_mask.shape)}")
+        key_padding_mask = (
+            key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1).reshape(bsz * num_heads, 1, src_len)
+        )
+        attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
+    dropout_p = module.dropout
+    out_proj = module.out_proj
+
+    if need_weights:
+        q_scaled = q * math.sqrt(1.0 / float(head_dim))
+        if attn_mask is not None:
+            attn_output_weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
+        else:
+            attn_output_weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+        attn_output_weights = F.softmax(attn_output_weights, dim=-1)
+        if dropout_p > 0.0:
+            attn_output_weights = F.dropout(attn_output_weights, p=dropout_p)
+        attn_output = torch.bmm(attn_output_weights, v)
+        attn_output = attn_output.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
+        attn_output = linear_forward(attn_output, out_proj.weight, out_proj.bias)
+        attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
+        attn_output_weights = attn_output_weights.view(bsz, num_heads, tgt_len, src_len)
+        if average_attn_weights:
+            attn_output_weights = attn_output_weights.mean(dim=1)
+        if not is_batched:
+            attn_output = attn_output.squeeze(1)
+            attn_output_weights = attn_output_weights.squeeze(0)
+    else:
+        if attn_mask is not None:
+            if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+                attn_mask = attn_mask.unsqueeze(0)
+            else:
+                attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
+        q = q.view(bsz, num_heads, tgt_len, head_dim)
+        k = k.view(bsz, num_heads, src_len, head_dim)
+        v = v.view(bsz, num_heads, src_len, head_dim)
+        attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
+        attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+        attn_output = linear_forward(attn_output, out_proj.weight, out_proj.bias)
+        attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
+        attn_output_weights = None
+        if not is_batched:
+            attn_output = attn_output.squeeze(1)
+
+    # back to MultiheadAttention.forward
+    if module.batch_first and is_batched:
+        attn_output = attn_output.transpose(1, 0)
+    return attn_output, attn_output_weights
+
+
+@register(NonDynamicallyQuantizableLinear)
+def out_projection(module: NonDynamicallyQuantizableLinear, input: Tensor) -> Tensor:
+    """MHA's ``out_proj`` is only reached through its owner's rule above; called directly, it is
+    an nn.Linear."""
+    return linear_forward(input, module.weight, module.bias)
