@@ -1,1 +1,263 @@
-"""Placeholder: filled in by the norm op family."""
+"""Normalisation layers: BatchNorm1d/2d/3d, LayerNorm, GroupNorm, RMSNorm.
+
+Each forward calls the very ATen op the module's own forward reaches, with the parameters
+detached, so the input gradient (the one backward-p1 must deliver at once) is PyTorch's own.
+The native ops hand back their statistics (mean and 1/std) for free; they are saved with the
+input so the weight kernel never recomputes them.
+
+LayerNorm, GroupNorm and RMSNorm normalise each sample on its own, so their saved tensors
+concatenate on the batch dimension and one kernel call serves all queued micro-batches.
+BatchNorm's statistics are those of its own micro-batch, so its jobs run one micro-batch at a
+time (``concatenate=False``) with the statistics each one was normalised with; its input
+gradient passes through those statistics too, which is why it comes from the native op's
+derivative rather than from a hand-written formula.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
+from torch.overrides import has_torch_function_variadic
+
+from ..deferral import defer_weight_grads
+from ..registry import register
+from .linear import detached
+
+__all__ = [
+    "batch_norm_weight_grad",
+    "layer_norm_weight_grad",
+    "group_norm_weight_grad",
+    "rms_norm_weight_grad",
+]
+
+Grads = list["Tensor | None"]
+
+
+# -- autocast --------------------------------------------------------------------------------
+
+#: The public op each family's module calls, run on a tiny tensor to learn what autocast does
+#: to it. The forwards below call the native op underneath, which autocast may list
+#: differently (or not at all), so they apply the public op's cast themselves.
+_AUTOCAST_PROBES: dict[str, Callable[[Tensor], Tensor]] = {
+    "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
+    "layer_norm": lambda x: F.layer_norm(x, (1,)),
+    "group_norm": lambda x: F.group_norm(x, 1),
+    "rms_norm": lambda x: F.rms_norm(x, (1,)),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def _autocast_target(op: str, device_type: str, fast_dtype: torch.dtype) -> "torch.dtype | None":
+    """float32 if autocast runs ``op`` in float32, ``fast_dtype`` if in the fast dtype, None if
+    it leaves the op alone (the case of every norm under CPU autocast)."""
+    probe = _AUTOCAST_PROBES[op]
+
+    def output_dtype(dtype: torch.dtype) -> torch.dtype:
+        with torch.no_grad():
+            return probe(torch.ones(2, 1, dtype=dtype, device=device_type)).dtype
+
+    if fast_dtype != torch.float32 and output_dtype(fast_dtype) == torch.float32:
+        return torch.float32
+    if output_dtype(torch.float32) == fast_dtype:
+        return fast_dtype
+    return None
+
+
+def _as_autocast_casts(op: str, *tensors: "Tensor | None") -> tuple["Tensor | None", ...]:
+    """The arguments as autocast would hand them to ``op``: every floating tensor but float64
+    cast to the op's autocast dtype (differentiably, as autocast's own cast is)."""
+    device_type = tensors[0].device.type  # type: ignore[union-attr]
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    target = _autocast_target(op, device_type, torch.get_autocast_dtype(device_type))
+    if target is None:
+        return tensors
+    return tuple(
+        t.to(target) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
+        for t in tensors
+    )
+
+
+def _is_plain_call(*tensors: "Tensor | None") -> bool:
+    """Tensor subclasses and nested tensors reroute the functional op: leave them to it."""
+    present = [t for t in tensors if t is not None]
+    return has_torch_function_variadic(*present) or any(t.is_nested for t in present)
+
+
+# -- BatchNorm -------------------------------------------------------------------------------
+
+
+def batch_norm_weight_grad(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, eps: float, weight_dtype: torch.dtype
+) -> Grads:
+    """One micro-batch: the statistics it was normalised with are its own."""
+    input, save_mean, save_invstd = saved
+    weight = torch.ones(input.shape[1], dtype=weight_dtype, device=input.device)
+    _, weight_grad, bias_grad = torch.ops.aten.native_batch_norm_backward(
+        grad_outputs[0], input, weight, None, None, save_mean, save_invstd, True, eps, [False, needs[0], needs[1]]
+    )
+    return [weight_grad if needs[0] else None, bias_grad if needs[1] else None]
+
+
+def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
+    """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward)."""
+    if _is_plain_call(input, module.weight, module.bias):
+        return type(module).forward(module, input)
+    module._check_input_dim(input)
+    factor = 0.0 if module.momentum is None else module.momentum
+    if module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
+    # F.batch_norm's own checks for training.
+    F._verify_batch_size(input.size())
+    if module.eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {module.eps}")
+    running_mean = module.running_mean if module.track_running_stats else None
+    running_var = module.running_var if module.track_running_stats else None
+    x, weight, bias = _as_autocast_casts("batch_norm", input, module.weight, module.bias)
+    # The op torch.batch_norm runs in training on CPU (CUDA picks cuDNN, with the same result).
+    output, save_mean, save_invstd = torch.native_batch_norm(
+        x, detached(weight), detached(bias), running_mean, running_var, True, factor, module.eps
+    )
+    kernel = functools.partial(batch_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    saved = (x, save_mean, save_invstd)
+    return defer_weight_grads(output, (module.weight, module.bias), saved, kernel, concatenate=False)
+
+
+for _batch_norm_type in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    register(_batch_norm_type, batch_norm)
+
+
+# -- LayerNorm -------------------------------------------------------------------------------
+
+
+def layer_norm_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    normalized_shape: tuple[int, ...],
+    weight_dtype: torch.dtype,
+    has_bias: bool,
+) -> Grads:
+    rows, mean, rstd = saved  # (rows, *normalized_shape), (rows, 1, ...), (rows, 1, ...)
+    grad = grad_outputs[0].reshape(rows.shape)
+    weight = torch.ones(normalized_shape, dtype=weight_dtype, device=rows.device)
+    bias = weight if has_bias else None
+    _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
+        grad, rows, normalized_shape, mean, rstd, weight, bias, [False, needs[0], needs[1]]
+    )
+    return [weight_grad if needs[0] else None, bias_grad if needs[1] else None]
+
+
+@register(nn.LayerNorm)
+def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
+    if _is_plain_call(input, module.weight, module.bias):
+        return type(module).forward(module, input)
+    shape = tuple(module.normalized_shape)
+    x, weight, bias = _as_autocast_casts("layer_norm", input, module.weight, module.bias)
+    # torch.layer_norm is this op and nothing else.
+    output, mean, rstd = torch.native_layer_norm(x, shape, detached(weight), detached(bias), module.eps)
+    # Any leading dims flatten to rows: the statistics are per row.
+    ones = (1,) * len(shape)
+    saved = (x.reshape(-1, *shape), mean.reshape(-1, *ones), rstd.reshape(-1, *ones))
+    kernel = functools.partial(
+        layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None  # type: ignore[union-attr]
+    )
+    return defer_weight_grads(output, (module.weight, module.bias), saved, kernel)
+
+
+# -- GroupNorm -------------------------------------------------------------------------------
+
+
+def group_norm_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    num_groups: int,
+    weight_dtype: torch.dtype,
+) -> Grads:
+    input, mean, rstd = saved  # (N, C, *), (N, groups), (N, groups)
+    batch, channels = input.shape[:2]
+    weight = torch.ones(channels, dtype=weight_dtype, device=input.device)
+    _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
+        grad_outputs[0], input, mean, rstd, weight, batch, channels, math.prod(input.shape[2:]), num_groups,
+        [False, needs[0], needs[1]],
+    )
+    return [weight_grad if needs[0] else None, bias_grad if needs[1] else None]
+
+
+@register(nn.GroupNorm)
+def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
+    if _is_plain_call(input, module.weight, module.bias):
+        return type(module).forward(module, input)
+    groups = module.num_groups
+    # F.group_norm's own checks.
+    if input.dim() < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
+    F._verify_batch_size([input.size(0) * input.size(1) // groups, groups] + list(input.size()[2:]))
+    x, weight, bias = _as_autocast_casts("group_norm", input, module.weight, module.bias)
+    batch, channels = x.shape[:2]
+    # What torch.group_norm hands the native op: CPU keeps channels_last, other devices do not.
+    x = x.contiguous(memory_format=suggest_memory_format(x)) if x.device.type == "cpu" else x.contiguous()
+    weight_c = None if weight is None else weight.detach().contiguous()
+    bias_c = None if bias is None else bias.detach().contiguous()
+    output, mean, rstd = torch.native_group_norm(
+        x, weight_c, bias_c, batch, channels, math.prod(x.shape[2:]), groups, module.eps
+    )
+    kernel = functools.partial(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    return defer_weight_grads(output, (module.weight, module.bias), (x, mean, rstd), kernel)
+
+
+# -- RMSNorm ---------------------------------------------------------------------------------
+
+
+def _opmath_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def rms_norm_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    normalized_shape: tuple[int, ...],
+    eps: "float | None",
+    weight_dtype: torch.dtype,
+) -> Grads:
+    """F.rms_norm's composite: ``(x.to(opmath) * rsqrt(mean(x^2) + eps) * w).type_as(x)``.
+    Its weight gradient is ``sum over rows of grad * x_hat``, in the product's dtype."""
+    if not needs[0]:
+        return [None]
+    (rows,) = saved
+    compute = _opmath_dtype(rows.dtype)
+    upcast = rows.to(compute)
+    if eps is None:
+        eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
+    dims = tuple(range(1, rows.dim()))
+    normalized = upcast * torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
+    product = torch.promote_types(compute, weight_dtype)
+    grad = grad_outputs[0].reshape(rows.shape).to(product)
+    return [(grad * normalized).sum(0)]
+
+
+@register(nn.RMSNorm)
+def rms_norm(module: nn.RMSNorm, input: Tensor) -> Tensor:
+    if _is_plain_call(input, module.weight):
+        return type(module).forward(module, input)
+    shape = tuple(module.normalized_shape)
+    x, weight = _as_autocast_casts("rms_norm", input, module.weight)
+    # The public op itself: its statistics are cheap to recompute at flush time, and no native
+    # op returns them for every dtype combination the composite accepts.
+    output = F.rms_norm(x, shape, detached(weight), module.eps)
+    kernel = functools.partial(
+        rms_norm_weight_grad, normalized_shape=shape, eps=module.eps, weight_dtype=weight.dtype  # type: ignore[union-attr]
+    )
+    return defer_weight_grads(output, (module.weight,), (x.reshape(-1, *shape),), kernel)

@@ -1,0 +1,278 @@
+"""BatchNorm1d/2d/3d, LayerNorm, GroupNorm and RMSNorm against plain autograd.
+
+Besides the weight gradients, every setting checks what backward-p1 delivers at once (the
+input gradient, which for BatchNorm passes through the micro-batch statistics), the output
+bit for bit, and BatchNorm's running statistics after several micro-batches of different sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import twobp_autograd as twobp
+from tests.utils import (
+    TOLERANCES,
+    assert_grads_match,
+    assert_no_grads,
+    check_against_autograd,
+    patched_and_reference,
+)
+
+
+@dataclass(frozen=True)
+class Setting:
+    id: str
+    make_module: Callable[[], nn.Module]
+    #: One input shape per micro-batch (BatchNorm: different sizes, different statistics).
+    shapes: tuple[tuple[int, ...], ...]
+    channels_last: bool = False
+
+    def module(self, dtype: torch.dtype) -> nn.Module:
+        module = self.make_module().to(dtype)
+        with torch.no_grad():  # away from ones/zeros, so the input gradient depends on them
+            for name, p in module.named_parameters():
+                p.normal_(1.0 if name == "weight" else 0.0, 0.5)
+        return module
+
+    def input(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        x = torch.randn(shape, dtype=dtype) * 2 + 0.5
+        if self.channels_last:
+            x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
+        return x
+
+
+def _sizes(*rest: int, batches: Sequence[int] = (4, 6, 3)) -> tuple[tuple[int, ...], ...]:
+    return tuple((b, *rest) for b in batches)
+
+
+BATCH_NORM = [
+    Setting("bn1d-2d-input", lambda: nn.BatchNorm1d(4), _sizes(4)),
+    Setting("bn1d-3d-input", lambda: nn.BatchNorm1d(4), _sizes(4, 5)),
+    Setting("bn2d", lambda: nn.BatchNorm2d(3), _sizes(3, 4, 5)),
+    Setting("bn2d-channels-last", lambda: nn.BatchNorm2d(3), _sizes(3, 4, 5), channels_last=True),
+    Setting("bn3d", lambda: nn.BatchNorm3d(2), _sizes(2, 3, 2, 2)),
+    Setting("bn3d-channels-last", lambda: nn.BatchNorm3d(2), _sizes(2, 3, 2, 2), channels_last=True),
+    Setting("bn2d-momentum-none", lambda: nn.BatchNorm2d(3, momentum=None), _sizes(3, 4, 5)),
+    Setting("bn2d-momentum-eps", lambda: nn.BatchNorm2d(3, eps=1e-2, momentum=0.3), _sizes(3, 4, 5)),
+    Setting("bn2d-no-running-stats", lambda: nn.BatchNorm2d(3, track_running_stats=False), _sizes(3, 4, 5)),
+    Setting("bn1d-no-bias", lambda: nn.BatchNorm1d(4, bias=False), _sizes(4, 5)),
+]
+
+LAYER_NORM = [
+    Setting("ln", lambda: nn.LayerNorm(8), _sizes(3, 8)),
+    Setting("ln-2d-input", lambda: nn.LayerNorm(8), _sizes(8)),
+    Setting("ln-multi-dim-shape", lambda: nn.LayerNorm((3, 4)), _sizes(2, 3, 4)),
+    Setting("ln-unbatched", lambda: nn.LayerNorm((3, 4)), ((3, 4),) * 3),
+    Setting("ln-no-bias", lambda: nn.LayerNorm(8, bias=False), _sizes(3, 8)),
+    Setting("ln-eps", lambda: nn.LayerNorm(8, eps=1e-2), _sizes(3, 8)),
+]
+
+GROUP_NORM = [
+    Setting("gn-1-group", lambda: nn.GroupNorm(1, 6), _sizes(6, 3, 3)),
+    Setting("gn-group-per-channel", lambda: nn.GroupNorm(6, 6), _sizes(6, 3, 3)),
+    Setting("gn-3-groups", lambda: nn.GroupNorm(3, 6), _sizes(6, 3, 3)),
+    Setting("gn-channels-last", lambda: nn.GroupNorm(3, 6), _sizes(6, 3, 3), channels_last=True),
+    Setting("gn-2d-input", lambda: nn.GroupNorm(2, 6), _sizes(6)),
+    Setting("gn-3d-input", lambda: nn.GroupNorm(2, 6), _sizes(6, 5)),
+    Setting("gn-no-bias", lambda: nn.GroupNorm(3, 6, bias=False), _sizes(6, 3, 3)),
+]
+
+RMS_NORM = [
+    Setting("rms-eps-none", lambda: nn.RMSNorm(8), _sizes(3, 8)),
+    Setting("rms-eps", lambda: nn.RMSNorm(8, eps=1e-2), _sizes(3, 8)),
+    Setting("rms-multi-dim-shape", lambda: nn.RMSNorm((3, 4)), _sizes(2, 3, 4)),
+    Setting("rms-unbatched", lambda: nn.RMSNorm(8), ((8,),) * 3),
+]
+
+ALL = BATCH_NORM + LAYER_NORM + GROUP_NORM + RMS_NORM
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
+
+
+def _ids(settings: Sequence[Setting]) -> list[str]:
+    return [s.id for s in settings]
+
+
+def cubic_loss(output: Tensor) -> Tensor:
+    # Not sum(y^2): over a normalised output that is nearly constant, and so is its gradient.
+    return (output.float() ** 3).sum() / output.numel()
+
+
+def run_micro_batches(
+    module: nn.Module,
+    setting: Setting,
+    *,
+    dtype: torch.dtype,
+    input_dtype: "torch.dtype | None" = None,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> None:
+    """Patched ``module`` and a plain copy through the setting's micro-batches: equal outputs
+    (values, dtype, strides), equal input gradients during backward-p1, one job per call and no
+    ``.grad`` before the flush, equal ``.grad`` and buffers after it."""
+    rtol, atol = TOLERANCES[dtype]
+    patched, reference = patched_and_reference(module)
+    for shape in setting.shapes:
+        x = setting.input(shape, input_dtype or dtype)
+        xp, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with context():
+            yp, yr = patched(xp), reference(xr)
+        assert yp.dtype == yr.dtype and yp.stride() == yr.stride()
+        assert torch.equal(yp, yr), "the deferred forward must compute exactly the module's output"
+        cubic_loss(yp).backward()
+        cubic_loss(yr).backward()
+        assert xr.grad.abs().max() > 1e-3, "degenerate check: the input gradient is ~0"
+        torch.testing.assert_close(xp.grad, xr.grad, rtol=rtol, atol=atol)
+    assert_no_grads(patched)
+    assert twobp.pending().jobs == len(setting.shapes), "each call must queue one weight-grad job"
+    twobp.flush_weight_grads()
+    assert twobp.pending() == (0, 0)
+    assert_grads_match(patched, reference, dtype)
+    for (name, b), (_, c) in zip(patched.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m: f"buffer {name}: {m}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("setting", ALL, ids=_ids(ALL))
+def test_weight_grads_match_autograd(setting: Setting, dtype: torch.dtype) -> None:
+    shapes = itertools.cycle(setting.shapes)
+    check_against_autograd(
+        setting.module(dtype),
+        lambda: (setting.input(next(shapes), dtype),),
+        micro_batches=len(setting.shapes),
+        dtype=dtype,
+        loss=cubic_loss,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("setting", ALL, ids=_ids(ALL))
+def test_outputs_input_grads_and_buffers_match_autograd(setting: Setting, dtype: torch.dtype) -> None:
+    run_micro_batches(setting.module(dtype), setting, dtype=dtype)
+
+
+AUTOCAST = [BATCH_NORM[2], BATCH_NORM[3], LAYER_NORM[0], LAYER_NORM[2], GROUP_NORM[2], GROUP_NORM[3], RMS_NORM[0]]
+
+
+@pytest.mark.parametrize(
+    "input_dtype", [pytest.param(torch.float32, id="fp32-input"), pytest.param(torch.bfloat16, id="bf16-input")]
+)
+@pytest.mark.parametrize("setting", AUTOCAST, ids=_ids(AUTOCAST))
+def test_cpu_autocast_bf16(setting: Setting, input_dtype: torch.dtype) -> None:
+    # CPU autocast leaves the norms alone: a bf16 input meets fp32 parameters (mixed dtypes).
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast("cpu", dtype=torch.bfloat16)
+
+    run_micro_batches(
+        setting.module(torch.float32), setting, dtype=torch.bfloat16, input_dtype=input_dtype, context=autocast
+    )
+
+
+@pytest.mark.parametrize(
+    "norm", [nn.LayerNorm(8), nn.RMSNorm(8), nn.BatchNorm1d(3)], ids=["layer-norm", "rms-norm", "batch-norm"]
+)
+def test_cpu_autocast_after_linear(norm: nn.Module) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), norm)
+    patched, reference = patched_and_reference(model)
+    for batch in (4, 6, 3):
+        x = torch.randn(batch, 3, 8)
+        for m in (patched, reference):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                y = m(x.clone())
+            assert y.dtype == torch.bfloat16
+            cubic_loss(y).backward()
+    assert_no_grads(patched)
+    assert twobp.pending().jobs == 6
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16)
+
+
+FROZEN_WEIGHT = [BATCH_NORM[2], LAYER_NORM[0], GROUP_NORM[2]]
+
+
+@pytest.mark.parametrize("setting", FROZEN_WEIGHT, ids=_ids(FROZEN_WEIGHT))
+def test_frozen_weight_trainable_bias(setting: Setting) -> None:
+    module = setting.module(torch.float32)
+    module.weight.requires_grad_(False)
+    run_micro_batches(module, setting, dtype=torch.float32)
+    assert module.weight.grad is None and module.bias.grad is not None
+
+
+AUTOGRAD_GRAD = [BATCH_NORM[2], LAYER_NORM[2], GROUP_NORM[2], RMS_NORM[2]]
+
+
+@pytest.mark.parametrize("setting", AUTOGRAD_GRAD, ids=_ids(AUTOGRAD_GRAD))
+def test_autograd_grad_gets_weight_grads_at_once(setting: Setting) -> None:
+    """autograd.grad asking for one parameter runs the kernel at once for it alone."""
+    patched, reference = patched_and_reference(setting.module(torch.float64))
+    x = setting.input(setting.shapes[0], torch.float64)
+    for name, param in patched.named_parameters():
+        (got,) = torch.autograd.grad(cubic_loss(patched(x)), [param])
+        (want,) = torch.autograd.grad(cubic_loss(reference(x)), [reference.get_parameter(name)])
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+    assert twobp.pending().jobs == 0
+    assert_no_grads(patched)
+
+
+@pytest.mark.parametrize("setting", AUTOGRAD_GRAD, ids=_ids(AUTOGRAD_GRAD))
+def test_create_graph_is_refused(setting: Setting) -> None:
+    patched = twobp.patch(setting.module(torch.float64))
+    x = setting.input(setting.shapes[0], torch.float64)
+    with pytest.raises(RuntimeError, match="create_graph"):
+        torch.autograd.grad(cubic_loss(patched(x)), list(patched.parameters()), create_graph=True)
+
+
+def test_batch_norm_eval_takes_the_plain_path() -> None:
+    module = BATCH_NORM[2].module(torch.float32)
+    patched, reference = patched_and_reference(module)
+    patched.eval(), reference.eval()
+    x = torch.randn(2, 3, 4, 5)
+    cubic_loss(patched(x)).backward()
+    cubic_loss(reference(x)).backward()
+    assert twobp.pending().jobs == 0
+    assert patched.weight.grad is not None
+    assert_grads_match(patched, reference)
+
+
+def test_batch_norm_without_affine_is_never_deferred() -> None:
+    patched, reference = patched_and_reference(nn.BatchNorm2d(3, affine=False, momentum=None))
+    for batch in (4, 2):
+        x = torch.randn(batch, 3, 4, 5)
+        xp, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+        cubic_loss(patched(xp)).backward()
+        cubic_loss(reference(xr)).backward()
+        torch.testing.assert_close(xp.grad, xr.grad)
+    assert twobp.pending().jobs == 0
+    for b, c in zip(patched.buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(b, c)
+
+
+def test_batch_norm_keeps_its_errors() -> None:
+    patched = twobp.patch(nn.BatchNorm1d(4))
+    with pytest.raises(ValueError, match="more than 1 value per channel"):
+        patched(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):
+        patched(torch.randn(2, 4, 3, 3))
+    assert twobp.pending().jobs == 0
+
+
+UNPATCH = [BATCH_NORM[2], LAYER_NORM[0], GROUP_NORM[2], RMS_NORM[0]]
+
+
+@pytest.mark.parametrize("setting", UNPATCH, ids=_ids(UNPATCH))
+def test_unpatch_restores_plain_autograd(setting: Setting) -> None:
+    module = setting.module(torch.float32)
+    reference = copy.deepcopy(module)
+    twobp.unpatch(twobp.patch(module))
+    x = setting.input(setting.shapes[0], torch.float32)
+    cubic_loss(module(x)).backward()
+    cubic_loss(reference(x)).backward()
+    assert twobp.pending().jobs == 0
+    assert module.weight.grad is not None
+    assert_grads_match(module, reference)
