@@ -35,6 +35,7 @@ def conv_weight_grad(
     needs: Sequence[bool],
     *,
     weight_shape: IntTuple,
+    weight_stride: IntTuple,
     stride: IntTuple,
     padding: IntTuple,
     dilation: IntTuple,
@@ -46,15 +47,16 @@ def conv_weight_grad(
     """Weight and bias gradients of a convolution with the given (hashable) configuration.
 
     ``extra_right_padding`` is an ``F.pad`` argument (last dim first) of zeros added after the
-    symmetric ``padding``; the weight is only needed for its shape, so a zero-stride stand-in
-    is passed (no weight-sized allocation)."""
+    symmetric ``padding``; the weight is only needed for its shape, so an uninitialised
+    stand-in with its shape and strides is passed."""
     (input,) = saved
     (grad_output,) = grad_outputs
     if extra_right_padding is not None:
         input = F.pad(input, extra_right_padding)
     need_weight = needs[0]
     need_bias = len(needs) > 1 and needs[1]
-    weight = input.new_zeros(()).expand(weight_shape)
+    # Never read (its gradient is not asked for): only its shape and layout steer the backend.
+    weight = torch.empty_strided(weight_shape, weight_stride, dtype=input.dtype, device=input.device)
     bias_sizes = [grad_output.shape[1]] if need_bias else None
     _, weight_grad, bias_grad = torch.ops.aten.convolution_backward(
         grad_output,
@@ -95,8 +97,8 @@ def _deferred_conv(
     functional_args: Sequence[Any],
     kernel_config: dict[str, Any],
 ) -> Tensor:
-    """Run ``functional(input, weight, bias, *functional_args)`` with the parameters detached
-    and defer their gradients; ``input`` is what the convolution itself receives."""
+    """Run ``functional(input, weight, bias, *functional_args)`` with the leaf parameters
+    detached and defer their gradients; ``input`` is what the convolution itself receives."""
     # A parameter is deferred only if it is a leaf: a weight recomputed by a hook each call
     # (torch.nn.utils.weight_norm) stays in the graph and gets its gradient from autograd.
     weight, bias = module.weight, module.bias
@@ -112,7 +114,8 @@ def _deferred_conv(
     saved_input = input.to(output.dtype)
     kernel = functools.partial(
         conv_weight_grad,
-        weight_shape=tuple(module.weight.shape),
+        weight_shape=tuple(weight.shape),
+        weight_stride=weight.stride(),
         dilation=tuple(module.dilation),
         groups=module.groups,
         **kernel_config,
@@ -157,8 +160,13 @@ def conv_transpose_forward(
     functional = _CONV_FUNCTIONALS[type(module)]
     num_spatial_dims = len(module.kernel_size)
     output_padding = module._output_padding(
-        input, output_size, module.stride, module.padding, module.kernel_size,  # type: ignore[arg-type]
-        num_spatial_dims, module.dilation,  # type: ignore[arg-type]
+        input,
+        output_size,
+        module.stride,  # type: ignore[arg-type]
+        module.padding,  # type: ignore[arg-type]
+        module.kernel_size,  # type: ignore[arg-type]
+        num_spatial_dims,
+        module.dilation,  # type: ignore[arg-type]
     )
     config = dict(
         stride=tuple(module.stride),
