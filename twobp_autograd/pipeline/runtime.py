@@ -121,10 +121,6 @@ class PipelineRuntime:
         self.last = self.rank == self.world_size - 1
         if self.last and loss_fn is None:
             raise ValueError("the last rank needs a loss_fn")
-        if twobp:
-            patch(stage)
-        else:
-            unpatch(stage)
         self.stage = stage
         self.actions = list(actions)
         self.num_micro_batches = num_micro_batches
@@ -133,8 +129,17 @@ class PipelineRuntime:
         self.device = device or next((p.device for p in stage.parameters()), torch.device("cpu"))
         self.timeout = timeout
         self.queue = queue or WeightGradQueue()
+        self.apply_mode()
         self._sent_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
+
+    def apply_mode(self) -> None:
+        """Patch the stage (2BP on) or unpatch it (off). Each step does this first, so runtimes
+        with different modes may share one stage and take turns."""
+        if self.twobp:
+            patch(self.stage)
+        else:
+            unpatch(self.stage)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -149,6 +154,7 @@ class PipelineRuntime:
             raise ValueError("the last rank needs the targets")
         self._micro_inputs = list(inputs.tensor_split(m)) if self.first else []
         self._micro_targets = list(targets.tensor_split(m)) if self.last else []
+        self.apply_mode()
         self._key = self._agree_on_step_shape(inputs)
         self._held: dict[int, tuple[Tensor, Tensor]] = {}
         self._sends: list[tuple[Any, Tensor, str]] = []
@@ -162,11 +168,12 @@ class PipelineRuntime:
         start = time.perf_counter()
         try:
             for action in self.actions:
-                begin = time.perf_counter() - start
+                self._received_at = time.perf_counter()
                 self._run(action)
                 if self.device.type == "cuda":
                     torch.cuda.synchronize(self.device)  # so the event's end is the work's end
-                events.append(Event(rank=self.rank, action=action, start=begin, end=time.perf_counter() - start))
+                # The event starts when the action's data arrived: waiting shows as a gap.
+                events.append(Event(rank=self.rank, action=action, start=self._received_at - start, end=time.perf_counter() - start))
                 self._account_memory()
             if self._held:
                 raise PipelineError(f"rank {self.rank}: the schedule left micro-batches {sorted(self._held)} without a backward")
@@ -302,7 +309,8 @@ class PipelineRuntime:
                 f"schedule or model: {error}"
             ) from error
         if idle:
-            self._receive_wait += time.perf_counter() - start
+            self._received_at = time.perf_counter()
+            self._receive_wait += self._received_at - start
 
     def _account_memory(self) -> None:
         pending = self.queue.pending()
