@@ -259,18 +259,30 @@ def test_frozen_projection_keeps_no_grad():
     assert_grads_match(model, reference)
 
 
-def test_autocast_bf16():
-    model = nn.MultiheadAttention(EMBED, HEADS, batch_first=True)
+AUTOCAST = [
+    pytest.param("cpu", torch.bfloat16, id="cpu-bf16"),
+    pytest.param(
+        "cuda", torch.float16, id="cuda-fp16",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    ),
+]
+
+
+@pytest.mark.parametrize("device, autocast_dtype", AUTOCAST)
+@pytest.mark.parametrize("need", [WEIGHTS["sdpa"], WEIGHTS["weights-averaged"]], ids=["sdpa", "weights"])
+def test_autocast(device, autocast_dtype, need):
+    model = nn.MultiheadAttention(EMBED, HEADS, batch_first=True, device=device)
     reference = copy.deepcopy(model)
     twobp.patch(model)
-    x = torch.randn(BATCH, TGT, EMBED)
+    x = torch.randn(BATCH, TGT, EMBED, device=device)
+    memory = torch.randn(BATCH, SRC, EMBED, device=device)
     for m in (model, reference):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out, w = m(x, x, x)
-        (out.float().pow(2).mean() + w.float().pow(2).mean()).backward()
+        with torch.autocast(device, dtype=autocast_dtype):
+            outputs = m(x, x, x, **need) + m(x, memory, memory, **need)
+        sum(t.float().pow(2).mean() for t in outputs if t is not None).backward()
     assert_no_grads(model)
     twobp.flush_weight_grads()
-    assert_grads_match(model, reference, torch.bfloat16)
+    assert_grads_match(model, reference, torch.bfloat16)  # the loosest tolerance: fp16 is tighter
 
 
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "unpatched"])
@@ -302,3 +314,39 @@ def test_patch_reports_attention_and_its_out_proj():
 def test_out_proj_called_directly_is_a_linear():
     model = nn.MultiheadAttention(EMBED, HEADS).out_proj
     check_against_autograd(model, lambda: (torch.randn(5, EMBED),))
+
+
+class Reseeded(nn.Module):
+    """Re-seeds before each call from a per-copy counter (dropout layers draw alike in a copy)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        self.calls = 0
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        torch.manual_seed(2000 + self.calls)
+        self.calls += 1
+        return self.inner(*inputs)
+
+
+@pytest.mark.parametrize("batch_first", [False, True], ids=["seq-first", "batch-first"])
+def test_inside_a_transformer_decoder_layer(batch_first):
+    """Self-attention with a causal mask and encoder-decoder attention over a memory, with
+    dropout everywhere, as nn.TransformerDecoderLayer calls them (its norms are left to their
+    own tests)."""
+    model = Reseeded(nn.TransformerDecoderLayer(EMBED, HEADS, dim_feedforward=16, dropout=0.2, batch_first=batch_first))
+    reference = copy.deepcopy(model)
+    report = twobp.patch(model, exclude=[nn.LayerNorm], report=True)
+    assert sum(name.endswith("attn") for name in report.patched) == 2
+    mask = nn.Transformer.generate_square_subsequent_mask(TGT)
+    for _ in range(3):
+        shape = (BATCH, TGT, EMBED) if batch_first else (TGT, BATCH, EMBED)
+        memory_shape = (BATCH, SRC, EMBED) if batch_first else (SRC, BATCH, EMBED)
+        target, memory = torch.randn(shape), torch.randn(memory_shape)
+        for m in (model, reference):
+            m(target, memory, mask).pow(2).mean().backward()
+    assert model.inner.self_attn.in_proj_weight.grad is None
+    assert model.inner.multihead_attn.in_proj_weight.grad is None
+    twobp.flush_weight_grads()
+    assert_grads_match(model, reference)
