@@ -201,3 +201,31 @@ def test_flush_strategies_agree(strategy):
     assert twobp.pending().jobs == 0 and twobp.pending(queue).jobs == 9
     twobp.flush_weight_grads(queue)
     assert_grads_match(patched, reference)
+
+
+@pytest.mark.parametrize("style", ["weight_norm-hook", "parametrization-after-patch"])
+def test_weight_rebuilt_each_call_stays_on_autograd_and_bias_is_deferred(style):
+    """A weight computed from other parameters at each call is no leaf: its gradient must flow
+    through that computation during backward; only leaf parameters are deferred."""
+    import warnings
+
+    model = mlp()
+    if style == "weight_norm-hook":  # cannot be deep-copied: build the twin from the state
+        reference = mlp()
+        reference.load_state_dict(model.state_dict())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            for m in (model, reference):
+                torch.nn.utils.weight_norm(m[2])
+        patched = twobp.patch(model)
+    else:
+        patched, reference = patched_and_reference(model)
+        for m in (patched, reference):
+            torch.nn.utils.parametrizations.weight_norm(m[2])
+    for _ in range(2):
+        x = torch.randn(4, 6)
+        loss_of(patched, x).backward()
+        loss_of(reference, x).backward()
+    assert patched[2].bias.grad is None and patched[0].weight.grad is None
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

@@ -15,12 +15,14 @@ from tests.utils import assert_grads_match, patched_and_reference
 def test_pending_bytes_are_the_tensors_held():
     layer = twobp.patch(nn.Linear(16, 8))
     x = torch.randn(5, 16)
-    layer(x).sum().backward()
-    layer(x).sum().backward()
+    layer(x).pow(2).sum().backward()
+    layer(torch.randn(5, 16)).pow(2).sum().backward()
     jobs, held = twobp.pending()
     assert jobs == 2
-    # Per job: the 5x16 saved rows and the 5x8 output gradient, fp32; counted once per tensor.
+    # Per job: the 5x16 saved rows and the 5x8 output gradient, fp32.
     assert held == 2 * (5 * 16 + 5 * 8) * 4
+    held_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for j in current_queue()._jobs for t in j.tensors()}
+    assert held == sum(held_storages.values())
     twobp.flush_weight_grads()
     assert twobp.pending() == (0, 0)
 
@@ -132,3 +134,42 @@ def test_bad_arguments():
     with pytest.raises(TypeError, match="WeightGradQueue"):
         with twobp.use_queue("queue"):
             pass
+
+
+def test_byte_accounting_follows_tags_shared_tensors_and_clear():
+    queue = twobp.WeightGradQueue()
+    model = twobp.patch(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)))
+    x = torch.randn(3, 8)
+    with twobp.use_queue(queue):
+        for mb in range(2):
+            with queue.tagged(mb):
+                model(x).pow(2).sum().backward()
+    block = 3 * 8 * 4  # one 3x8 fp32 tensor
+    # Both micro-batches' model[0] jobs save views of the same x: one storage, counted once.
+    # Per micro-batch: model[1]'s input, and each layer's output gradient.
+    assert queue.pending() == (4, block + 2 * 3 * block)
+    queue.flush(tags=[0])
+    assert queue.pending() == (2, block + 3 * block)
+    queue.clear()
+    assert queue.pending() == (0, 0)
+
+
+def test_max_pending_bytes_bounds_memory_and_keeps_gradients_exact():
+    per_micro_batch = 4 * (4 * 16 + 4 * 16) * 4  # 4 linear layers, input rows + output grads, fp32
+    queue = twobp.WeightGradQueue(max_pending_bytes=2 * per_micro_batch)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
+    patched, reference = patched_and_reference(model)
+    peak = 0
+    with twobp.use_queue(queue):
+        for _ in range(6):
+            x = torch.randn(4, 16)
+            patched(x).pow(2).sum().backward()
+            reference(x).pow(2).sum().backward()
+            peak = max(peak, queue.pending().bytes)
+            assert queue.pending().bytes <= queue.max_pending_bytes
+    assert peak > per_micro_batch  # it did hold work, it was not flushing everything at once
+    assert patched[0].weight.grad is not None  # the oldest work was flushed early
+    queue.flush()
+    assert_grads_match(patched, reference)
+    with pytest.raises(ValueError, match="max_pending_bytes"):
+        twobp.WeightGradQueue(max_pending_bytes=-1)

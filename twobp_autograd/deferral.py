@@ -26,7 +26,14 @@ from torch import Tensor
 
 from .queue import WeightGradJob, WeightGradKernel, WeightGradQueue, current_queue
 
-__all__ = ["defer_weight_grads", "kernel_group"]
+__all__ = ["defer_weight_grads", "detached", "kernel_group"]
+
+
+def detached(param: "Tensor | None") -> "Tensor | None":
+    """What an op computes with: a parameter (a leaf) detached, so its gradient is deferred;
+    anything else as it is (a weight rebuilt from parametrizations or ``weight_norm`` at each
+    call keeps its graph, and autograd differentiates through it at once)."""
+    return param.detach() if param is not None and param.is_leaf else param
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,7 @@ def defer_weight_grads(
     parameter; with ``concatenate`` it must accept several micro-batches joined on dim 0 of
     every saved tensor and output gradient. Returns ``outputs`` (the same tensors)."""
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+    params = tuple(p if p is not None and p.is_leaf else None for p in params)  # as `detached`
     queue = current_queue()
     spec = _TapSpec(
         kernel=kernel,
@@ -127,7 +135,7 @@ def defer_weight_grads(
         queue=queue,
         tag=queue._tag,
         num_outputs=len(outs),
-        params=tuple(params),
+        params=params,
     )
     # The parameters are inputs of the tap so that its node has an edge to each parameter's
     # gradient accumulator: that is what the engine is asked about in backward.

@@ -43,7 +43,7 @@ FlushStrategy = Literal["concat", "loop", "auto"]
 
 
 class PendingWork(NamedTuple):
-    """What a queue holds: number of jobs, and bytes of distinct tensors they keep alive."""
+    """What a queue holds: number of jobs, and bytes of the distinct storages they keep alive."""
 
     jobs: int
     bytes: int
@@ -99,14 +99,29 @@ class WeightGradQueue:
     micro-batches and calls the kernel once, ``"loop"`` calls it per micro-batch and sums,
     ``"auto"`` concatenates unless the concatenated copies would exceed
     ``max_concat_bytes``.
+
+    ``max_pending_bytes`` bounds the memory pending work holds: when an enqueue passes it, the
+    oldest jobs are flushed at once (inside that backward) until the rest fits, so memory no
+    longer grows with the number of micro-batches.
     """
 
-    def __init__(self, strategy: FlushStrategy = "concat", *, max_concat_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self,
+        strategy: FlushStrategy = "concat",
+        *,
+        max_concat_bytes: int = 1 << 30,
+        max_pending_bytes: "int | None" = None,
+    ) -> None:
         if strategy not in ("concat", "loop", "auto"):
             raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {strategy!r}")
+        if max_pending_bytes is not None and max_pending_bytes < 0:
+            raise ValueError(f"max_pending_bytes must be >= 0 or None, not {max_pending_bytes}")
         self.strategy: FlushStrategy = strategy
         self.max_concat_bytes = max_concat_bytes
+        self.max_pending_bytes = max_pending_bytes
         self._jobs: list[WeightGradJob] = []
+        self._held: dict[tuple, list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
+        self._held_bytes = 0
         self._lock = threading.Lock()
         self._running_backwards: dict[int, int] = {}  # graph task id -> thread ident
         self._tag: Hashable = None
@@ -130,11 +145,39 @@ class WeightGradQueue:
             if job.tag is None:  # not tagged at forward time: take the backward's tag
                 job.tag = self._tag
             self._jobs.append(job)
+            self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
                 self._running_backwards[task] = threading.get_ident()
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: self._running_backwards.pop(task, None)
                 )
+        if self.max_pending_bytes is not None and self._held_bytes > self.max_pending_bytes:
+            self._flush_oldest()
+
+    def _flush_oldest(self) -> None:
+        with self._lock:
+            over = self._held_bytes - self.max_pending_bytes  # type: ignore[operator]
+            count, freed = 0, 0
+            while freed < over and count < len(self._jobs):  # an estimate: shared storages count twice
+                freed += sum(t.untyped_storage().nbytes() for t in self._jobs[count].tensors())
+                count += 1
+            oldest, self._jobs = self._jobs[:count], self._jobs[count:]
+            self._count(oldest, -1)
+        self._run(oldest)
+
+    def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
+        """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep
+        alive (a saved view keeps its whole storage alive; two views of one count once)."""
+        for job in jobs:
+            for t in job.tensors():
+                storage = t.untyped_storage()
+                key = (storage.data_ptr(), t.device)
+                entry = self._held.setdefault(key, [0, storage.nbytes()])
+                entry[0] += sign
+                if entry[0] == 0:
+                    self._held_bytes -= self._held.pop(key)[1]
+                elif entry[0] == 1 and sign > 0:
+                    self._held_bytes += entry[1]
 
     # -- reading -------------------------------------------------------------------------
 
@@ -142,11 +185,7 @@ class WeightGradQueue:
         return len(self._jobs)
 
     def pending(self) -> PendingWork:
-        seen: dict[int, int] = {}
-        for job in self._jobs:
-            for t in job.tensors():
-                seen[id(t)] = t.numel() * t.element_size()
-        return PendingWork(len(self._jobs), sum(seen.values()))
+        return PendingWork(len(self._jobs), self._held_bytes)
 
     def tags(self) -> list[Hashable]:
         return list(dict.fromkeys(job.tag for job in self._jobs))
@@ -163,6 +202,8 @@ class WeightGradQueue:
         """Drop all queued work without computing it."""
         with self._lock:
             self._jobs.clear()
+            self._held.clear()
+            self._held_bytes = 0
             self._running_backwards.clear()
 
     def take(self, tags: "Sequence[Hashable] | None" = None) -> list[WeightGradJob]:
@@ -175,6 +216,7 @@ class WeightGradQueue:
                 wanted = set(tags)
                 taken = [j for j in self._jobs if j.tag in wanted]
                 self._jobs = [j for j in self._jobs if j.tag not in wanted]
+            self._count(taken, -1)
         return taken
 
     def flush(self, tags: "Sequence[Hashable] | None" = None) -> None:
@@ -182,12 +224,16 @@ class WeightGradQueue:
 
         Nothing reaches ``.grad`` unless every job ran; a flush that raises leaves its work
         queued (so ``optimizer.step()`` stays refused) until a good flush or :meth:`clear`."""
-        jobs = self.take(tags)
+        self._run(self.take(tags))
+
+    def _run(self, jobs: list[WeightGradJob]) -> None:
+        """Run jobs already taken out of the queue; on failure put them back, oldest first."""
         try:
             run_jobs(jobs, self.strategy, self.max_concat_bytes)
         except BaseException:
             with self._lock:
                 self._jobs[:0] = jobs
+                self._count(jobs, +1)
             raise
 
     def _check_no_backward_elsewhere(self) -> None:

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import defer_weight_grads
+from ..deferral import defer_weight_grads, detached
 from ..registry import register
 
 __all__ = ["conv_weight_grad", "conv_forward", "conv_transpose_forward"]
@@ -86,10 +86,6 @@ def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, "IntTuple 
     return symmetric, (tuple(extra) if any(extra) else None)
 
 
-def _detached_if_leaf(param: "Tensor | None") -> "Tensor | None":
-    return param.detach() if param is not None and param.is_leaf else param
-
-
 def _deferred_conv(
     functional: Callable[..., Tensor],
     module: nn.modules.conv._ConvNd,
@@ -99,11 +95,8 @@ def _deferred_conv(
 ) -> Tensor:
     """Run ``functional(input, weight, bias, *functional_args)`` with the leaf parameters
     detached and defer their gradients; ``input`` is what the convolution itself receives."""
-    # A parameter is deferred only if it is a leaf: a weight recomputed by a hook each call
-    # (torch.nn.utils.weight_norm) stays in the graph and gets its gradient from autograd.
     weight, bias = module.weight, module.bias
-    params = tuple(p if p is not None and p.is_leaf else None for p in (weight, bias))
-    output = functional(input, _detached_if_leaf(weight), _detached_if_leaf(bias), *functional_args)
+    output = functional(input, detached(weight), detached(bias), *functional_args)
     unbatched = input.dim() == len(module.kernel_size) + 1
     if unbatched:
         # The tap sits on the batch-of-one output PyTorch computes internally; the caller
@@ -120,7 +113,7 @@ def _deferred_conv(
         groups=module.groups,
         **kernel_config,
     )
-    output = defer_weight_grads(output, params, (saved_input,), kernel)
+    output = defer_weight_grads(output, (weight, bias), (saved_input,), kernel)
     return output.squeeze(0) if unbatched else output
 
 

@@ -8,14 +8,10 @@ from collections.abc import Sequence
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import defer_weight_grads
+from ..deferral import defer_weight_grads, detached
 from ..registry import register
 
-__all__ = ["linear_forward", "linear_weight_grad", "detached"]
-
-
-def detached(param: "Tensor | None") -> "Tensor | None":
-    return None if param is None else param.detach()
+__all__ = ["linear_forward", "linear_weight_grad"]
 
 
 def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
@@ -28,7 +24,7 @@ def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], 
 
 def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
-    output = F.linear(input, weight.detach(), detached(bias))
+    output = F.linear(input, detached(weight), detached(bias))
     # Saved as 2-D rows in the dtype the product ran in (autocast's), as plain autograd would.
     rows = input.detach().reshape(-1, input.shape[-1]).to(output.dtype)
     return defer_weight_grads(output, (weight, bias), (rows,), linear_weight_grad)
