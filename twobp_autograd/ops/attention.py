@@ -65,7 +65,11 @@ def _rows(x: Tensor) -> Tensor:
 
 
 def _deferred_products(
-    inputs: Sequence[Tensor], weights: Sequence[Tensor], biases: Sequence["Tensor | None"], params: Sequence["Tensor | None"], packed_weight: bool
+    inputs: Sequence[Tensor],
+    weights: Sequence[Tensor],
+    biases: Sequence["Tensor | None"],
+    params: Sequence["Tensor | None"],
+    packed_weight: bool,
 ) -> tuple[Tensor, ...]:
     """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``."""
     products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases))
@@ -88,6 +92,7 @@ def _in_projection(
     E = module.embed_dim
     bias = module.in_proj_bias
     b = detached(bias)
+    biases = b.chunk(3) if b is not None else (None,) * 3
     if module._qkv_same_embed_dim:
         weight = module.in_proj_weight
         w = weight.detach()
@@ -100,11 +105,9 @@ def _in_projection(
             q, kv = _deferred_products((query, key), (w_q, w_kv), (b_q, b_kv), (weight, bias), True)
             k, v = _split_packed(to_seq_first(kv), 2, E)
             return to_seq_first(q), k, v
-        biases = b.chunk(3) if b is not None else (None,) * 3
         q, k, v = _deferred_products((query, key, value), w.chunk(3), biases, (weight, bias), True)
     else:
         weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
-        biases = b.chunk(3) if b is not None else (None,) * 3
         q, k, v = _deferred_products(
             (query, key, value), [p.detach() for p in weights], biases, (*weights, bias), False
         )
