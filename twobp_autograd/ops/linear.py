@@ -24,10 +24,15 @@ def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], 
 
 def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
-    output = F.linear(input, detached(weight), detached(bias))
-    # Saved as 2-D rows in the dtype the product ran in (autocast's), as plain autograd would.
-    rows = input.detach().reshape(-1, input.shape[-1]).to(output.dtype)
-    return defer_weight_grads(output, (weight, bias), (rows,), linear_weight_grad)
+    # On rows, as aten::linear itself computes a >2-D product with a bias (addmm, then a view):
+    # tapping that view instead would make autograd rebase its history onto the base, and
+    # backward would then copy every output gradient (CopySlices).
+    rows = input.reshape(-1, input.shape[-1])
+    output = F.linear(rows, detached(weight), detached(bias))
+    # Saved in the dtype the product ran in (autocast's), as plain autograd would.
+    saved = rows.detach().to(output.dtype)
+    output = defer_weight_grads(output, (weight, bias), (saved,), linear_weight_grad)
+    return output.view(*input.shape[:-1], output.shape[-1])
 
 
 @register(nn.Linear)
