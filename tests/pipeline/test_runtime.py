@@ -70,20 +70,20 @@ def _own(report: "StepReport | RankMetrics", rank: int) -> RankMetrics:
     return report.ranks[rank] if isinstance(report, StepReport) else report
 
 
-def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool) -> dict:
+def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, world: int = WORLD) -> dict:
     make_model, make_inputs, make_targets, loss_fn = MODELS[model_name]
     torch.manual_seed(0)
     model = make_model()
     reference = copy.deepcopy(model)
-    stage, reference_stage = split(model, WORLD)[rank], split(reference, WORLD)[rank]
-    m = default_num_micro_batches(schedule_name, WORLD)
-    actions = schedule(schedule_name, WORLD, m, twobp)[rank]
+    stage, reference_stage = split(model, world)[rank], split(reference, world)[rank]
+    m = default_num_micro_batches(schedule_name, world)
+    actions = schedule(schedule_name, world, m, twobp)[rank]
     runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, timeout=RUNTIME_TIMEOUT)
     generator = torch.Generator().manual_seed(1)
     result: dict = {"deferred_jobs": [], "losses": [], "reference_losses": [], "events": []}
     for batch in BATCH_SIZES:
         inputs, targets = make_inputs(batch, generator), make_targets(batch, generator)
-        report = runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+        report = runtime.step(inputs if rank == 0 else None, targets if rank == world - 1 else None)
         own = _own(report, rank)
         result["deferred_jobs"].append(own.deferred_jobs)
         result["events"].append([e.action for e in own.events])
@@ -122,6 +122,15 @@ def _correctness(rank: int) -> dict:
     return {setting_id: _check_setting(rank, *setting) for setting_id, setting in zip(SETTING_IDS, SETTINGS)}
 
 
+def _three_ranks(rank: int) -> dict:
+    """A middle rank both receives and sends, in each direction."""
+    return {
+        setting_id: _check_setting(rank, *setting, world=3)
+        for setting_id, setting in zip(SETTING_IDS, SETTINGS)
+        if setting[0] == "mlp"
+    }
+
+
 class _DieOnArm(nn.Module):
     """Ends its process in the middle of a step once armed (a rank that crashes hard)."""
 
@@ -158,20 +167,23 @@ def _failure(rank: int, culprit: nn.Module, culprit_rank: int) -> dict:
     return {"error": None, "elapsed": time.perf_counter() - start}
 
 
-SCENARIOS: dict[str, Callable[[int], dict]] = {
-    "correctness": _correctness,
-    "killed": functools.partial(_failure, culprit=_DieOnArm(), culprit_rank=1),
-    "shape_mismatch": functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0),
+#: scenario -> (what each rank runs, number of ranks)
+SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
+    "correctness": (_correctness, WORLD),
+    "three_ranks": (_three_ranks, 3),
+    "killed": (functools.partial(_failure, culprit=_DieOnArm(), culprit_rank=1), WORLD),
+    "shape_mismatch": (functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0), WORLD),
 }
 
 
 def _rank_main(rank: int, scenario: str, store_path: str, result_path: str) -> None:
     torch.set_num_threads(1)
+    run, world = SCENARIOS[scenario]
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
     )
     try:
-        result = SCENARIOS[scenario](rank)
+        result = run(rank)
     except BaseException:  # noqa: BLE001 - reported to the test process
         result = {"crash": traceback.format_exc()}
     torch.save(result, f"{result_path}.{rank}")
@@ -180,10 +192,11 @@ def _rank_main(rank: int, scenario: str, store_path: str, result_path: str) -> N
 
 
 def launch(scenario: str, directory: str, deadline: float = 150.0) -> list["dict | None"]:
-    """Run ``scenario`` on ``WORLD`` spawned ranks; each rank's result, None if it wrote none."""
+    """Run ``scenario`` on its spawned ranks; each rank's result, None if it wrote none."""
+    world = SCENARIOS[scenario][1]
     context = mp.get_context("spawn")
     store, results = os.path.join(directory, f"{scenario}.store"), os.path.join(directory, f"{scenario}.result")
-    ranks = [context.Process(target=_rank_main, args=(rank, scenario, store, results)) for rank in range(WORLD)]
+    ranks = [context.Process(target=_rank_main, args=(rank, scenario, store, results)) for rank in range(world)]
     for process in ranks:
         process.start()
     end = time.monotonic() + deadline
@@ -195,25 +208,43 @@ def launch(scenario: str, directory: str, deadline: float = 150.0) -> list["dict
             process.kill()
             process.join()
     assert not hung, f"ranks {hung} still running after {deadline} s: the pipeline hung"
-    return [torch.load(f"{results}.{r}", weights_only=False) if os.path.exists(f"{results}.{r}") else None for r in range(WORLD)]
+    return [torch.load(f"{results}.{r}", weights_only=False) if os.path.exists(f"{results}.{r}") else None for r in range(world)]
 
 
 # -- the tests -------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def correctness(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    results = launch("correctness", str(tmp_path_factory.mktemp("correctness")))
+def _launch_healthy(scenario: str, factory: pytest.TempPathFactory) -> list[dict]:
+    results = launch(scenario, str(factory.mktemp(scenario)))
     for rank, result in enumerate(results):
         assert result is not None, f"rank {rank} wrote no result"
         assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
     return results  # type: ignore[return-value]
 
 
+@pytest.fixture(scope="module")
+def correctness(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _launch_healthy("correctness", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _launch_healthy("three_ranks", tmp_path_factory)
+
+
 @pytest.mark.parametrize("setting", SETTING_IDS)
 def test_pipelined_step_matches_one_process(correctness: list[dict], setting: str) -> None:
+    _assert_matches(correctness, setting)
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTING_IDS if s.startswith("mlp-")])
+def test_three_ranks_match_one_process(three_ranks: list[dict], setting: str) -> None:
+    _assert_matches(three_ranks, setting)
+
+
+def _assert_matches(ranks: list[dict], setting: str) -> None:
     twobp = setting.endswith("-2bp")
-    for rank, results in enumerate(correctness):
+    for rank, results in enumerate(ranks):
         result = results[setting]
         assert not result["mismatches"], f"rank {rank}: {result['mismatches']}"
         assert all(kinds == result["actions"] for kinds in result["events"]), "events are not the schedule's actions"
@@ -223,9 +254,9 @@ def test_pipelined_step_matches_one_process(correctness: list[dict], setting: st
         else:
             assert result["deferred_jobs"] == [0] * len(BATCH_SIZES)
             assert all(a.kind in "FB" for a in result["actions"])
-    first = correctness[0][setting]
+    first = ranks[0][setting]
     torch.testing.assert_close(first["losses"], first["reference_losses"], rtol=1e-5, atol=1e-6)
-    assert first["ranks_reported"] == list(range(WORLD))
+    assert first["ranks_reported"] == list(range(len(ranks)))
     assert 0.0 <= first["bubble_ratio"] < 1.0 and first["throughput"] > 0.0
 
 

@@ -178,8 +178,17 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     if "RANK" in os.environ:
         _rank_main(args)
         return 0
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(args.nproc))
-    mp.spawn(_spawned_rank, args=(args,), nprocs=args.nproc, join=True)
+    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(args.nproc)}
+    saved = {name: os.environ.get(name) for name in rendezvous}
+    os.environ.update(rendezvous)  # the spawned ranks inherit it
+    try:
+        mp.spawn(_spawned_rank, args=(args,), nprocs=args.nproc, join=True)
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return 0
 
 

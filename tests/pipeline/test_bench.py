@@ -1,0 +1,34 @@
+"""The bench command end to end on two spawned CPU ranks, with a model small enough to be quick."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from twobp_autograd.pipeline.bench import main
+
+pytest.importorskip("matplotlib")
+
+TINY = ["--width", "32", "--depth", "2", "--seq-len", "4", "--batch-size", "4", "--balance", "params"]
+
+
+@pytest.mark.parametrize("model", ["transformer", "mlp"])
+def test_bench_writes_table_json_and_traces(model: str, tmp_path, capfd) -> None:
+    out = tmp_path / "bench.json"
+    traces = tmp_path / "traces"
+    argv = ["pipeline", "--model", model, "--schedule", "1f1b-1", "--twobp", "both", "--steps", "2", "--warmup", "0"]
+    assert main(argv + TINY + ["--nproc", "2", "--json", str(out), "--trace", str(traces), "--no-progress"]) == 0
+
+    table = capfd.readouterr().out
+    assert "samples/s" in table and "vs 2BP off" in table and "bubble" in table
+    document = json.loads(out.read_text())
+    rows = {row["twobp"]: row for row in document["summary"]}
+    assert rows[False]["ratio_to_off"] == 1.0 and rows[True]["ratio_to_off"] > 0
+    assert all(0 <= row["bubble_ratio"] < 1 and row["samples_per_s"] > 0 for row in rows.values())
+    steps = document["steps"]
+    assert all(jobs > 0 for step in steps[f"{model}-1f1b-1-2bp-on"] for jobs in step["deferred_jobs"])
+    assert all(jobs == 0 for step in steps[f"{model}-1f1b-1-2bp-off"] for jobs in step["deferred_jobs"])
+    for twobp in ("on", "off"):
+        assert (traces / f"{model}-1f1b-1-2bp-{twobp}.json").stat().st_size > 0
+        assert (traces / f"{model}-1f1b-1-2bp-{twobp}.png").stat().st_size > 0
