@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..deferral import defer_weight_grads
+from ..deferral import defer_weight_grads, detached
 from ..registry import register
-from .linear import detached, linear_forward, linear_weight_grad
+from .linear import linear_forward, linear_weight_grad
 
 __all__ = ["multihead_attention", "in_projection_weight_grad", "kv_bias_grad"]
 
@@ -95,7 +95,7 @@ def _in_projection(
     biases = b.chunk(3) if b is not None else (None,) * 3
     if module._qkv_same_embed_dim:
         weight = module.in_proj_weight
-        w = weight.detach()
+        w = detached(weight)
         if key is value and query is key:  # self-attention: one linear over the packed weight
             proj = linear_forward(_rows(query), weight, bias).view(*query.shape[:-1], 3 * E)
             return _split_packed(to_seq_first(proj), 3, E)  # type: ignore[return-value]
@@ -109,7 +109,7 @@ def _in_projection(
     else:
         weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
         q, k, v = _deferred_products(
-            (query, key, value), [p.detach() for p in weights], biases, (*weights, bias), False
+            (query, key, value), [detached(p) for p in weights], biases, (*weights, bias), False
         )
     return to_seq_first(q), to_seq_first(k), to_seq_first(v)
 
@@ -119,7 +119,7 @@ def _deferred_kv_bias(module: nn.MultiheadAttention, bsz: int) -> tuple[Tensor, 
     bias_k, bias_v = module.bias_k, module.bias_v
     assert bias_k is not None and bias_v is not None
     # Repeated with the batch on dim 0, as (N, 1, E), so micro-batches concatenate.
-    repeated = (bias_k.detach().repeat(bsz, 1, 1), bias_v.detach().repeat(bsz, 1, 1))
+    repeated = (detached(bias_k).repeat(bsz, 1, 1), detached(bias_v).repeat(bsz, 1, 1))
     k_rows, v_rows = defer_weight_grads(repeated, (bias_k, bias_v), (), kv_bias_grad)
     return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import defer_weight_grads
+from ..deferral import defer_weight_grads, detached
 from ..registry import register
 
 __all__ = ["embedding_weight_grad"]
@@ -52,7 +52,7 @@ def _unsupported(module: nn.Embedding) -> "str | None":
 def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     weight = module.weight
     output = F.embedding(
-        input, weight.detach(), module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
+        input, detached(weight), module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
     )
     padding_idx = module.padding_idx
     if padding_idx is None:
