@@ -101,10 +101,13 @@ ModelSpec = tuple[nn.Module, Callable[[int, torch.Generator], tuple[Tensor, Tens
 
 def build_model(name: str, args: argparse.Namespace) -> ModelSpec:
     """The model, ``make_batch(batch_size, generator) -> (inputs, targets)``, and the loss."""
-    if name == "mlp":  # the peer measurements' model (shared/PEERS.md-style comparison)
+    if name == "mlp":  # by default 8 blocks of Linear 512->2048, GELU, Linear 2048->512, LayerNorm
         width, seq = args.width or 512, args.seq_len or 64
         model = nn.Sequential(
-            *(nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.LayerNorm(width)) for _ in range(args.depth or 8))
+            *(
+                nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width), nn.LayerNorm(width))
+                for _ in range(args.depth or 8)
+            )
         )
 
         def make_batch(b: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -342,7 +345,16 @@ def _run_name(model: str, name: str, twobp: bool) -> str:
     return f"{model}-{name}-2bp-{'on' if twobp else 'off'}"
 
 
-def _write_json(path: str, args: argparse.Namespace, world: int, device: torch.device, threads: int, costs: list[float], rows: list[dict[str, Any]], reports: dict[tuple[str, bool], list[StepReport]]) -> None:
+def _write_json(
+    path: str,
+    args: argparse.Namespace,
+    world: int,
+    device: torch.device,
+    threads: int,
+    costs: list[float],
+    rows: list[dict[str, Any]],
+    reports: dict[tuple[str, bool], list[StepReport]],
+) -> None:
     document = {
         "arguments": vars(args),
         "world_size": world,

@@ -143,7 +143,9 @@ class PipelineRuntime:
 
     # -- one step -----------------------------------------------------------------------
 
-    def step(self, inputs: "Tensor | None" = None, targets: "Tensor | None" = None, *, gather: bool = True) -> "StepReport | RankMetrics":
+    def step(
+        self, inputs: "Tensor | None" = None, targets: "Tensor | None" = None, *, gather: bool = True
+    ) -> "StepReport | RankMetrics":
         """Run the schedule once over the batch: ``inputs`` on the first rank, ``targets`` on
         the last (split on dim 0 into the micro-batches). Returns the gathered
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
@@ -244,7 +246,8 @@ class PipelineRuntime:
         if self.last:
             out.backward()
         else:
-            grad = self._receive(torch.empty(out.shape, dtype=out.dtype, device=self.device), self.rank + 1, 2 * k + 1, f"the output gradient of micro-batch {k}")
+            buffer = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+            grad = self._receive(buffer, self.rank + 1, 2 * k + 1, f"the output gradient of micro-batch {k}")
             out.backward(grad)
         if not self.first and x.is_floating_point():
             grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -276,12 +279,14 @@ class PipelineRuntime:
     def _receive_activation(self, k: int) -> Tensor:
         known = self._received_shapes.get((self._key, k))
         if known is None:
-            meta = self._receive(torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device), self.rank - 1, _META_TAG + k, f"the shape of micro-batch {k}")
+            buffer = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
+            meta = self._receive(buffer, self.rank - 1, _META_TAG + k, f"the shape of micro-batch {k}")
             code, ndim, *dims = meta.tolist()
             known = (torch.Size(dims[:ndim]), _DTYPES[code])
             self._received_shapes[(self._key, k)] = known
         shape, dtype = known
-        return self._receive(torch.empty(shape, dtype=dtype, device=self.device), self.rank - 1, 2 * k, f"the activations of micro-batch {k}")
+        buffer = torch.empty(shape, dtype=dtype, device=self.device)
+        return self._receive(buffer, self.rank - 1, 2 * k, f"the activations of micro-batch {k}")
 
     # -- messages -----------------------------------------------------------------------
 
