@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
+from twobp_autograd.ops import norm as norm_ops
 from tests.utils import (
     TOLERANCES,
     assert_grads_match,
@@ -42,8 +43,8 @@ class Setting:
                 p.normal_(1.0 if name == "weight" else 0.0, 0.5)
         return module
 
-    def input(self, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        x = torch.randn(shape, dtype=dtype) * 2 + 0.5
+    def input(self, shape: tuple[int, ...], dtype: torch.dtype, device: str = "cpu") -> Tensor:
+        x = torch.randn(shape, dtype=dtype, device=device) * 2 + 0.5
         if self.channels_last:
             x = x.to(memory_format=torch.channels_last if x.dim() == 4 else torch.channels_last_3d)
         return x
@@ -112,19 +113,23 @@ def run_micro_batches(
     dtype: torch.dtype,
     input_dtype: "torch.dtype | None" = None,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    device: str = "cpu",
 ) -> None:
     """Patched ``module`` and a plain copy through the setting's micro-batches: equal outputs
     (values, dtype, strides), equal input gradients during backward-p1, one job per call and no
     ``.grad`` before the flush, equal ``.grad`` and buffers after it."""
     rtol, atol = TOLERANCES[dtype]
-    patched, reference = patched_and_reference(module)
+    patched, reference = patched_and_reference(module.to(device))
     for shape in setting.shapes:
-        x = setting.input(shape, input_dtype or dtype)
+        x = setting.input(shape, input_dtype or dtype, device)
         xp, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
         with context():
             yp, yr = patched(xp), reference(xr)
         assert yp.dtype == yr.dtype and yp.stride() == yr.stride()
-        assert torch.equal(yp, yr), "the deferred forward must compute exactly the module's output"
+        if device == "cpu":
+            assert torch.equal(yp, yr), "the deferred forward must compute exactly the module's output"
+        else:  # plain BatchNorm may run cuDNN there, the deferred one the native kernel
+            torch.testing.assert_close(yp, yr, rtol=rtol, atol=atol)
         cubic_loss(yp).backward()
         cubic_loss(yr).backward()
         assert xr.grad.abs().max() > 1e-3, "degenerate check: the input gradient is ~0"
@@ -276,3 +281,64 @@ def test_unpatch_restores_plain_autograd(setting: Setting) -> None:
     assert twobp.pending().jobs == 0
     assert module.weight.grad is not None
     assert_grads_match(module, reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fast_dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize("setting", AUTOCAST, ids=_ids(AUTOCAST))
+def test_cuda_autocast(setting: Setting, fast_dtype: torch.dtype) -> None:
+    # CUDA autocast runs layer_norm and group_norm in float32: the deferred forward must too.
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast("cuda", dtype=fast_dtype)
+
+    run_micro_batches(
+        setting.module(torch.float32), setting, dtype=torch.bfloat16, input_dtype=fast_dtype, context=autocast, device="cuda"
+    )
+
+
+def test_autocast_casts_follow_the_public_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What autocast does to the public op is read off the op itself, so the native op the
+    forward calls gets the same arguments on any device; CPU autocast leaves the norms alone."""
+    target = norm_ops._autocast_target
+    target.cache_clear()
+    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "fp32-listed", lambda x: x.float())
+    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "fast-listed", lambda x: x.to(torch.bfloat16))
+    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "unlisted", lambda x: x)
+    assert target("fp32-listed", "cpu", torch.bfloat16) == torch.float32
+    assert target("fast-listed", "cpu", torch.bfloat16) == torch.bfloat16
+    assert target("unlisted", "cpu", torch.bfloat16) is None
+    for op in ("batch_norm", "layer_norm", "group_norm", "rms_norm"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert target(op, "cpu", torch.bfloat16) is None, op
+    target.cache_clear()
+
+    x, w, i, d = torch.randn(2, 3), torch.randn(3), torch.arange(3), torch.randn(3, dtype=torch.float64)
+    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "layer_norm", lambda x: x.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast = norm_ops._as_autocast_casts("layer_norm", x.bfloat16(), w.bfloat16(), i, d, None)
+    assert [t.dtype for t in cast[:4]] == [torch.float32, torch.float32, torch.int64, torch.float64]
+    assert cast[4] is None
+    assert norm_ops._as_autocast_casts("layer_norm", x.bfloat16())[0].dtype == torch.bfloat16  # autocast off
+    target.cache_clear()
+
+
+WEIGHT_NORM = [BATCH_NORM[2], LAYER_NORM[0], GROUP_NORM[2]]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("setting", WEIGHT_NORM, ids=_ids(WEIGHT_NORM))
+def test_weight_rebuilt_each_call_differentiates_at_once(setting: Setting) -> None:
+    """Under weight_norm the weight is no leaf: its gradient flows into weight_g/weight_v at
+    once, and only the bias (a leaf) is deferred."""
+    module = setting.module(torch.float64)
+    reference = nn.utils.weight_norm(copy.deepcopy(module), dim=None)  # no deepcopy after it
+    patched = twobp.patch(nn.utils.weight_norm(module, dim=None))
+    for shape in setting.shapes:
+        x = setting.input(shape, torch.float64)
+        cubic_loss(patched(x)).backward()
+        cubic_loss(reference(x)).backward()
+    assert patched.weight_g.grad is not None and patched.weight_v.grad is not None
+    assert patched.bias.grad is None
+    assert twobp.pending().jobs == len(setting.shapes)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

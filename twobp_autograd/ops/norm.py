@@ -3,7 +3,8 @@
 Each forward calls the very ATen op the module's own forward reaches, with the parameters
 detached, so the input gradient (the one backward-p1 must deliver at once) is PyTorch's own.
 The native ops hand back their statistics (mean and 1/std) for free; they are saved with the
-input so the weight kernel never recomputes them.
+input so the weight kernel never recomputes them (RMSNorm's composite hands back none: its
+kernel recomputes 1/rms at flush time, off backward-p1's critical path).
 
 LayerNorm, GroupNorm and RMSNorm normalise each sample on its own, so their saved tensors
 concatenate on the batch dimension and one kernel call serves all queued micro-batches.
@@ -25,9 +26,8 @@ from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 from torch.overrides import has_torch_function_variadic
 
-from ..deferral import defer_weight_grads
+from ..deferral import defer_weight_grads, detached
 from ..registry import register
-from .linear import detached
 
 __all__ = [
     "batch_norm_weight_grad",
@@ -71,7 +71,7 @@ def _autocast_target(op: str, device_type: str, fast_dtype: torch.dtype) -> "tor
 
 def _as_autocast_casts(op: str, *tensors: "Tensor | None") -> tuple["Tensor | None", ...]:
     """The arguments as autocast would hand them to ``op``: every floating tensor but float64
-    cast to the op's autocast dtype (differentiably, as autocast's own cast is)."""
+    cast to the op's autocast dtype (differentiably for the input, as autocast's cast is)."""
     device_type = tensors[0].device.type  # type: ignore[union-attr]
     if not torch.is_autocast_enabled(device_type):
         return tensors
@@ -120,10 +120,11 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
         raise ValueError(f"batch_norm eps must be positive during training, but got {module.eps}")
     running_mean = module.running_mean if module.track_running_stats else None
     running_var = module.running_var if module.track_running_stats else None
-    x, weight, bias = _as_autocast_casts("batch_norm", input, module.weight, module.bias)
-    # The op torch.batch_norm runs in training on CPU (CUDA picks cuDNN, with the same result).
+    x, weight, bias = _as_autocast_casts("batch_norm", input, detached(module.weight), detached(module.bias))
+    # The op torch.batch_norm runs in training on CPU (on CUDA it may pick cuDNN: same result
+    # up to rounding).
     output, save_mean, save_invstd = torch.native_batch_norm(
-        x, detached(weight), detached(bias), running_mean, running_var, True, factor, module.eps
+        x, weight, bias, running_mean, running_var, True, factor, module.eps
     )
     kernel = functools.partial(batch_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
     saved = (x, save_mean, save_invstd)
@@ -161,9 +162,9 @@ def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
     if _is_plain_call(input, module.weight, module.bias):
         return type(module).forward(module, input)
     shape = tuple(module.normalized_shape)
-    x, weight, bias = _as_autocast_casts("layer_norm", input, module.weight, module.bias)
+    x, weight, bias = _as_autocast_casts("layer_norm", input, detached(module.weight), detached(module.bias))
     # torch.layer_norm is this op and nothing else.
-    output, mean, rstd = torch.native_layer_norm(x, shape, detached(weight), detached(bias), module.eps)
+    output, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, module.eps)
     # Any leading dims flatten to rows: the statistics are per row.
     ones = (1,) * len(shape)
     saved = (x.reshape(-1, *shape), mean.reshape(-1, *ones), rstd.reshape(-1, *ones))
@@ -203,14 +204,19 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     F._verify_batch_size([input.size(0) * input.size(1) // groups, groups] + list(input.size()[2:]))
-    x, weight, bias = _as_autocast_casts("group_norm", input, module.weight, module.bias)
+    x, weight, bias = _as_autocast_casts("group_norm", input, detached(module.weight), detached(module.bias))
     batch, channels = x.shape[:2]
     # What torch.group_norm hands the native op: CPU keeps channels_last, other devices do not.
     x = x.contiguous(memory_format=suggest_memory_format(x)) if x.device.type == "cpu" else x.contiguous()
-    weight_c = None if weight is None else weight.detach().contiguous()
-    bias_c = None if bias is None else bias.detach().contiguous()
     output, mean, rstd = torch.native_group_norm(
-        x, weight_c, bias_c, batch, channels, math.prod(x.shape[2:]), groups, module.eps
+        x,
+        None if weight is None else weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        batch,
+        channels,
+        math.prod(x.shape[2:]),
+        groups,
+        module.eps,
     )
     kernel = functools.partial(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
     return defer_weight_grads(output, (module.weight, module.bias), (x, mean, rstd), kernel)
@@ -228,7 +234,6 @@ def rms_norm_weight_grad(
     grad_outputs: Sequence[Tensor],
     needs: Sequence[bool],
     *,
-    normalized_shape: tuple[int, ...],
     eps: "float | None",
     weight_dtype: torch.dtype,
 ) -> Grads:
@@ -253,11 +258,8 @@ def rms_norm(module: nn.RMSNorm, input: Tensor) -> Tensor:
     if _is_plain_call(input, module.weight):
         return type(module).forward(module, input)
     shape = tuple(module.normalized_shape)
-    x, weight = _as_autocast_casts("rms_norm", input, module.weight)
-    # The public op itself: its statistics are cheap to recompute at flush time, and no native
-    # op returns them for every dtype combination the composite accepts.
-    output = F.rms_norm(x, shape, detached(weight), module.eps)
-    kernel = functools.partial(
-        rms_norm_weight_grad, normalized_shape=shape, eps=module.eps, weight_dtype=weight.dtype  # type: ignore[union-attr]
-    )
+    x, weight = _as_autocast_casts("rms_norm", input, detached(module.weight))
+    # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
+    output = F.rms_norm(x, shape, weight, module.eps)
+    kernel = functools.partial(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
     return defer_weight_grads(output, (module.weight,), (x.reshape(-1, *shape),), kernel)
