@@ -142,6 +142,17 @@ class _DieOnArm(nn.Module):
         return x
 
 
+class _StallOnArm(nn.Module):
+    """Once armed, hangs (alive, connections open) for longer than the runtime's timeout."""
+
+    armed = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.armed:
+            time.sleep(FAILURE_TIMEOUT + 4)
+        return x
+
+
 class _ShrinkOnArm(nn.Module):
     """Once armed, returns a narrower output for the same input shape."""
 
@@ -172,6 +183,7 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "correctness": (_correctness, WORLD),
     "three_ranks": (_three_ranks, 3),
     "killed": (functools.partial(_failure, culprit=_DieOnArm(), culprit_rank=1), WORLD),
+    "stalled": (functools.partial(_failure, culprit=_StallOnArm(), culprit_rank=1), WORLD),
     "shape_mismatch": (functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0), WORLD),
 }
 
@@ -266,6 +278,13 @@ def test_a_killed_rank_ends_the_others_with_an_error(tmp_path) -> None:
     assert survivor is not None and "crash" not in survivor, survivor
     assert survivor["error"] is not None and "rank 1" in survivor["error"]
     assert survivor["elapsed"] < 60.0
+
+
+def test_a_hung_rank_makes_the_others_time_out(tmp_path) -> None:
+    survivor, _ = launch("stalled", str(tmp_path), deadline=90.0)
+    assert survivor is not None and survivor["error"] is not None, survivor
+    assert "rank 1" in survivor["error"] and f"timeout {FAILURE_TIMEOUT:g} s" in survivor["error"]
+    assert FAILURE_TIMEOUT - 1 < survivor["elapsed"] < FAILURE_TIMEOUT + 10
 
 
 def test_a_shape_mismatch_ends_every_rank_with_an_error(tmp_path) -> None:
