@@ -4,9 +4,12 @@ stages (two per rank), checked against the same model trained in one process."""
 
 from __future__ import annotations
 
+import copy
 import datetime
+import gc
 import os
 import socket
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -107,8 +110,10 @@ class RecordingBuilder:
         self.jobs_per_runner.append(len(runner.jobs))
 
         def run() -> None:
+            module = self.builder.module
+            assert module is not None
             if self.untouched_before_first_w is None:
-                self.untouched_before_first_w = all(p.grad is None for p in deferred_params(self.builder.module))
+                self.untouched_before_first_w = all(p.grad is None for p in deferred_params(module))
             runner()
 
         return run
@@ -228,62 +233,93 @@ def test_nothing_stays_queued_after_the_step(setting: Setting, pipelined: dict) 
 # -- one process: the builder and its hooks ---------------------------------------------------
 
 
-def test_stage_forward_feeds_its_own_queue_only() -> None:
-    first, second = twobp.patch(nn.Linear(3, 3)), twobp.patch(nn.Linear(3, 3))
-    builders = dw_builder(first), dw_builder(second)
-    x = torch.randn(2, 3)
-    first(x).sum().backward()
-    second(x).sum().backward()
-    assert [len(b.queue) for b in builders] == [1, 1]
-    assert twobp.pending() == (0, 0)
-    assert first.weight.grad is None
-    builders[0]()()
-    assert first.weight.grad is not None and second.weight.grad is None
-    for b in builders:
-        b.queue.clear()
-        b.remove()
+@pytest.fixture
+def outside() -> Any:
+    """The queue that forwards outside any stage feed during the test (isolated from others)."""
+    with twobp.use_queue(twobp.WeightGradQueue()) as queue:
+        yield queue
 
 
-def test_queue_is_left_when_forward_raises() -> None:
+@pytest.fixture
+def stage() -> Any:
+    """A patched Linear with its builder; the builder is removed afterwards."""
     module = twobp.patch(nn.Linear(3, 3))
     builder = dw_builder(module)
-    with pytest.raises(RuntimeError):
-        module(torch.randn(2, 4))
-    other = twobp.patch(nn.Linear(3, 3))
-    other(torch.randn(2, 3)).sum().backward()
-    assert twobp.pending().jobs == 1 and len(builder.queue) == 0, "the failed forward left the stage's queue in use"
-    twobp.flush_weight_grads()
+    yield module, builder
+    builder.queue.clear()
     builder.remove()
 
 
-def test_input_only_grad_queues_nothing() -> None:
+def test_stage_forward_feeds_its_own_queue_only(stage: Any, outside: twobp.WeightGradQueue) -> None:
+    first, first_builder = stage
+    second = twobp.patch(nn.Linear(3, 3))
+    second_builder = dw_builder(second)
+    x = torch.randn(2, 3)
+    first(x).sum().backward()
+    second(x).sum().backward()
+    assert (len(first_builder.queue), len(second_builder.queue), len(outside)) == (1, 1, 0)
+    assert first.weight.grad is None
+    first_builder()()
+    assert first.weight.grad is not None and second.weight.grad is None
+    second_builder.queue.clear()
+    second_builder.remove()
+
+
+def test_queue_is_left_when_forward_raises(stage: Any, outside: twobp.WeightGradQueue) -> None:
+    module, builder = stage
+    with pytest.raises(RuntimeError):
+        module(torch.randn(2, 4))  # wrong width
+    twobp.patch(nn.Linear(3, 3))(torch.randn(2, 3)).sum().backward()
+    assert (len(builder.queue), len(outside)) == (0, 1), "the failed forward left the stage's queue in use"
+
+
+def test_input_only_grad_queues_nothing(outside: twobp.WeightGradQueue) -> None:
     module = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.GELU(), nn.Linear(4, 2)))
     builder = dw_builder(module)
     x = torch.randn(5, 3, requires_grad=True)
     (grad,) = torch.autograd.grad(module(x), x, torch.ones(5, 2))
     assert grad.shape == x.shape
-    assert len(builder.queue) == 0 and twobp.pending() == (0, 0)
+    assert (len(builder.queue), len(outside)) == (0, 0)
     assert all(p.grad is None for p in module.parameters())
+    module(x).sum().backward()  # the same stage does queue for a backward that reaches its weights
+    assert len(builder.queue) == 2
+    builder.queue.clear()
     builder.remove()
 
 
-def test_runner_runs_once() -> None:
-    module = twobp.patch(nn.Linear(3, 3))
-    builder = dw_builder(module)
+def test_runner_runs_once(stage: Any) -> None:
+    module, builder = stage
     module(torch.randn(2, 3)).sum().backward()
     runner = builder()
     runner()
     with pytest.raises(RuntimeError, match="already ran"):
         runner()
-    builder.remove()
 
 
-def test_one_builder_per_module() -> None:
-    module = twobp.patch(nn.Linear(3, 3))
-    builder = dw_builder(module)
+def test_one_builder_per_module(stage: Any) -> None:
+    module, builder = stage
     assert dw_builder(module) is builder
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="another queue"):
         dw_builder(module, twobp.WeightGradQueue())
     builder.remove()
-    assert dw_builder(module) is not builder
-    dw_builder(module).remove()
+    again = dw_builder(module)
+    assert again is not builder
+    again.remove()
+
+
+def test_a_copy_of_the_stage_module_is_not_the_stage(stage: Any, outside: twobp.WeightGradQueue) -> None:
+    module, builder = stage
+    duplicate = copy.deepcopy(module)
+    duplicate(torch.randn(2, 3)).sum().backward()
+    assert (len(builder.queue), len(outside)) == (0, 1)
+    module(torch.randn(2, 3)).sum().backward()
+    assert (len(builder.queue), len(outside)) == (1, 1)
+
+
+def test_builder_does_not_keep_the_module_alive() -> None:
+    module = twobp.patch(nn.Linear(3, 3))
+    builder = dw_builder(module)
+    alive = weakref.ref(module)
+    del module
+    gc.collect()
+    assert alive() is None and builder.module is None

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -51,16 +52,22 @@ class StageWeightGrads:
     each call takes the work queued since the previous call and returns its runner."""
 
     def __init__(self, module: nn.Module, queue: "WeightGradQueue | None" = None) -> None:
-        self.module = module
+        # Weak: the module holds this builder through its hooks, and the registry of builders
+        # must not keep the module alive.
+        self._module = weakref.ref(module)
         self.queue = queue if queue is not None else WeightGradQueue()
         self.runners_built = 0
         self.jobs_built = 0
         self._active: list[contextlib.AbstractContextManager[Any]] = []
         self._handles = [
             # First in, last out, so that the module's other hooks run under the queue too.
-            module.register_forward_pre_hook(self._enter_queue, prepend=True),
-            module.register_forward_hook(self._leave_queue, always_call=True),
+            module.register_forward_pre_hook(_StageHook(self._enter_queue), prepend=True),
+            module.register_forward_hook(_StageHook(self._leave_queue), always_call=True),
         ]
+
+    @property
+    def module(self) -> "nn.Module | None":
+        return self._module()
 
     def _enter_queue(self, module: nn.Module, args: Any) -> None:
         context = use_queue(self.queue)
@@ -83,7 +90,31 @@ class StageWeightGrads:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        _builders.pop(self.module, None)
+        module = self.module
+        if module is not None and _builders.get(module) is self:
+            del _builders[module]
+
+
+class _StageHook:
+    """A forward hook of one stage. A copy of the module (``copy.deepcopy``, pickling) is not
+    that stage and must not feed its queue: the copy gets an inert hook instead."""
+
+    def __init__(self, hook: Callable[..., None]) -> None:
+        self.hook = hook
+
+    def __call__(self, *args: Any) -> None:
+        self.hook(*args)
+
+    def __reduce__(self) -> tuple[Callable[[], Callable[..., None]], tuple[()]]:
+        return _inert_hook, ()
+
+
+def _ignore(*args: Any) -> None:
+    return None
+
+
+def _inert_hook() -> Callable[..., None]:
+    return _ignore
 
 
 _builders: "weakref.WeakKeyDictionary[nn.Module, StageWeightGrads]" = weakref.WeakKeyDictionary()
