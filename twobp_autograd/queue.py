@@ -272,13 +272,14 @@ def run_jobs(jobs: Sequence[WeightGradJob], strategy: FlushStrategy, max_concat_
             for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
                 if param is None or grad is None:
                     continue
+                grad = grad.to(param.dtype)  # as autograd casts each path before summing
                 if id(param) in grads:
-                    grads[id(param)] = (param, grads[id(param)][1] + grad)
+                    grads[id(param)][1].add_(grad)
                 else:
                     grads[id(param)] = (param, grad)
     if grads:
         params = [p for p, _ in grads.values()]
-        totals = [g.to(p.dtype) for p, g in grads.values()]
+        totals = [g for _, g in grads.values()]
         # Autograd's own AccumulateGrad: same None/stealing/layout rules and hooks as backward().
         torch.autograd.backward(params, totals)
 
@@ -299,8 +300,8 @@ def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_b
     total: list["Tensor | None"] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(job.kernel(job.saved, job.grad_outputs, needs)):
-            if grad is not None:
-                total[i] = grad if total[i] is None else total[i] + grad
+            if grad is not None:  # kernels return fresh tensors: summing in place is safe
+                total[i] = grad if total[i] is None else total[i].add_(grad)
     return total
 
 
