@@ -17,6 +17,10 @@ stage module make its forwards (and nothing else) feed that queue. PyTorch's sha
 (stages built without ``input_args``) runs an input-only ``autograd.grad`` through the stage,
 which queues nothing: the weight-gradient taps only queue for a backward that reaches the
 parameters.
+
+PyTorch asks for one runner per micro-batch, so each W runs one micro-batch's work: this path
+does not concatenate micro-batches (the runtime in this package does). Layers that are not
+patched keep plain autograd: their weight gradients are computed in the I step.
 """
 
 from __future__ import annotations
