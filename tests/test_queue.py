@@ -173,3 +173,16 @@ def test_max_pending_bytes_bounds_memory_and_keeps_gradients_exact():
     assert_grads_match(patched, reference)
     with pytest.raises(ValueError, match="max_pending_bytes"):
         twobp.WeightGradQueue(max_pending_bytes=-1)
+
+
+def test_flush_hands_gradients_over_without_copying_them():
+    """An empty .grad takes the flushed tensor as it is: no parameter-sized copy per step."""
+    from torch.profiler import profile
+
+    model = twobp.patch(nn.Sequential(nn.Linear(32, 48), nn.Linear(48, 16)))
+    model(torch.randn(4, 32)).sum().backward()
+    with profile() as prof:
+        twobp.flush_weight_grads()
+    copies = [e.input_shapes for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
+    assert all(shape in ([], [[]], [[], []]) for shape in copies), copies  # scalars only
+    assert model[0].weight.grad is not None

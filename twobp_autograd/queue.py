@@ -19,7 +19,7 @@ import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -279,9 +279,26 @@ def run_jobs(jobs: Sequence[WeightGradJob], strategy: FlushStrategy, max_concat_
                     grads[id(param)] = (param, grad)
     if grads:
         params = [p for p, _ in grads.values()]
-        totals = [g for _, g in grads.values()]
-        # Autograd's own AccumulateGrad: same None/stealing/layout rules and hooks as backward().
-        torch.autograd.backward(params, totals)
+        handover = [[g for _, g in grads.values()]]
+        del grads
+        with torch.enable_grad():
+            _HandOver.apply(handover, *params).backward()
+
+
+class _HandOver(torch.autograd.Function):
+    """Delivers the summed gradients to the parameters through autograd's own AccumulateGrad
+    (same None, dtype, layout and hook rules as a plain backward). They leave from this node's
+    backward with no other reference alive, so an empty ``.grad`` takes the tensor as it is
+    instead of a copy (``torch.autograd.backward(params, grads)`` would copy every one)."""
+
+    @staticmethod
+    def forward(ctx: Any, handover: list, *params: Tensor) -> Tensor:
+        ctx.handover = handover
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple["Tensor | None", ...]:
+        return (None, *ctx.handover.pop())
 
 
 def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int) -> Sequence["Tensor | None"]:
