@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -266,23 +266,30 @@ def run_jobs(jobs: Sequence[WeightGradJob], strategy: FlushStrategy, max_concat_
         shapes = tuple((t.shape[1:], t.dtype, t.device) for t in job.tensors())
         groups.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
 
+    params, handover = _summed_grads(groups.values(), strategy, max_concat_bytes)
+    if params:
+        with torch.enable_grad():
+            _HandOver.apply(handover, *params).backward()
+
+
+def _summed_grads(
+    groups: "Iterable[list[WeightGradJob]]", strategy: FlushStrategy, max_concat_bytes: int
+) -> tuple[list[Tensor], list[list[Tensor]]]:
+    """Each parameter and the sum of its gradients from every group, cast to its dtype first
+    as autograd casts each path before summing. Returned boxed, so that nothing in this frame
+    keeps a gradient alive once the caller hands the box over."""
     grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(param) -> (param, summed gradient)
     with torch.no_grad():
-        for group in groups.values():
+        for group in groups:
             for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
                 if param is None or grad is None:
                     continue
-                grad = grad.to(param.dtype)  # as autograd casts each path before summing
+                grad = grad.to(param.dtype)
                 if id(param) in grads:
                     grads[id(param)][1].add_(grad)
                 else:
                     grads[id(param)] = (param, grad)
-    if grads:
-        params = [p for p, _ in grads.values()]
-        handover = [[g for _, g in grads.values()]]
-        del grads
-        with torch.enable_grad():
-            _HandOver.apply(handover, *params).backward()
+    return [p for p, _ in grads.values()], [[g for _, g in grads.values()]]
 
 
 class _HandOver(torch.autograd.Function):
