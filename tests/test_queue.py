@@ -186,3 +186,26 @@ def test_flush_hands_gradients_over_without_copying_them():
     copied = [e.input_shapes[0] for e in prof.events() if e.name in ("aten::copy_", "aten::clone")]
     assert all(shape == [] for shape in copied), copied  # scalar bookkeeping at most
     assert model[0].weight.grad is not None
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["at-the-end", "per-layer"])
+def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes):
+    queue = twobp.WeightGradQueue(delivery_bucket_bytes=bucket_bytes)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)))
+    deliveries = []
+
+    def record(param):
+        if param.grad is not None:
+            deliveries.append(torch._C._current_graph_task_id())
+
+    for p in patched.parameters():
+        p.register_post_accumulate_grad_hook(record)
+    x = torch.randn(3, 4)
+    with twobp.use_queue(queue):
+        patched(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    deliveries.clear()  # backward-p1 calls the hooks with no gradient yet
+    queue.flush()
+    assert len(deliveries) == 6
+    assert len(set(deliveries)) == (1 if bucket_bytes is None else 3)  # one handover per layer
+    assert_grads_match(patched, reference)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -103,6 +103,11 @@ class WeightGradQueue:
     ``max_pending_bytes`` bounds the memory pending work holds: when an enqueue passes it, the
     oldest jobs are flushed at once (inside that backward) until the rest fits, so memory no
     longer grows with the number of micro-batches.
+
+    ``delivery_bucket_bytes``: during a flush, gradients reach ``.grad`` (and fire their
+    post-accumulate hooks) in buckets of about this many bytes as soon as their last kernel
+    has run, so that e.g. a data-parallel all-reduce overlaps the rest of the flush. None:
+    all at the end of the flush.
     """
 
     def __init__(
@@ -111,6 +116,7 @@ class WeightGradQueue:
         *,
         max_concat_bytes: int = 1 << 30,
         max_pending_bytes: "int | None" = None,
+        delivery_bucket_bytes: "int | None" = None,
     ) -> None:
         if strategy not in ("concat", "loop", "auto"):
             raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {strategy!r}")
@@ -119,6 +125,7 @@ class WeightGradQueue:
         self.strategy: FlushStrategy = strategy
         self.max_concat_bytes = max_concat_bytes
         self.max_pending_bytes = max_pending_bytes
+        self.delivery_bucket_bytes = delivery_bucket_bytes
         self._jobs: list[WeightGradJob] = []
         self._held: dict[tuple, list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
@@ -222,18 +229,22 @@ class WeightGradQueue:
     def flush(self, tags: "Sequence[Hashable] | None" = None) -> None:
         """Run the queued weight-gradient work (all of it, or that of ``tags``) into ``.grad``.
 
-        Nothing reaches ``.grad`` unless every job ran; a flush that raises leaves its work
-        queued (so ``optimizer.step()`` stays refused) until a good flush or :meth:`clear`."""
+        Without ``delivery_bucket_bytes``, nothing reaches ``.grad`` unless every job ran, and a
+        flush that raises leaves its work queued (so ``optimizer.step()`` stays refused) until
+        a good flush or :meth:`clear`. With it, a flush that raises midway has delivered part
+        of its work and drops the rest: the step's gradients are incomplete."""
         self._run(self.take(tags))
 
     def _run(self, jobs: list[WeightGradJob]) -> None:
-        """Run jobs already taken out of the queue; on failure put them back, oldest first."""
+        """Run jobs already taken out of the queue; on failure put them back, oldest first,
+        unless bucketed delivery may already have put part of them into ``.grad``."""
         try:
-            run_jobs(jobs, self.strategy, self.max_concat_bytes)
+            run_jobs(jobs, self.strategy, self.max_concat_bytes, self.delivery_bucket_bytes)
         except BaseException:
-            with self._lock:
-                self._jobs[:0] = jobs
-                self._count(jobs, +1)
+            if self.delivery_bucket_bytes is None:
+                with self._lock:
+                    self._jobs[:0] = jobs
+                    self._count(jobs, +1)
             raise
 
     def _check_no_backward_elsewhere(self) -> None:
@@ -255,41 +266,67 @@ class WeightGradQueue:
             )
 
 
-def run_jobs(jobs: Sequence[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int) -> None:
-    """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd."""
+def run_jobs(
+    jobs: Sequence[WeightGradJob],
+    strategy: FlushStrategy,
+    max_concat_bytes: int,
+    delivery_bucket_bytes: "int | None" = None,
+) -> None:
+    """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd.
+
+    A parameter's gradient is delivered once its last group has run: all at the end, or with
+    ``delivery_bucket_bytes`` in buckets of about that size while later groups still run."""
     if not jobs:
         return
     for job in jobs:
         job.check_unmodified()
-    groups: dict[tuple, list[WeightGradJob]] = {}
+    grouped: dict[tuple, list[WeightGradJob]] = {}
     for job in jobs:
         shapes = tuple((t.shape[1:], t.dtype, t.device) for t in job.tensors())
-        groups.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
+        grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
+    groups = list(grouped.values())
+    last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
 
-    params, handover = _summed_grads(groups.values(), strategy, max_concat_bytes)
-    if params:
-        with torch.enable_grad():
-            _HandOver.apply(handover, *params).backward()
-
-
-def _summed_grads(
-    groups: "Iterable[list[WeightGradJob]]", strategy: FlushStrategy, max_concat_bytes: int
-) -> tuple[list[Tensor], list[list[Tensor]]]:
-    """Each parameter and the sum of its gradients from every group, cast to its dtype first
-    as autograd casts each path before summing. Returned boxed, so that nothing in this frame
-    keeps a gradient alive once the caller hands the box over."""
-    grads: dict[int, tuple[Tensor, Tensor]] = {}  # id(param) -> (param, summed gradient)
+    summing: dict[int, tuple[Tensor, Tensor]] = {}  # id(param) -> (param, gradient so far)
+    ready: list[tuple[Tensor, Tensor]] = []
+    ready_bytes = 0
     with torch.no_grad():
-        for group in groups:
-            for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
-                if param is None or grad is None:
-                    continue
-                grad = grad.to(param.dtype)
-                if id(param) in grads:
-                    grads[id(param)][1].add_(grad)
-                else:
-                    grads[id(param)] = (param, grad)
-    return [p for p, _ in grads.values()], [[g for _, g in grads.values()]]
+        for index, group in enumerate(groups):
+            _add_group_grads(summing, group, strategy, max_concat_bytes)
+            for param in group[0].params:
+                if param is not None and last_group[id(param)] == index and id(param) in summing:
+                    ready.append(summing.pop(id(param)))
+                    ready_bytes += param.numel() * param.element_size()
+            if delivery_bucket_bytes is not None and ready_bytes >= delivery_bucket_bytes:
+                _deliver(ready)
+                ready_bytes = 0
+    _deliver(ready)
+
+
+def _add_group_grads(
+    summing: dict[int, tuple[Tensor, Tensor]], group: list[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int
+) -> None:
+    """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
+    each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
+    for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
+        if param is None or grad is None:
+            continue
+        grad = grad.to(param.dtype)
+        if id(param) in summing:
+            summing[id(param)][1].add_(grad)
+        else:
+            summing[id(param)] = (param, grad)
+
+
+def _deliver(ready: list[tuple[Tensor, Tensor]]) -> None:
+    """Hand ``ready``'s gradients to their parameters and empty it."""
+    if not ready:
+        return
+    params = [param for param, _ in ready]
+    handover = [[grad for _, grad in ready]]
+    ready.clear()
+    with torch.enable_grad():
+        _HandOver.apply(handover, *params).backward()
 
 
 class _HandOver(torch.autograd.Function):
