@@ -1,0 +1,374 @@
+"""Real libraries' models cut into pipeline stages, unchanged.
+
+In one process: the stages compose to the model's own forward (logits and loss), hold its
+parameters (no copies), and report the parameters that two stages share. On two gloo ranks:
+a pipelined step with 2BP (GPipe, 1F1B-1) and without (GPipe) gives every parameter the
+gradient, and every buffer the value, of the model itself run in one process on the same
+micro-batches, tied embeddings included once :class:`TiedGradients` has summed them.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import time
+import traceback
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import twobp_autograd as twobp
+from tests.utils import TOLERANCES
+from twobp_autograd import registry
+from twobp_autograd.pipeline.models import PipelineModel, TiedGradients, blocks_of, defer_norms, split_model
+from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
+from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
+
+torchvision = pytest.importorskip("torchvision")
+transformers = pytest.importorskip("transformers")
+
+from transformers import (  # noqa: E402  (after the importorskip above)
+    BertConfig,
+    BertForMaskedLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
+)
+
+VOCAB, HIDDEN, LAYERS, SEQUENCE, BATCH = 64, 16, 2, 8, 4
+WORLD = 2
+RUNTIME_TIMEOUT = 60.0
+
+
+# -- the models --------------------------------------------------------------------------------
+
+
+def tiny_llama(attention: str = "sdpa") -> nn.Module:
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2 * SEQUENCE,
+        tie_word_embeddings=True,
+        attn_implementation=attention,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tiny_bert() -> nn.Module:
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        max_position_embeddings=2 * SEQUENCE,
+        hidden_dropout_prob=0.0,  # dropout would draw different masks in the two runs
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",  # an explicit mask tensor, rebuilt on each stage
+    )
+    return BertForMaskedLM(config)
+
+
+def tiny_mamba() -> nn.Module:
+    config = MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, state_size=4, num_hidden_layers=LAYERS, expand=2, conv_kernel=3)
+    return MambaForCausalLM(config)
+
+
+def small_resnet() -> nn.Module:
+    # zero_init_residual: every block starts as the identity, which keeps tiny-batch
+    # BatchNorm gradients tame (see tests/test_models.py).
+    return torchvision.models.resnet18(num_classes=5, zero_init_residual=True)
+
+
+def token_batch(g: torch.Generator) -> tuple[Tensor, Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=g)
+    return ids, ids.clone()  # causal models shift the labels themselves
+
+
+def masked_batch(g: torch.Generator) -> tuple[Tensor, Tensor]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=g) < 0.5] = -100  # positions the loss ignores
+    return ids, labels
+
+
+def image_batch(g: torch.Generator) -> tuple[Tensor, Tensor]:
+    return torch.randn(BATCH, 3, 32, 32, generator=g), torch.randint(0, 5, (BATCH,), generator=g)
+
+
+def hf_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    return model(input_ids=inputs, labels=targets).loss
+
+
+def classifier_loss(model: nn.Module, inputs: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(model(inputs), targets)
+
+
+def _mixers(stage: nn.Module) -> set[str]:
+    return {name for name, module in stage.named_modules() if name.endswith(".mixer")}
+
+
+#: id -> (model, batch, the model's own loss, modules of a stage that patch leaves on plain
+#: autograd). BERT's head holds its decoder's bias itself (the patched decoder uses it);
+#: MambaMixer reads A_log, D, conv1d and dt_proj's parameters itself.
+MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable, Callable[[nn.Module], set[str]]]] = {
+    "resnet18": (small_resnet, image_batch, classifier_loss, lambda stage: set()),
+    "llama": (tiny_llama, token_batch, hf_loss, lambda stage: set()),
+    "bert": (tiny_bert, masked_batch, hf_loss, lambda stage: {n for n, _ in stage.named_modules() if n == "head.predictions"}),
+    "mamba": (tiny_mamba, token_batch, hf_loss, _mixers),
+}
+TIED = {"llama", "bert", "mamba"}
+#: (schedule, 2BP on)
+SCHEDULE_SETTINGS = [("gpipe", True), ("1f1b-1", True), ("gpipe", False)]
+SETTING_IDS = [f"{model}-{name}-{'2bp' if on else 'plain'}" for model in MODELS for name, on in SCHEDULE_SETTINGS]
+
+
+@pytest.fixture
+def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Registrations made by a test vanish after it, so other tests see the built-ins only."""
+    monkeypatch.setattr(registry, "_rules", dict(registry._rules))
+    yield
+
+
+# -- in one process ----------------------------------------------------------------------------
+
+
+def vgg() -> nn.Module:
+    """A VGG with torchvision's own layer maker and a test-sized classifier (its stock one
+    takes 512 x 7 x 7 features into 4096 units, 100M parameters)."""
+    from torchvision.models.vgg import make_layers
+
+    model = torchvision.models.VGG(make_layers([8, "M", 16, "M"], batch_norm=True), num_classes=5, dropout=0.0)
+    model.avgpool = nn.AdaptiveAvgPool2d(2)
+    model.classifier = nn.Sequential(nn.Linear(16 * 2 * 2, 8), nn.ReLU(True), nn.Dropout(0.0), nn.Linear(8, 5))
+    return model
+
+
+def vit() -> nn.Module:
+    return torchvision.models.VisionTransformer(
+        image_size=32, patch_size=8, num_layers=2, num_heads=2, hidden_dim=16, mlp_dim=32, num_classes=5
+    )
+
+
+COMPOSE_CASES = [
+    ("resnet18", small_resnet, image_batch, classifier_loss, 3),
+    ("vgg11_bn", vgg, image_batch, classifier_loss, 3),
+    ("vit", vit, image_batch, classifier_loss, 3),
+    ("llama", tiny_llama, token_batch, hf_loss, 2),
+    # eager attention takes the causal mask as a tensor: each stage must rebuild it
+    ("llama-eager", lambda: tiny_llama("eager"), token_batch, hf_loss, 2),
+    ("bert", tiny_bert, masked_batch, hf_loss, 2),
+    ("mamba", tiny_mamba, token_batch, hf_loss, 3),
+]
+
+
+@pytest.mark.parametrize("make_model, make_batch, loss, num_stages", [c[1:] for c in COMPOSE_CASES], ids=[c[0] for c in COMPOSE_CASES])
+def test_stages_compose_to_the_models_forward(
+    isolated_registry: None, make_model: Callable, make_batch: Callable, loss: Callable, num_stages: int
+) -> None:
+    model = make_model().train()
+    reference = copy.deepcopy(model)
+    inputs, targets = make_batch(torch.Generator().manual_seed(0))
+    pipeline = split_model(model, num_stages)
+    assert len(pipeline.stages) == num_stages
+
+    x = inputs
+    for stage in pipeline.stages:
+        x = stage(x)
+    expected_loss = loss(reference, inputs, targets)
+    torch.testing.assert_close(pipeline.loss_fn(x, targets), expected_loss, rtol=1e-6, atol=1e-6)
+    pipeline.loss_fn(x, targets).backward()
+    expected_loss.backward()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+    # The stages hold the model's own parameters, each of them exactly once over all stages
+    # but for the tied ones, which each holding stage lists.
+    model_params = {id(p) for p in model.parameters()}
+    held = [id(p) for stage in pipeline.stages for p in stage.parameters()]
+    assert set(held) == model_params
+    assert len(held) == len(model_params) + sum(len(t.stages) - 1 for t in pipeline.ties)
+
+
+@pytest.mark.parametrize(
+    "make_model, tied_name",
+    [
+        (tiny_llama, "model.embed_tokens.weight"),
+        (tiny_bert, "bert.embeddings.word_embeddings.weight"),
+        (tiny_mamba, "backbone.embeddings.weight"),
+    ],
+    ids=["llama", "bert", "mamba"],
+)
+def test_tied_embeddings_are_reported_across_first_and_last_stage(make_model: Callable, tied_name: str) -> None:
+    model = make_model()
+    pipeline = split_model(model, 2, norms=False)
+    assert [(t.name, t.stages) for t in pipeline.ties] == [(tied_name, (0, 1))]
+    assert pipeline.ties[0].parameter is model.get_input_embeddings().weight
+    assert split_model(model, 1, norms=False).ties == []  # one stage: autograd sums the two uses
+
+
+def test_blocks_are_embedding_layers_head_and_costs_cut_between_them() -> None:
+    model = tiny_llama()
+    assert len(blocks_of(model)) == LAYERS + 2
+    first, last = split_model(model, 2, costs=[1.0, 1.0, 1.0, 100.0], norms=False).stages
+    assert first.embed is not None and len(first.layers) == LAYERS and first.head is None
+    assert last.embed is None and len(last.layers) == 0 and last.head is not None
+    with pytest.raises(ValueError, match="3 costs for 4 blocks"):
+        split_model(model, 2, costs=[1.0, 1.0, 1.0], norms=False)
+
+
+def test_unknown_models_are_refused() -> None:
+    class Custom(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return x
+
+    with pytest.raises(TypeError, match="cannot split a Custom"):
+        split_model(Custom(), 2)
+
+
+@pytest.mark.parametrize("make_model, norm", [(tiny_llama, "LlamaRMSNorm"), (tiny_mamba, "MambaRMSNorm")], ids=["llama", "mamba"])
+def test_the_models_own_norms_are_deferred(isolated_registry: None, make_model: Callable, norm: str) -> None:
+    model = make_model()
+    stages = split_model(model, 2, norms=False).stages
+    assert any(norm in why for why in twobp.patch(copy.deepcopy(stages[1]), report=True).skipped.values())
+    assert [t.__name__ for t in defer_norms(model)] == [norm]
+    report = twobp.patch(stages[1], report=True)
+    assert not any(norm in why for why in report.skipped.values())
+    assert any(type(module).__name__ == norm for name, module in stages[1].named_modules() if name in report.patched)
+
+
+# -- on two ranks -------------------------------------------------------------------------------
+
+
+def _differs(a: "Tensor | None", b: "Tensor | None") -> bool:
+    rtol, atol = TOLERANCES[torch.float32]
+    return a is None or b is None or not torch.allclose(a, b, rtol=rtol, atol=atol)
+
+
+def _check_model(rank: int, model_name: str) -> dict:
+    make_model, make_batch, loss, expected_skipped = MODELS[model_name]
+    torch.manual_seed(0)
+    model = make_model().train()
+    reference = copy.deepcopy(model)
+    pipeline: PipelineModel = split_model(model, WORLD)
+    stage = pipeline.stages[rank]
+    tied = TiedGradients(pipeline)
+    names = {id(p): name for name, p in model.named_parameters()}
+    buffer_names = {id(b): name for name, b in model.named_buffers()}
+    reference_params, reference_buffers = dict(reference.named_parameters()), dict(reference.named_buffers())
+    tied_here = [t for t in pipeline.ties if rank in t.stages]
+    generator = torch.Generator().manual_seed(1)
+    results: dict = {}
+    for schedule_name, twobp_on in SCHEDULE_SETTINGS:
+        m = default_num_micro_batches(schedule_name, WORLD)
+        actions = schedule(schedule_name, WORLD, m, twobp_on)[rank]
+        runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=pipeline.loss_fn, twobp=twobp_on, timeout=RUNTIME_TIMEOUT)
+        result: dict = {"skipped": set(twobp.patch(stage, report=True).skipped) if twobp_on else None}
+        inputs, targets = make_batch(generator)
+        report = runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+        own = report.ranks[rank] if isinstance(report, StepReport) else report
+        result["deferred_jobs"] = own.deferred_jobs
+        result["loss"] = report.loss if isinstance(report, StepReport) else None
+
+        reference_loss = 0.0
+        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
+            micro_loss = loss(reference, x, y) / m
+            micro_loss.backward()
+            reference_loss += micro_loss.item()
+        result["reference_loss"] = reference_loss
+
+        # Before the sum each rank holds its own use's part of a tied gradient only.
+        result["tie_partial_before_sync"] = [
+            _differs(t.parameter.grad, reference_params[t.name].grad) for t in tied_here
+        ]
+        tied.all_reduce()
+        result["tied"] = [t.name for t in tied_here]
+
+        mismatches = []
+        for p in stage.parameters():
+            name = names[id(p)]
+            if _differs(p.grad, reference_params[name].grad):
+                mismatches.append(f"{name}.grad")
+        for b in stage.buffers():
+            name = buffer_names[id(b)]
+            if b.is_floating_point() and _differs(b, reference_buffers[name]) or not b.is_floating_point() and not torch.equal(b, reference_buffers[name]):
+                mismatches.append(f"buffer {name}")
+        result["mismatches"] = mismatches
+        result["expected_skipped"] = expected_skipped(stage)
+        for net in (model, reference):
+            net.zero_grad(set_to_none=True)
+        results[f"{model_name}-{schedule_name}-{'2bp' if twobp_on else 'plain'}"] = result
+    return results
+
+
+def _rank_main(rank: int, store_path: str, result_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        result: dict = {}
+        for model_name in MODELS:
+            result.update(_check_model(rank, model_name))
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        result = {"crash": traceback.format_exc()}
+    torch.save(result, f"{result_path}.{rank}")
+    os._exit(0)  # no destroy_process_group: after a failure it could wait on the dead peer
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    directory = tmp_path_factory.mktemp("models")
+    store, results = str(directory / "store"), str(directory / "result")
+    context = mp.get_context("spawn")
+    ranks = [context.Process(target=_rank_main, args=(rank, store, results)) for rank in range(WORLD)]
+    for process in ranks:
+        process.start()
+    end = time.monotonic() + 150.0
+    for process in ranks:
+        process.join(max(0.0, end - time.monotonic()))
+    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert not hung, f"ranks {hung} still running after 150 s: the pipeline hung"
+    found = []
+    for rank in range(WORLD):
+        assert os.path.exists(f"{results}.{rank}"), f"rank {rank} wrote no result"
+        result = torch.load(f"{results}.{rank}", weights_only=False)
+        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
+        found.append(result)
+    return found
+
+
+@pytest.mark.parametrize("setting", SETTING_IDS)
+def test_pipelined_step_matches_the_model_in_one_process(two_ranks: list[dict], setting: str) -> None:
+    model_name = setting.split("-")[0]
+    twobp_on = setting.endswith("-2bp")
+    for rank, results in enumerate(two_ranks):
+        result = results[setting]
+        assert not result["mismatches"], f"rank {rank}: {result['mismatches']}"
+        if twobp_on:  # a stage that silently kept plain autograd would queue nothing
+            assert result["deferred_jobs"] > 0, f"rank {rank}: nothing was deferred"
+            assert result["skipped"] == result["expected_skipped"], f"rank {rank}: {result['skipped']}"
+        else:
+            assert result["deferred_jobs"] == 0
+        if model_name in TIED:  # the first and the last rank each hold the tied embedding
+            assert len(result["tied"]) == 1, f"rank {rank}: {result['tied']}"
+            assert result["tie_partial_before_sync"] == [True], "the tie's sum was not needed: nothing tested"
+        else:
+            assert result["tied"] == []
+    first = two_ranks[0][setting]
+    torch.testing.assert_close(first["loss"], first["reference_loss"], rtol=1e-5, atol=1e-6)
