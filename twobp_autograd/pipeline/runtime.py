@@ -23,7 +23,7 @@ import resource
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,23 @@ from .actions import Action
 from .schedules import validate_schedule
 from .trace import Event
 
-__all__ = ["PipelineError", "PipelineRuntime", "RankMetrics", "StepReport", "init_distributed"]
+__all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "RankMetrics", "StepReport", "init_distributed"]
 
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
 _META_TAG = 1 << 20  # gloo matches messages by tag; NCCL by order, which the schedules keep equal
+
+
+class GradientSync(Protocol):
+    """Plugs gradient synchronisation (e.g. data parallelism) into a step: the flushes after
+    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`, a
+    failed step calls :meth:`reset`. See :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
+
+    def flush(self, queue: WeightGradQueue, tags: "Sequence[Hashable] | None") -> None: ...
+
+    def finish(self) -> None: ...
+
+    def reset(self) -> None: ...
 
 
 class PipelineError(RuntimeError):
@@ -58,6 +70,7 @@ class RankMetrics:
     peak_bytes: int  # CUDA: max_memory_allocated; CPU: queued weight work + held activations
     peak_rss: int  # bytes, the process's peak resident set so far
     loss: "float | None"  # on the last rank
+    peak_pending_bytes: int = 0  # most bytes the weight-gradient queue held after an action
 
 
 @dataclass
@@ -98,6 +111,8 @@ class PipelineRuntime:
 
     ``loss_fn(output, target)`` is used on the last rank; each micro-batch's loss is divided by
     ``num_micro_batches``, so the step's gradients are those of the mean over micro-batches.
+    ``grad_sync`` (e.g. a data-parallel :class:`GradientSync` over this stage's replicas) gets
+    the flushes that follow the step's last backward and finishes the step.
     """
 
     def __init__(
@@ -112,6 +127,7 @@ class PipelineRuntime:
         device: "torch.device | None" = None,
         timeout: float = 60.0,
         queue: "WeightGradQueue | None" = None,
+        grad_sync: "GradientSync | None" = None,
     ) -> None:
         validate_schedule([list(actions)], num_micro_batches)
         self.group = group
@@ -129,6 +145,7 @@ class PipelineRuntime:
         self.device = device or next((p.device for p in stage.parameters()), torch.device("cpu"))
         self.timeout = timeout
         self.queue = queue or WeightGradQueue()
+        self.grad_sync = grad_sync
         self.apply_mode()
         self._sent_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
@@ -163,7 +180,9 @@ class PipelineRuntime:
         self._losses: list[Tensor] = []
         self._receive_wait = 0.0
         self._peak_bytes = 0
+        self._peak_pending_bytes = 0
         self._deferred_jobs = 0
+        self._backwards_left = sum(a.kind in ("I", "B") for a in self.actions)
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         events: list[Event] = []
@@ -186,8 +205,12 @@ class PipelineRuntime:
                 )
             for work, _, what in self._sends:
                 self._wait(work, what)
+            if self.grad_sync is not None:
+                self.grad_sync.finish()
         except BaseException:
             self.queue.clear()
+            if self.grad_sync is not None:
+                self.grad_sync.reset()
             raise
         finally:
             self._sends = []
@@ -206,6 +229,7 @@ class PipelineRuntime:
             peak_bytes=self._peak_bytes,
             peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             loss=loss,
+            peak_pending_bytes=self._peak_pending_bytes,
         )
         if not gather:
             return metrics
@@ -218,10 +242,17 @@ class PipelineRuntime:
             self._forward(action.micro_batch)
         elif action.kind in ("I", "B"):
             self._backward(action.micro_batch)
+            self._backwards_left -= 1
             if action.kind == "B" and self.twobp:
-                self.queue.flush(tags=[action.micro_batch])
+                self._flush([action.micro_batch])
         else:
-            self.queue.flush(tags=action.micro_batches)
+            self._flush(action.micro_batches)
+
+    def _flush(self, tags: "Sequence[Hashable] | None") -> None:
+        if self.grad_sync is not None and self._backwards_left == 0:  # gradients can become final
+            self.grad_sync.flush(self.queue, tags)
+        else:
+            self.queue.flush(tags=tags)
 
     def _forward(self, k: int) -> None:
         if self.first:
@@ -320,6 +351,7 @@ class PipelineRuntime:
     def _account_memory(self) -> None:
         pending = self.queue.pending()
         self._deferred_jobs = max(self._deferred_jobs, pending.jobs)
+        self._peak_pending_bytes = max(self._peak_pending_bytes, pending.bytes)
         if self.device.type != "cuda":
             held = sum(t.numel() * t.element_size() for pair in self._held.values() for t in pair)
             self._peak_bytes = max(self._peak_bytes, pending.bytes + held)

@@ -1,0 +1,277 @@
+"""GradientSynchroniser against DDP on the unpatched model, and pipeline x data parallel
+against one process.
+
+Each scenario runs once in spawned gloo ranks (starting processes is the slow part) and
+returns one result per rank; the tests below read them. Every rank gets different data, so a
+synchroniser that reduced nothing (or summed instead of averaging) would not match DDP.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import time
+import traceback
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+import twobp_autograd as twobp
+from tests.utils import TOLERANCES
+from twobp_autograd.data_parallel import GradientSynchroniser
+from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
+from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
+from twobp_autograd.pipeline.stages import split
+
+VOCAB, WIDTH, STEPS, MICRO_BATCHES = 11, 8, 2, 2
+
+
+# -- spawning --------------------------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, scenario: Callable[[int], dict], store_path: str, result_path: str) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        result = scenario(rank)
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        result = {"crash": traceback.format_exc()}
+    torch.save(result, f"{result_path}.{rank}")
+    os._exit(0)  # no destroy_process_group: after a failure it could wait on a dead peer
+
+
+def launch(scenario: Callable[[int], dict], world: int, directory: str, deadline: float = 120.0) -> list[dict]:
+    """Run ``scenario(rank)`` (a module-level function) on ``world`` spawned gloo ranks."""
+    context = mp.get_context("spawn")
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    ranks = [context.Process(target=_rank_main, args=(r, world, scenario, store, results)) for r in range(world)]
+    for process in ranks:
+        process.start()
+    end = time.monotonic() + deadline
+    for process in ranks:
+        process.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, process in enumerate(ranks) if process.is_alive()]
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+            process.join()
+    assert not hung, f"ranks {hung} still running after {deadline} s"
+    found = []
+    for r in range(world):
+        assert os.path.exists(f"{results}.{r}"), f"rank {r} wrote no result"
+        result = torch.load(f"{results}.{r}", weights_only=False)
+        assert "crash" not in result, f"rank {r} crashed:\n{result['crash']}"
+        found.append(result)
+    return found
+
+
+# -- a model with every case at once ---------------------------------------------------------
+
+
+class Scale(nn.Module):
+    """Not registered: its weight gets its gradient from plain autograd in backward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class Net(nn.Module):
+    """Patched layers, an unpatched module, BatchNorm buffers, a tied embedding/output weight,
+    a weight used both by its patched Linear and directly (half deferred, half immediate), a
+    layer nobody uses, and one only some ranks use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.up = nn.Linear(WIDTH, 2 * WIDTH)
+        self.scale = Scale(2 * WIDTH)
+        self.norm = nn.BatchNorm1d(2 * WIDTH)
+        self.down = nn.Linear(2 * WIDTH, WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.unused = nn.Linear(3, 3)
+        self.sometimes = nn.Linear(WIDTH, WIDTH)
+        self.use_sometimes = False
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        e = self.embed(tokens)  # (batch, WIDTH)
+        h = self.up(e) + 0.5 * (e @ self.up.weight.t())
+        h = self.down(F.gelu(self.norm(self.scale(h))))
+        if self.use_sometimes:
+            h = h + self.sometimes(h)
+        return self.head(h)
+
+
+def _batch(rank: int, step: int, micro: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + micro)
+    return torch.randint(0, VOCAB, (6,), generator=g), torch.randint(0, VOCAB, (6,), generator=g)
+
+
+def _grads(model: nn.Module) -> dict[str, "Tensor | None"]:
+    return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+
+
+def _versus_ddp(rank: int) -> dict:
+    torch.manual_seed(rank)  # different initial weights per rank: both must take rank 0's
+    model = Net()
+    reference = copy.deepcopy(model)
+    model.use_sometimes = reference.use_sometimes = rank == 0
+    twobp.patch(model)
+    sync = GradientSynchroniser(model, bucket_bytes=256)  # many buckets
+    ddp = DistributedDataParallel(reference, find_unused_parameters=True)
+    optimizer, ddp_optimizer = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ddp.parameters(), lr=0.1)
+    result: dict = {"steps": [], "untouched_before_sync": [], "queued": [], "launched_in_flush": []}
+    launches_seen: list[int] = []
+
+    def record_launches(_: Tensor) -> None:
+        if sync._armed:
+            launches_seen.append(sync.launched)
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(record_launches)
+    for step in range(STEPS):
+        launches_seen.clear()
+        for micro in range(MICRO_BATCHES):
+            x, y = _batch(rank, step, micro)
+            F.cross_entropy(model(x), y).backward()
+            if micro < MICRO_BATCHES - 1:
+                with ddp.no_sync():
+                    F.cross_entropy(ddp(x), y).backward()
+            else:
+                F.cross_entropy(ddp(x), y).backward()
+        result["queued"].append(twobp.pending().jobs)
+        result["untouched_before_sync"].append(model.down.weight.grad is None and model.embed.weight.grad is None)
+        sync.synchronise()
+        # A bucket was in flight while the flush still delivered gradients: the overlap.
+        result["launched_in_flush"].append(any(0 < n < sync.num_buckets for n in launches_seen))
+        result["steps"].append((_grads(model), _grads(reference)))
+        optimizer.step()
+        ddp_optimizer.step()
+        optimizer.zero_grad()
+        ddp_optimizer.zero_grad()
+    result["params"] = ({n: p.detach().clone() for n, p in model.named_parameters()}, {n: p.detach().clone() for n, p in reference.named_parameters()})
+    result["buffers"] = (dict(model.named_buffers()), dict(reference.named_buffers()))
+    return result
+
+
+# -- pipeline x data parallel ------------------------------------------------------------------
+
+PIPELINE_SETTINGS = [("gpipe", True), ("1f1b-2", True), ("zb", True), ("1f1b-1", False)]
+PIPELINE_IDS = [f"{name}-{'2bp' if twobp else 'plain'}" for name, twobp in PIPELINE_SETTINGS]
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(
+        nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), Scale(8),
+        nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 3),
+    )  # fmt: skip
+
+
+def _pipeline_data(replica: int, step: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(100 * replica + step)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _pipeline_times_data(rank: int, stages: int = 2, replicas: int = 2) -> dict:
+    mesh = dist.device_mesh.init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
+    replica, stage_index = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    results = {}
+    for (name, twobp_on), setting_id in zip(PIPELINE_SETTINGS, PIPELINE_IDS):
+        torch.manual_seed(0)
+        model = _mlp()
+        reference = copy.deepcopy(model)
+        stage = split(model, stages)[stage_index]
+        sync = GradientSynchroniser(stage, group=mesh.get_group("dp"), bucket_bytes=64)
+        m = default_num_micro_batches(name, stages)
+        runtime = PipelineRuntime(
+            stage, schedule(name, stages, m, twobp_on)[stage_index], num_micro_batches=m,
+            loss_fn=F.mse_loss, twobp=twobp_on, group=mesh.get_group("pp"), timeout=30.0, grad_sync=sync,
+        )  # fmt: skip
+        deferred = []
+        for step in range(2):  # the second step launches in the agreed order
+            for p in model.parameters():
+                p.grad = None
+            reference.zero_grad(set_to_none=True)
+            inputs, targets = _pipeline_data(replica, step)
+            report = runtime.step(inputs if stage_index == 0 else None, targets if stage_index == stages - 1 else None)
+            own = report.ranks[stage_index] if isinstance(report, StepReport) else report
+            assert isinstance(own, RankMetrics)
+            deferred.append(own.deferred_jobs)
+            for r in range(replicas):  # one process: every replica's micro-batches, mean over all
+                x_all, y_all = _pipeline_data(r, step)
+                for x, y in zip(x_all.tensor_split(m), y_all.tensor_split(m)):
+                    (F.mse_loss(reference(x), y) / (m * replicas)).backward()
+        reference_stage = split(reference, stages)[stage_index]
+        results[setting_id] = {"deferred": deferred, "grads": (_grads(stage), _grads(reference_stage))}
+        sync.close()
+    return results
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def versus_ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return launch(_versus_ddp, 2, str(tmp_path_factory.mktemp("ddp")))
+
+
+@pytest.fixture(scope="module")
+def pipeline_times_data(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return launch(_pipeline_times_data, 4, str(tmp_path_factory.mktemp("pp_dp")))
+
+
+def _assert_same(ours: dict[str, "Tensor | None"], theirs: dict[str, "Tensor | None"], what: str) -> None:
+    rtol, atol = TOLERANCES[torch.float32]
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        a, b = ours[name], theirs[name]
+        assert (a is None) == (b is None), f"{what} {name}: ours is {a is None and 'None' or 'set'}, DDP's is not"
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("step", range(STEPS), ids=lambda s: f"step{s}")
+def test_gradients_equal_ddp_on_the_unpatched_model(versus_ddp: list[dict], rank: int, step: int) -> None:
+    result = versus_ddp[rank]
+    assert result["queued"][step] > 0, "nothing was deferred: the patch fell back to plain autograd"
+    assert result["untouched_before_sync"][step], "a deferred .grad was written before the synchroniser's flush"
+    ours, theirs = result["steps"][step]
+    assert ours["unused.weight"] is None  # used by no rank
+    assert theirs["sometimes.weight"] is not None  # used by rank 0 only: averaged everywhere
+    _assert_same(ours, theirs, f"rank {rank} step {step}")
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_parameters_and_buffers_after_steps_equal_ddp(versus_ddp: list[dict], rank: int) -> None:
+    params, buffers = versus_ddp[rank]["params"], versus_ddp[rank]["buffers"]
+    _assert_same(*params, f"rank {rank} parameter")
+    _assert_same(*buffers, f"rank {rank} buffer")
+    _assert_same(versus_ddp[0]["params"][0], params[0], f"rank {rank} vs rank 0")
+
+
+def test_reduction_overlaps_the_flush(versus_ddp: list[dict]) -> None:
+    assert all(all(r["launched_in_flush"]) for r in versus_ddp)
+
+
+@pytest.mark.parametrize("setting", PIPELINE_IDS)
+def test_pipeline_times_data_parallel_equals_one_process(pipeline_times_data: list[dict], setting: str) -> None:
+    for rank, results in enumerate(pipeline_times_data):
+        result = results[setting]
+        if setting.endswith("-2bp"):
+            assert all(d > 0 for d in result["deferred"]), f"rank {rank}: nothing was deferred"
+        _assert_same(*result["grads"], f"rank {rank}")

@@ -1,0 +1,280 @@
+"""Data parallelism for patched models: DDP's averaged gradients, reduced while backward-p2 runs.
+
+DDP starts a bucket's all-reduce from autograd hooks as soon as backward has accumulated every
+gradient in it. On a patched model most weight gradients do not exist after backward: the
+flush makes them. :class:`GradientSynchroniser` therefore runs the flush itself, with bucketed
+delivery, and launches each bucket's asynchronous all-reduce from the parameters'
+post-accumulate hooks the moment its last gradient is final, so communication overlaps the
+rest of the flush. Gradients that backward already finished (unpatched modules, layers that
+fell back to plain autograd) are ready before the flush and go first.
+
+Collectives must be issued in one order on every rank, so buckets launch strictly in their
+index order: at first DDP's (parameters in reverse), from the second step on the order in
+which gradients became final on the group's first rank (broadcast once). A parameter without
+a gradient on some rank counts as zero there; one without a gradient on every rank keeps
+``.grad`` None, as DDP with ``find_unused_parameters=True`` does.
+
+Usage, alone (in place of ``DistributedDataParallel``)::
+
+    twobp.patch(model)
+    sync = GradientSynchroniser(model)   # broadcasts rank 0's parameters and buffers
+    loss_fn(model(x), y).backward()      # input gradients only; weight work queued
+    sync.synchronise()                   # flush + overlapped all-reduce; .grad = mean over ranks
+    optimizer.step()
+
+With the pipeline runtime, pass it as ``PipelineRuntime(..., grad_sync=sync)`` with ``group`` the
+data-parallel group of the rank's stage: the W actions after the step's last backward flush
+through :meth:`GradientSynchroniser.flush`, and the step ends with
+:meth:`GradientSynchroniser.finish`.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from .queue import WeightGradQueue, current_queue, run_jobs
+
+__all__ = ["GradientSynchroniser", "broadcast_tensors"]
+
+_FIRST_BUCKET_BYTES = 1 << 20  # small, so communication starts early (DDP does the same)
+
+
+@dataclass
+class _Bucket:
+    """Parameters reduced together: one dtype and device, contiguous in the launch order."""
+
+    params: list[int]  # indices into GradientSynchroniser.params
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+class GradientSynchroniser:
+    """Averages the gradients of ``module``'s parameters over the ranks of ``group`` (default:
+    the whole world), overlapping the all-reduce with the flush of the weight-gradient queue.
+
+    ``bucket_bytes``: size of one all-reduce (DDP's ``bucket_cap_mb``). ``queue``: the queue the
+    module's forwards feed (default: the current queue when flushing). ``broadcast_buffers``:
+    like DDP (with ``no_sync`` for all but a step's last micro-batch), the first training
+    forward of each step takes the buffers (e.g. BatchNorm running statistics) of the
+    group's first rank. ``sync_initial_state``: like DDP's constructor,
+    start from the first rank's parameters and buffers. ``timeout``: seconds any reduction
+    may take before :meth:`finish` raises.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        group: "dist.ProcessGroup | None" = None,
+        bucket_bytes: int = 25 << 20,
+        queue: "WeightGradQueue | None" = None,
+        broadcast_buffers: bool = True,
+        sync_initial_state: bool = True,
+        timeout: "float | None" = None,
+    ) -> None:
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
+        self.module = module
+        self.group = group
+        self.world_size = dist.get_world_size(group)
+        self.bucket_bytes = bucket_bytes
+        self.queue = queue
+        self.timeout = timeout
+        # Deduplicated: a tied weight is one parameter, reduced once.
+        self.params: list[nn.Parameter] = [p for p in module.parameters() if p.requires_grad]
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._build_buckets(list(reversed(range(len(self.params)))))
+        self._order_agreed = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self.params]
+        if sync_initial_state:
+            with torch.no_grad():
+                broadcast_tensors([*module.parameters(), *module.buffers()], group=group)
+        self._buffers_due = True
+        if broadcast_buffers and any(True for _ in module.buffers()):
+            self._hooks.append(module.register_forward_pre_hook(self._broadcast_buffers))
+        self.reset()
+
+    # -- the step -------------------------------------------------------------------------
+
+    def synchronise(self, queue: "WeightGradQueue | None" = None) -> None:
+        """Flush all queued weight work with the all-reduce overlapped, and wait until every
+        gradient is the mean over ranks. Call it where a DDP user's backward would end."""
+        self.flush(queue)
+        self.finish()
+
+    def flush(self, queue: "WeightGradQueue | None" = None, tags: "Sequence[Hashable] | None" = None) -> None:
+        """Run the queued work of ``tags`` (all when None), launching each bucket's all-reduce
+        once its gradients are final. Call only when no more backward passes will add to
+        this step's gradients; later work queued for a parameter keeps it waiting."""
+        queue = queue or self.queue or current_queue()
+        jobs = queue.take(tags)
+        delivered = {id(p) for job in jobs for p in job.params if p is not None}
+        # Work left for a later flush of this step keeps its parameters waiting (rare: only
+        # schedules whose last backward is followed by several W actions get here).
+        later = {id(p) for p in self.params if queue.has_work_for([p])} if len(queue) else set()
+        for i, p in enumerate(self.params):  # finished by backward or an earlier flush, or unused
+            if not self._ready[i] and id(p) not in delivered and id(p) not in later:
+                self._mark_ready(i)
+        self._final = delivered - later
+        self._armed = True
+        try:
+            run_jobs(jobs, queue.strategy, queue.max_concat_bytes, max(1, self.bucket_bytes // 4))
+        finally:
+            self._armed = False
+            self._final = set()
+
+    def finish(self) -> None:
+        """Launch what is left (parameters without a gradient take part as zeros), wait for
+        every reduction and write the means into ``.grad``."""
+        try:
+            for b in range(self._next_bucket, len(self._buckets)):
+                self._launch(b)
+            self._next_bucket = len(self._buckets)
+            for work, bucket, flat in self._works:
+                self._wait(work)
+                self._write_back(bucket, flat)
+            if not self._order_agreed:
+                self._agree_on_order()
+        finally:
+            self.reset()
+            self._buffers_due = True
+
+    def reset(self) -> None:
+        """Forget this step's progress (after a failed step). Launched reductions are not
+        waited for: the group must be torn down or resynchronised after a failure."""
+        self._ready = [False] * len(self.params)
+        self._missing = [len(b.params) for b in self._buckets]
+        self._next_bucket = 0
+        self._works: list[tuple[object, _Bucket, Tensor]] = []
+        self._observed: list[int] = []
+        self._armed = False
+        self._final: set[int] = set()
+
+    def close(self) -> None:
+        """Remove the hooks this synchroniser put on the parameters and the module."""
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self._buckets)
+
+    @property
+    def launched(self) -> int:
+        """Buckets whose all-reduce this step has started."""
+        return len(self._works)
+
+    # -- readiness ------------------------------------------------------------------------
+
+    def _on_accumulated(self, param: Tensor) -> None:
+        # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
+        # unarmed flush calls it before the gradient is final: only armed deliveries count.
+        if self._armed and id(param) in self._final:
+            i = self._index[id(param)]
+            if not self._ready[i]:
+                self._mark_ready(i)
+
+    def _mark_ready(self, i: int) -> None:
+        self._ready[i] = True
+        self._observed.append(i)
+        self._missing[self._bucket_of[i]] -= 1
+        while self._next_bucket < len(self._buckets) and self._missing[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+            self._next_bucket += 1
+
+    # -- buckets --------------------------------------------------------------------------
+
+    def _build_buckets(self, order: Sequence[int]) -> None:
+        buckets: list[_Bucket] = []
+        open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
+        for i in order:
+            p = self.params[i]
+            key = (p.dtype, p.device)
+            bucket = open_buckets.get(key)
+            if bucket is None:
+                bucket = open_buckets[key] = _Bucket([], 0, p.dtype, p.device)
+                buckets.append(bucket)
+            bucket.params.append(i)
+            bucket.numel += p.numel()
+            limit = min(_FIRST_BUCKET_BYTES, self.bucket_bytes) if len(buckets) == 1 else self.bucket_bytes
+            if bucket.numel * p.element_size() >= limit:
+                del open_buckets[key]
+        self._buckets = buckets
+        self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
+
+    def _launch(self, b: int) -> None:
+        """Flatten the bucket's gradients divided by the world size (as DDP does before its
+        sum), followed by one flag per parameter: 1 where this rank has a gradient."""
+        bucket = self._buckets[b]
+        pieces, flags = [], []
+        for i in bucket.params:
+            p = self.params[i]
+            grad = p.grad
+            if grad is not None and grad.layout != torch.strided:
+                raise RuntimeError(f"GradientSynchroniser reduces dense gradients only; parameter {i} has a {grad.layout} one")
+            pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel()))
+            flags.append(grad is not None)
+        flat = torch.cat([*pieces, torch.tensor(flags, dtype=bucket.dtype, device=bucket.device)])
+        flat[: bucket.numel].div_(self.world_size)
+        self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), bucket, flat))
+
+    def _write_back(self, bucket: _Bucket, flat: Tensor) -> None:
+        offset = 0
+        used = flat[bucket.numel :].tolist()
+        with torch.no_grad():
+            for i, anyone in zip(bucket.params, used):
+                p = self.params[i]
+                mean = flat[offset : offset + p.numel()].view(p.shape)
+                offset += p.numel()
+                if not anyone:
+                    continue  # no rank has a gradient for it: stays None, as in DDP
+                if p.grad is None:
+                    p.grad = torch.empty_like(p).copy_(mean)
+                else:
+                    p.grad.copy_(mean)
+
+    def _wait(self, work: object) -> None:
+        if self.timeout is None:
+            work.wait()  # type: ignore[attr-defined]
+        else:
+            work.wait(datetime.timedelta(seconds=self.timeout))  # type: ignore[attr-defined]
+
+    def _agree_on_order(self) -> None:
+        """From now on, launch buckets in the order gradients became final on the first rank."""
+        seen = set(self._observed)
+        order = [*self._observed, *(i for i in reversed(range(len(self.params))) if i not in seen)]
+        shared: list[object] = [order]
+        dist.broadcast_object_list(shared, group_src=0, group=self.group)
+        self._build_buckets(shared[0])  # type: ignore[arg-type]
+        self._order_agreed = True
+
+    # -- buffers --------------------------------------------------------------------------
+
+    def _broadcast_buffers(self, module: nn.Module, args: object) -> None:
+        if self._buffers_due and module.training and torch.is_grad_enabled():
+            self._buffers_due = False
+            with torch.no_grad():
+                broadcast_tensors(list(module.buffers()), group=self.group)
+
+
+def broadcast_tensors(tensors: Iterable[Tensor], *, group: "dist.ProcessGroup | None" = None) -> None:
+    """Overwrite ``tensors`` in place with those of the group's first rank, one broadcast per
+    dtype and device (not one per tensor)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for same in by_kind.values():
+        flat = torch.cat([t.reshape(-1) for t in same])
+        dist.broadcast(flat, group_src=0, group=group)
+        offset = 0
+        for t in same:
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
