@@ -29,12 +29,13 @@ from torch import Tensor, nn
 
 from .runtime import PipelineRuntime, StepReport, init_distributed
 from .schedules import SCHEDULES, default_num_micro_batches, schedule
-from .stages import blocks_of, measure_block_costs, parameter_costs, split
+from .models import TiedGradients, blocks_of, loss_fn_of, split_model
+from .stages import measure_block_costs, parameter_costs
 from .trace import plot_timeline, write_chrome_trace
 
 __all__ = ["main", "build_model", "LlamaLikeBlock"]
 
-MODELS = ("resnet152", "transformer", "mlp")
+MODELS = ("resnet152", "transformer", "mlp", "llama", "bert", "mamba")
 
 
 # -- models ----------------------------------------------------------------------------------
@@ -137,10 +138,48 @@ def build_model(name: str, args: argparse.Namespace) -> ModelSpec:
             return torch.randn(b, 3, size, size, generator=g), torch.randint(0, classes, (b,), generator=g)
 
         return model, make_batch, F.cross_entropy
+    if name in ("llama", "bert", "mamba"):
+        return _hugging_face_model(name, args)
     raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
 
 
-DEFAULT_BATCH = {"mlp": 32, "transformer": 16, "resnet152": 16}
+def _hugging_face_model(name: str, args: argparse.Namespace) -> ModelSpec:
+    """A Hugging Face model built from a config (nothing downloaded), tied embeddings, sized
+    by --width/--depth/--seq-len like the transformer; BERT with 15% of positions labelled."""
+    import transformers
+
+    width, depth, seq, vocab = args.width or 256, args.depth or 8, args.seq_len or 64, 1000
+    heads = max(1, width // 64)
+    if name == "llama":
+        model: nn.Module = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(
+                vocab_size=vocab, hidden_size=width, intermediate_size=8 * width // 3, num_hidden_layers=depth,
+                num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
+                tie_word_embeddings=True, attn_implementation="sdpa",
+            )
+        )  # fmt: skip
+    elif name == "bert":
+        model = transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
+                num_attention_heads=heads, max_position_embeddings=seq, attn_implementation="sdpa",
+            )
+        )  # fmt: skip
+    else:
+        model = transformers.MambaForCausalLM(
+            transformers.MambaConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=depth, state_size=16, expand=2)
+        )
+
+    def make_batch(b: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
+        ids = torch.randint(0, vocab, (b, seq), generator=g)
+        if name != "bert":
+            return ids, ids.clone()  # causal models shift their labels themselves
+        return ids, ids.masked_fill(torch.rand(ids.shape, generator=g) >= 0.15, -100)
+
+    return model, make_batch, loss_fn_of(model)
+
+
+DEFAULT_BATCH = {"mlp": 32, "transformer": 16, "resnet152": 16, "llama": 16, "bert": 16, "mamba": 16}
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -155,9 +194,9 @@ def parse_args(argv: "Sequence[str] | None") -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per run first")
     parser.add_argument("--micro-batches", type=int, default=None, help="default: the schedule's (p, or 2p for 1f1b-2 and zb)")
     parser.add_argument("--batch-size", type=int, default=None, help="samples per step (default per model)")
-    parser.add_argument("--width", type=int, default=None, help="mlp/transformer hidden size")
-    parser.add_argument("--depth", type=int, default=None, help="mlp/transformer number of blocks")
-    parser.add_argument("--seq-len", type=int, default=None, help="mlp/transformer tokens per sample")
+    parser.add_argument("--width", type=int, default=None, help="hidden size (all but resnet152)")
+    parser.add_argument("--depth", type=int, default=None, help="number of blocks / layers (all but resnet152)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (all but resnet152)")
     parser.add_argument("--image-size", type=int, default=64, help="resnet152 input resolution")
     parser.add_argument("--balance", choices=("time", "params"), default="time", help="what stages are balanced by")
     parser.add_argument("--json", default=None, help="write every step's metrics here (rank 0)")
@@ -235,9 +274,10 @@ def _benchmark(args: argparse.Namespace, device: torch.device, threads: int) -> 
     num_micro = {name: args.micro_batches or default_num_micro_batches(name, world) for name in schedules}
 
     costs = _agreed_costs(model, inputs[: math.ceil(batch_size / max(num_micro.values()))], args.balance, device)
-    stages = split(model, world, costs=costs)
-    stage = stages[rank]
-    del model, stages  # the other ranks' blocks
+    pipeline = split_model(model, world, costs=costs)
+    stage = pipeline.stages[rank]
+    tied = TiedGradients(pipeline)  # embeddings shared by the first and last rank
+    del model, pipeline  # the other ranks' blocks
     runtimes = {
         (name, twobp): PipelineRuntime(
             stage,
@@ -260,6 +300,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device, threads: int) -> 
     for step in range(args.warmup + args.steps):
         for run in runs:  # A B A B: each schedule's off and on runs take turns step by step
             report = runtimes[run].step(inputs if rank == 0 else None, targets if rank == world - 1 else None)
+            tied.all_reduce()
             for p in stage.parameters():
                 p.grad = None
             if progress is not None:

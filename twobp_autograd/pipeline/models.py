@@ -35,7 +35,7 @@ from .. import register
 from ..ops import recompute
 from . import stages as _stages
 
-__all__ = ["PipelineModel", "Tie", "TiedGradients", "blocks_of", "split_model", "defer_norms"]
+__all__ = ["PipelineModel", "Tie", "TiedGradients", "blocks_of", "split_model", "loss_fn_of", "defer_norms"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
@@ -95,11 +95,16 @@ def split_model(
     parts = _stages.partition(costs, num_stages)
     if family is None:
         stages: list[nn.Module] = [nn.Sequential(*(blocks[i] for i in part)) for part in parts]
-        loss_fn: LossFn = F.cross_entropy
     else:
         stages = [family.stage(model, part) for part in parts]
-        loss_fn = family.loss(model)
-    return PipelineModel(stages, loss_fn, _ties(model, stages))
+    return PipelineModel(stages, loss_fn_of(model), _ties(model, stages))
+
+
+def loss_fn_of(model: nn.Module) -> LossFn:
+    """``loss_fn(logits, targets)``: the loss a Hugging Face model computes from ``labels=``;
+    cross-entropy for a classifier."""
+    family = _family_of(model)
+    return F.cross_entropy if family is None else family.loss(model)
 
 
 def defer_norms(model: nn.Module) -> list[type]:

@@ -1,0 +1,67 @@
+"""The multi-machine path on one machine: two torchrun agents, one per "node", meet through a
+c10d rendezvous over TCP and run the pipeline bench across them, as two hosts would."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+DEADLINE = 120.0
+TINY = ["--width", "16", "--depth", "2", "--seq-len", "4", "--batch-size", "4", "--balance", "params", "--threads", "1"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _agent(node_rank: int, port: int, json_path: Path, log: Path) -> subprocess.Popen:
+    command = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node_rank),
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "twobp-multinode",
+        "--max-restarts", "0",
+        "-m", "twobp_autograd.pipeline.bench",
+        "--model", "mlp", "--schedule", "1f1b-1", "--twobp", "both", "--steps", "1", "--warmup", "0",
+        "--timeout", "60", "--no-progress", "--json", str(json_path), *TINY,
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    environment.pop("RANK", None)  # a rank launched by torchrun itself would skip the spawn
+    with open(log, "w") as output:
+        return subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT, env=environment)
+
+
+def test_two_nodes_run_the_pipeline_bench(tmp_path: Path) -> None:
+    port = _free_port()
+    json_path = tmp_path / "bench.json"
+    logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
+    agents = [_agent(rank, port, json_path, logs[rank]) for rank in range(2)]
+    end = time.monotonic() + DEADLINE
+    codes = []
+    try:
+        for agent in agents:
+            codes.append(agent.wait(timeout=max(1.0, end - time.monotonic())))
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+    outputs = "\n".join(f"--- node {rank} ---\n{log.read_text()}" for rank, log in enumerate(logs))
+    assert codes == [0, 0], f"exit codes {codes} (a missing one ran past {DEADLINE:g} s)\n{outputs}"
+
+    document = json.loads(json_path.read_text())  # written by global rank 0, on either node
+    assert document["world_size"] == 2
+    steps = document["steps"]
+    assert all(jobs > 0 for jobs in steps["mlp-1f1b-1-2bp-on"][0]["deferred_jobs"]), "2BP deferred nothing"
+    assert all(jobs == 0 for jobs in steps["mlp-1f1b-1-2bp-off"][0]["deferred_jobs"])
+    assert "samples/s" in outputs
