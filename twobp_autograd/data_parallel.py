@@ -113,7 +113,8 @@ class GradientSynchroniser:
         """Run the queued work of ``tags`` (all when None), launching each bucket's all-reduce
         once its gradients are final. Call only when no more backward passes will add to
         this step's gradients; later work queued for a parameter keeps it waiting."""
-        queue = queue or self.queue or current_queue()
+        if queue is None:  # not `or`: an empty queue is falsy
+            queue = self.queue if self.queue is not None else current_queue()
         jobs = queue.take(tags)
         delivered = {id(p) for job in jobs for p in job.params if p is not None}
         # Work left for a later flush of this step keeps its parameters waiting (rare: only

@@ -144,7 +144,7 @@ class PipelineRuntime:
         self.twobp = twobp
         self.device = device or next((p.device for p in stage.parameters()), torch.device("cpu"))
         self.timeout = timeout
-        self.queue = queue or WeightGradQueue()
+        self.queue = queue if queue is not None else WeightGradQueue()  # an empty queue is falsy
         self.grad_sync = grad_sync
         self.apply_mode()
         self._sent_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}

@@ -1,0 +1,167 @@
+"""Data parallelism on a patched model: all-reduce overlapped with the flush, against the
+same flush followed by the all-reduce, and against DDP on the unpatched model.
+
+Two gloo ranks spawned in one run, each with its own data. Every step accumulates
+``--micro-batches`` backward passes and then synchronises gradients:
+
+- ``overlapped``: ``GradientSynchroniser.synchronise()`` — each bucket's all-reduce starts as
+  soon as the flush has made its gradients final;
+- ``flush_then_reduce``: ``twobp.flush_weight_grads()``, then the same synchroniser (every
+  bucket is ready at once: nothing overlaps the flush);
+- ``ddp``: ``DistributedDataParallel`` on an unpatched copy, ``no_sync`` for all micro-batches
+  but the last (its reduction overlaps that last backward).
+
+The three run interleaved step by step (rotating which goes first), so machine noise falls on
+all alike; before timing, their gradients are checked equal. Rank 0 prints medians and ratios
+and writes the JSON.
+
+    python benchmarks/data_parallel.py --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import twobp_autograd as twobp
+from twobp_autograd.data_parallel import GradientSynchroniser
+from twobp_autograd.pipeline.bench import MODELS, build_model
+
+WORLD = 2
+VARIANTS = ("overlapped", "flush_then_reduce", "ddp")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--bucket-mib", type=float, default=25.0)
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / 2)")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "data_parallel.json"))
+    return parser.parse_args()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // WORLD))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600)
+    )
+    try:
+        _benchmark(rank, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _benchmark(rank: int, args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = build_model(args.model, args)
+    model.train()
+    plain = copy.deepcopy(model)
+    twobp.patch(model)
+    sync = GradientSynchroniser(model, bucket_bytes=int(args.bucket_mib * 2**20))
+    ddp = DistributedDataParallel(plain, bucket_cap_mb=args.bucket_mib)
+    inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1 + rank))
+    micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches)))
+
+    def step(variant: str) -> float:
+        network = ddp if variant == "ddp" else model
+        for p in network.parameters():
+            p.grad = None
+        dist.barrier()
+        start = time.perf_counter()
+        for index, (x, y) in enumerate(micro):
+            loss = loss_fn(network(x), y) / len(micro)
+            if variant == "ddp" and index < len(micro) - 1:
+                with ddp.no_sync():
+                    loss.backward()
+            else:
+                loss.backward()
+        if variant == "overlapped":
+            sync.synchronise()
+        elif variant == "flush_then_reduce":
+            twobp.flush_weight_grads()
+            sync.synchronise()
+        return time.perf_counter() - start
+
+    step("overlapped")
+    step("ddp")  # the same data and weights: the gradients must agree before anything is timed
+    for (name, p), q in zip(model.named_parameters(), ddp.module.parameters(), strict=True):
+        if not torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-5):
+            raise AssertionError(f"{name}: the synchronised gradient differs from DDP's")
+
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    for round_ in range(args.warmup + args.steps):
+        shift = round_ % len(VARIANTS)
+        for variant in VARIANTS[shift:] + VARIANTS[:shift]:
+            elapsed = step(variant)
+            if round_ >= args.warmup:
+                times[variant].append(elapsed)
+    slowest = {v: [0.0] * len(ts) for v, ts in times.items()}
+    for v, ts in times.items():  # a step takes as long as its slowest rank
+        gathered: list[Any] = [None] * WORLD
+        dist.all_gather_object(gathered, ts)
+        slowest[v] = [max(column) for column in zip(*gathered)]
+    if rank == 0:
+        _report(args, slowest)
+
+
+def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
+    medians = {v: statistics.median(ts) for v, ts in times.items()}
+    ratios = {f"{v}/ddp": medians[v] / medians["ddp"] for v in VARIANTS if v != "ddp"}
+    ratios["overlapped/flush_then_reduce"] = medians["overlapped"] / medians["flush_then_reduce"]
+    print(f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}, median of {args.steps} steps")
+    for v in VARIANTS:
+        print(f"  {v:>18}: {medians[v] * 1e3:8.1f} ms")
+    for name, value in ratios.items():
+        print(f"  {name:>28}: {value:.3f}")
+    document = {
+        "arguments": vars(args),
+        "world_size": WORLD,
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "median_step_time": medians,
+        "ratios": ratios,
+        "step_times": times,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as file:
+        json.dump(document, file, indent=2)
+    print(f"wrote {args.json}")
+
+
+def main() -> None:
+    args = parse_args()
+    mp.spawn(_rank_main, args=(args, _free_port()), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()

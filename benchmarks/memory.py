@@ -1,0 +1,217 @@
+"""What bounding the weight-gradient queue costs: 1F1B-2 on two pipeline ranks with 2BP off,
+2BP on, and 2BP on with ``WeightGradQueue(max_pending_bytes=cap)``.
+
+Memory is the process heap in use (glibc ``mallinfo2``: bytes in allocated chunks, every arena
+and mmap, so tensors and autograd's saved activations alike), sampled after every action of
+the schedule, minus the heap at the step's start: the peak activation-and-pending memory of
+the step (transients inside an action, e.g. a flush's concatenation, are not seen). The
+runtime's own CPU accounting (queued work plus held stage inputs/outputs) and its peak
+pending bytes are recorded too; they do not see activations held by autograd, so they cannot
+compare 2BP off with on. Peak RSS is process-wide and monotonic, so it is not split per run.
+
+Unless ``--cap-mib`` is given, the cap is ``--cap-fraction`` of the 2BP-off peak of each rank,
+measured first: pending work is what 2BP adds, so a cap of 10% aims at the target below.
+Targets, reported and not enforced: capped peak <= 1.10x 2BP off, at >= 95% of uncapped 2BP
+throughput. The runs alternate step by step (rotating the order) so noise falls on all alike.
+
+    python benchmarks/memory.py --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import platform
+import socket
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from twobp_autograd import WeightGradQueue
+from twobp_autograd.pipeline.bench import MODELS, build_model
+from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
+from twobp_autograd.pipeline.schedules import schedule
+from twobp_autograd.pipeline.stages import split
+
+WORLD = 2
+SCHEDULE = "1f1b-2"
+RUNS = ("2bp_off", "2bp_on", "2bp_capped")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+_libc = ctypes.CDLL("libc.so.6")
+_libc.mallinfo2.restype = _MallInfo2
+
+
+def heap_in_use() -> int:
+    """Bytes the process has allocated with malloc and not freed (glibc 2.33 and later)."""
+    info = _libc.mallinfo2()
+    return info.uordblks + info.hblkhd
+
+
+class HeapSampledRuntime(PipelineRuntime):
+    """The runtime, with the heap sampled wherever it accounts its own memory (after each action)."""
+
+    heap_start = 0
+    heap_peak = 0
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        self.heap_start = self.heap_peak = heap_in_use()
+        return super().step(*args, **kwargs)
+
+    def _account_memory(self) -> None:
+        super()._account_memory()
+        self.heap_peak = max(self.heap_peak, heap_in_use())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--cap-mib", type=float, default=None, help="max_pending_bytes per rank (default: from --cap-fraction)")
+    parser.add_argument("--cap-fraction", type=float, default=0.10, help="cap as a fraction of the rank's 2BP-off peak")
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / 2)")
+    parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "memory.json"))
+    return parser.parse_args()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
+    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // WORLD))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600)
+    )
+    try:
+        _benchmark(rank, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _benchmark(rank: int, args: argparse.Namespace) -> None:
+    torch.manual_seed(0)
+    model, make_batch, loss_fn = build_model(args.model, args)
+    model.train()
+    stage = split(model, WORLD, costs=None)[rank]
+    del model
+    inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1))
+    m = 2 * WORLD  # 1F1B-2: twice as many micro-batches as stages
+
+    def runtime(twobp: bool, queue: "WeightGradQueue | None" = None) -> HeapSampledRuntime:
+        actions = schedule(SCHEDULE, WORLD, m, twobp)[rank]
+        return HeapSampledRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0)
+
+    def step(run: HeapSampledRuntime) -> "StepReport | Any":
+        for p in stage.parameters():
+            p.grad = None
+        return run.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+
+    off = runtime(False)
+    for _ in range(2):  # the second step shows the steady state
+        step(off)
+    off_peak = off.heap_peak - off.heap_start
+    cap = int(args.cap_mib * 2**20) if args.cap_mib is not None else int(args.cap_fraction * off_peak)
+    runs = {"2bp_off": off, "2bp_on": runtime(True), "2bp_capped": runtime(True, WeightGradQueue(max_pending_bytes=cap))}
+
+    measured: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
+    for round_ in range(args.warmup + args.steps):
+        shift = round_ % len(RUNS)
+        for name in RUNS[shift:] + RUNS[:shift]:
+            report = step(runs[name])
+            own = report.ranks[rank] if isinstance(report, StepReport) else report
+            if round_ >= args.warmup:
+                measured[name].append(
+                    {
+                        "step_time": report.step_time if isinstance(report, StepReport) else None,
+                        "heap_peak_delta": runs[name].heap_peak - runs[name].heap_start,
+                        "heap_peak": runs[name].heap_peak,
+                        "runtime_peak_bytes": own.peak_bytes,
+                        "peak_pending_bytes": own.peak_pending_bytes,
+                        "deferred_jobs": own.deferred_jobs,
+                    }
+                )
+    gathered: list[Any] = [None] * WORLD
+    dist.all_gather_object(gathered, {"rank": rank, "cap": cap, "runs": measured, "peak_rss": own.peak_rss})
+    if rank == 0:
+        _report(args, gathered)
+
+
+def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
+    summary: dict[str, dict[str, Any]] = {}
+    for name in RUNS:
+        step_times = [s["step_time"] for s in ranks[0]["runs"][name]]
+        summary[name] = {
+            "step_time_median": statistics.median(step_times),
+            "samples_per_s": args.batch_size / statistics.median(step_times),
+            # per rank: the highest of its steps; the pipeline's peak is its highest rank
+            "heap_peak_delta_per_rank": [max(s["heap_peak_delta"] for s in r["runs"][name]) for r in ranks],
+            "runtime_peak_bytes_per_rank": [max(s["runtime_peak_bytes"] for s in r["runs"][name]) for r in ranks],
+            "peak_pending_bytes_per_rank": [max(s["peak_pending_bytes"] for s in r["runs"][name]) for r in ranks],
+            "deferred_jobs_per_rank": [max(s["deferred_jobs"] for s in r["runs"][name]) for r in ranks],
+        }
+        summary[name]["heap_peak_delta"] = max(summary[name]["heap_peak_delta_per_rank"])
+    caps = [r["cap"] for r in ranks]
+    memory_ratio = summary["2bp_capped"]["heap_peak_delta"] / summary["2bp_off"]["heap_peak_delta"]
+    throughput_ratio = summary["2bp_capped"]["samples_per_s"] / summary["2bp_on"]["samples_per_s"]
+    targets = {
+        "capped_peak_over_off": memory_ratio,
+        "capped_peak_over_off_target": 1.10,
+        "capped_throughput_over_uncapped": throughput_ratio,
+        "capped_throughput_over_uncapped_target": 0.95,
+        "met": memory_ratio <= 1.10 and throughput_ratio >= 0.95,
+    }
+    print(f"{args.model}, {SCHEDULE} on {WORLD} gloo ranks, batch {args.batch_size}, median of {args.steps} steps; caps {[f'{c / 2**20:.1f} MiB' for c in caps]}")
+    print(f"  {'run':>11}  {'samples/s':>9}  {'peak heap delta MiB (per rank)':>32}  {'peak pending MiB':>18}")
+    for name, row in summary.items():
+        heap = ", ".join(f"{b / 2**20:.1f}" for b in row["heap_peak_delta_per_rank"])
+        pending = ", ".join(f"{b / 2**20:.1f}" for b in row["peak_pending_bytes_per_rank"])
+        print(f"  {name:>11}  {row['samples_per_s']:9.2f}  {heap:>32}  {pending:>18}")
+    print(f"  capped peak / 2BP off peak: {memory_ratio:.3f} (target <= 1.10)")
+    print(f"  capped / uncapped throughput: {throughput_ratio:.3f} (target >= 0.95)")
+    document = {
+        "arguments": vars(args),
+        "schedule": SCHEDULE,
+        "world_size": WORLD,
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "memory_measure": "glibc mallinfo2 heap in use after each action, minus the step's start",
+        "caps": caps,
+        "summary": summary,
+        "targets": targets,
+        "peak_rss_per_rank": [r["peak_rss"] for r in ranks],
+        "steps": {name: [r["runs"][name] for r in ranks] for name in RUNS},
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+    with open(args.json, "w", encoding="utf-8") as file:
+        json.dump(document, file, indent=2)
+    print(f"wrote {args.json}")
+
+
+def main() -> None:
+    args = parse_args()
+    mp.spawn(_rank_main, args=(args, _free_port()), nprocs=WORLD, join=True)
+
+
+if __name__ == "__main__":
+    main()
