@@ -112,7 +112,9 @@ class GradientSynchroniser:
     def flush(self, queue: "WeightGradQueue | None" = None, tags: "Sequence[Hashable] | None" = None) -> None:
         """Run the queued work of ``tags`` (all when None), launching each bucket's all-reduce
         once its gradients are final. Call only when no more backward passes will add to
-        this step's gradients; later work queued for a parameter keeps it waiting."""
+        this step's gradients; later work queued for a parameter keeps it waiting. A flush that
+        raises has dropped its work and may have launched part of the reductions: discard the
+        step (:meth:`reset`, and ``zero_grad``)."""
         if queue is None:  # not `or`: an empty queue is falsy
             queue = self.queue if self.queue is not None else current_queue()
         jobs = queue.take(tags)
