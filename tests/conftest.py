@@ -6,6 +6,11 @@ import torch
 from twobp_autograd.queue import current_queue
 
 
+# One thread: on a loaded 2-core machine two OpenMP threads per process spin against each
+# other and run many times slower; the tests' figures do not depend on it.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def seed_everything():
     """Every test starts from the same random state, so a failure reproduces."""

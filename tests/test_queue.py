@@ -209,3 +209,13 @@ def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes)
     assert len(deliveries) == 6
     assert len(set(deliveries)) == (1 if bucket_bytes is None else 3)  # one handover per layer
     assert_grads_match(patched, reference)
+
+
+def test_an_empty_queue_passed_explicitly_is_the_one_used():
+    """An empty queue has len() 0; it must still be the queue acted on, not the default one."""
+    empty = twobp.WeightGradQueue()
+    layer = twobp.patch(nn.Linear(3, 3))
+    layer(torch.randn(2, 3)).sum().backward()  # work in the default queue
+    assert twobp.pending(empty) == (0, 0)
+    twobp.flush_weight_grads(empty)
+    assert twobp.pending().jobs == 1 and layer.weight.grad is None

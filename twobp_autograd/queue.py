@@ -397,12 +397,12 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
 
 def flush_weight_grads(queue: "WeightGradQueue | None" = None) -> None:
     """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``."""
-    (queue or current_queue()).flush()
+    (queue if queue is not None else current_queue()).flush()
 
 
 def pending(queue: "WeightGradQueue | None" = None) -> PendingWork:
     """Jobs and bytes held by ``queue`` (default: the current one)."""
-    return (queue or current_queue()).pending()
+    return (queue if queue is not None else current_queue()).pending()
 
 
 def queues_with_work() -> list[WeightGradQueue]:
