@@ -1,0 +1,541 @@
+"""The pipeline sweep: every model ``bench pipeline`` offers x every schedule, 2BP on and off,
+against DESIGN.md's performance model and the simulator fed with measured stage costs.
+
+Per model, on 2 gloo ranks with one thread each:
+
+1. ``bench pipeline`` (all schedules, 2BP off and on alternating step by step): measured
+   throughput, bubble and step time;
+2. ``stage_costs.py`` on the same model, seed and cut: per-block F, B, I, W(n) and the bytes
+   each micro-batch holds, and the p2p latency;
+3. from those, offline: the *ideal* 2BP/off ratio of each schedule (DESIGN.md's model:
+   balanced stages at the slowest stage's F, I, W, W', no communication, B = I + W), the
+   *simulated* step times (the same action lists replayed with every stage's own measured
+   terms, its B and the latency) to compare with the measured ones, the modelled peak
+   activation memory, and simulated predictions for 4 and 8 stages (N = p or 2p micro-batches
+   of the measured size).
+
+Then ``pipelining_zb.py`` (PyTorch's zero-bubble schedules with 2BP's W vs PyTorch's split
+W). Everything lands in ``<out>/pipeline.json``; ``plot_results.py`` turns it into
+``pipeline.md``, ``pipeline.png`` and a timeline per model.
+
+Each part is saved under ``<out>/raw/`` as soon as it is done, named by a hash of its
+configuration, so an interrupted sweep resumes where it stopped (``--force`` redoes it).
+
+    python benchmarks/pipeline_sweep.py            # full: <= 20 min on 2 cores
+    python benchmarks/pipeline_sweep.py --quick    # smoke run, ~2 min, into results/quick/
+
+Run it on an otherwise idle machine: the ranks share the cores with anything else running,
+and the recorded load average says how idle it was.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from twobp_autograd.pipeline import bench
+from twobp_autograd.pipeline.actions import Action
+from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
+from twobp_autograd.pipeline.simulate import SimulationResult, StageCosts, simulate
+from twobp_autograd.pipeline.stages import partition
+from twobp_autograd.pipeline.trace import write_chrome_trace
+
+__all__ = [
+    "Mode",
+    "MODES",
+    "StageTerms",
+    "weight_grad_curve",
+    "latency_model",
+    "stage_terms",
+    "ideal_ratio",
+    "simulate_pair",
+    "modeled_peak_bytes",
+    "analyse_model",
+    "main",
+]
+
+HERE = Path(__file__).resolve().parent
+WORLD = 2
+PREDICT_STAGES = (4, 8)
+
+
+@dataclass(frozen=True)
+class Mode:
+    """How long each part runs; ``quick`` also shrinks the models."""
+
+    name: str
+    steps: int
+    warmup: int
+    cost_repeats: int
+    counts: tuple[int, ...]
+    bench_shape: tuple[str, ...] = ()
+    zb_arguments: tuple[str, ...] = ()
+    zb_schedules: tuple[str, ...] = ("zbv", "interleaved_zb")
+    latency_repeats: int = 20
+
+
+MODES = {
+    "full": Mode("full", steps=6, warmup=2, cost_repeats=3, counts=(1, 2, 4, 8)),
+    "quick": Mode(
+        "quick",
+        steps=1,
+        warmup=1,
+        cost_repeats=1,
+        counts=(1, 2),
+        bench_shape=("--width", "64", "--depth", "2", "--seq-len", "16", "--image-size", "32", "--batch-size", "8"),
+        zb_arguments=("--width", "64", "--hidden", "256", "--seq", "8", "--batch", "8", "--warmup", "1", "--rounds", "2"),
+        zb_schedules=("zbv",),
+        latency_repeats=5,
+    ),
+}
+
+
+# -- stage terms from per-block measurements -------------------------------------------------
+
+
+@dataclass
+class StageTerms:
+    """One stage's measured per-micro-batch terms (seconds) at one micro-batch size."""
+
+    forward_off: float
+    forward_on: float
+    backward: float
+    input_grad: float
+    weight_grad: dict[int, float]  # n -> time of one W over n concatenated micro-batches
+    boundary_bytes: int  # what the stage sends on (its output)
+    saved_bytes_off: "int | None" = None  # per micro-batch, from F to B (measured per 2-rank stage)
+    saved_bytes_on: "int | None" = None  # from F to I
+    pending_bytes: int = 0  # from I to W
+    curve: Callable[[int], float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.curve = weight_grad_curve(self.weight_grad)
+
+    def costs(self, twobp: bool, *, split_backward: bool = False, concatenation: bool = True) -> StageCosts:
+        """The simulator's costs: measured F/B with 2BP off, F/I/W(n) with it on.
+        ``split_backward``: B = I + W(1) instead of the measured B (DESIGN.md's model);
+        ``concatenation`` False: W(n) = n W(1), no concatenation gain."""
+        w1 = self.weight_grad[1]
+        return StageCosts(
+            forward=self.forward_on if twobp else self.forward_off,
+            input_grad=self.input_grad,
+            weight_grad=w1,
+            full_backward=None if split_backward else self.backward,
+            weight_grad_by_count=self.curve if concatenation else (lambda n: n * w1),
+        )
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "forward_off": self.forward_off,
+            "forward_on": self.forward_on,
+            "backward": self.backward,
+            "input_grad": self.input_grad,
+            "weight_grad_1": self.weight_grad[1],
+            "weight_grad_per_micro_batch": {str(n): t / n for n, t in sorted(self.weight_grad.items())},
+            "split_overhead": (self.input_grad + self.weight_grad[1]) / self.backward if self.backward else None,
+            "forward_overhead": self.forward_on / self.forward_off if self.forward_off else None,
+            "boundary_bytes": self.boundary_bytes,
+            "saved_bytes_off": self.saved_bytes_off,
+            "saved_bytes_on": self.saved_bytes_on,
+            "pending_bytes": self.pending_bytes,
+        }
+
+
+def weight_grad_curve(points: Mapping[int, float]) -> Callable[[int], float]:
+    """W(n) from measured points (n must include 1): linear between them, and beyond the
+    largest at its per-micro-batch time (concatenation gains nothing more)."""
+    ns = sorted(points)
+    if not ns or ns[0] != 1:
+        raise ValueError(f"W(n) needs a measured W(1), got n = {ns}")
+
+    def at(n: int) -> float:
+        if n in points:
+            return points[n]
+        if n > ns[-1]:
+            return points[ns[-1]] * n / ns[-1]
+        low = max(k for k in ns if k < n)
+        high = min(k for k in ns if k > n)
+        return points[low] + (points[high] - points[low]) * (n - low) / (high - low)
+
+    return at
+
+
+def latency_model(points: Sequence[Sequence[float]]) -> Callable[[int], float]:
+    """One-way message time from (bytes, seconds) points: the least-squares line, never below
+    the fastest measured message."""
+    xs = [float(b) for b, _ in points]
+    ys = [float(t) for _, t in points]
+    floor = min(ys)
+    if len(points) < 2 or max(xs) == min(xs):
+        return lambda num_bytes: floor
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = max(slope, 0.0)
+    intercept = mean_y - slope * mean_x
+    return lambda num_bytes: max(floor, intercept + slope * num_bytes)
+
+
+def _blocks_by_index(costs: Mapping[str, Any], size: int) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[int, dict[str, Any]]]:
+    """Per-block measurements of the whole model at one micro size (from both ranks), the
+    loss pseudo-block, and the stage-level saved bytes by first block index."""
+    blocks: dict[int, dict[str, Any]] = {}
+    loss = None
+    stage_level: dict[int, dict[str, Any]] = {}
+    for rank in costs["ranks"]:
+        measured = rank["per_size"][str(size)]
+        for index, block in zip(rank["blocks"], measured):
+            blocks[index] = block
+        if len(measured) > len(rank["blocks"]):
+            loss = measured[-1]
+        stage_level[rank["blocks"][0]] = measured[0]
+    missing = sorted(set(range(len(costs["block_costs"]))) - set(blocks))
+    if missing:
+        raise ValueError(f"blocks {missing} were not measured")
+    return [blocks[i] for i in range(len(blocks))], loss, stage_level
+
+
+def stage_terms(costs: Mapping[str, Any], size: int, num_stages: int) -> tuple[list[range], list[StageTerms]]:
+    """The cut ``bench pipeline``'s balancing makes for ``num_stages`` stages, and each stage's
+    terms at micro-batch size ``size``: sums of its blocks' (the loss on the last)."""
+    blocks, loss, stage_level = _blocks_by_index(costs, size)
+    ranges = partition(costs["block_costs"], num_stages)
+    terms = []
+    for index, part in enumerate(ranges):
+        members = [blocks[i] for i in part] + ([loss] if loss is not None and index == num_stages - 1 else [])
+        counts = sorted({int(n) for n in members[0]["weight_grad"]})
+        first = stage_level.get(part.start, {})
+        measured_as_a_stage = num_stages == WORLD
+        terms.append(
+            StageTerms(
+                forward_off=sum(b["forward_off"] for b in members),
+                forward_on=sum(b["forward_on"] for b in members),
+                backward=sum(b["backward"] for b in members),
+                input_grad=sum(b["input_grad"] for b in members),
+                weight_grad={n: sum(b["weight_grad"][str(n)] for b in members) for n in counts},
+                boundary_bytes=blocks[part[-1]]["output_bytes"],
+                saved_bytes_off=first.get("stage_saved_bytes_off") if measured_as_a_stage else None,
+                saved_bytes_on=first.get("stage_saved_bytes_on") if measured_as_a_stage else None,
+                pending_bytes=sum(b["pending_bytes"] for b in members),
+            )
+        )
+    return ranges, terms
+
+
+# -- models of a step ------------------------------------------------------------------------
+
+
+def simulate_pair(
+    name: str, terms: Sequence[StageTerms], num_micro_batches: int, latency: float
+) -> tuple[SimulationResult, SimulationResult]:
+    """Replay ``name`` with 2BP off and on, every stage with its own measured terms."""
+    p = len(terms)
+    off = simulate(schedule(name, p, num_micro_batches, twobp=False), [t.costs(False) for t in terms], p2p_latency=latency)
+    on = simulate(schedule(name, p, num_micro_batches, twobp=True), [t.costs(True) for t in terms], p2p_latency=latency)
+    return off, on
+
+
+def ideal_ratio(name: str, num_stages: int, num_micro_batches: int, bottleneck: StageTerms, *, concatenation: bool = True) -> float:
+    """DESIGN.md's performance model for ``name``: every stage costs the bottleneck stage's
+    F (2BP off), I and W (B = I + W; W(n) as measured, or n W(1) without ``concatenation``),
+    no communication. Throughput ratio 2BP on / off. For GPipe this is
+    (m+p-1)(F+I+W) / ((m+p-1)(F+I) + m W')."""
+    off_costs = bottleneck.costs(False, split_backward=True, concatenation=concatenation)
+    on_costs = StageCosts(
+        forward=off_costs.forward,
+        input_grad=off_costs.input_grad,
+        weight_grad=off_costs.weight_grad,
+        weight_grad_by_count=off_costs.weight_grad_by_count,
+    )
+    off = simulate(schedule(name, num_stages, num_micro_batches, twobp=False), off_costs)
+    on = simulate(schedule(name, num_stages, num_micro_batches, twobp=True), on_costs)
+    return off.step_time / on.step_time
+
+
+def modeled_peak_bytes(actions: Sequence[Action], graph_bytes: int, pending_bytes: int) -> int:
+    """Peak activation bytes of one rank running ``actions``: each micro-batch holds
+    ``graph_bytes`` from its F to its B or I, and ``pending_bytes`` from its I to its W."""
+    held: set[int] = set()
+    pending: set[int] = set()
+    peak = 0
+    for action in actions:
+        if action.kind == "F":
+            held.add(action.micro_batch)
+        elif action.kind in "BI":
+            held.discard(action.micro_batch)
+            if action.kind == "I":
+                pending.add(action.micro_batch)
+        else:
+            pending -= set(pending if action.micro_batches is None else action.micro_batches)
+        peak = max(peak, len(held) * graph_bytes + len(pending) * pending_bytes)
+    return peak
+
+
+def _bottleneck(terms: Sequence[StageTerms]) -> StageTerms:
+    return max(terms, key=lambda t: t.forward_off + t.backward)
+
+
+def analyse_model(bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeline_schedule: str = "1f1b-2") -> dict[str, Any]:
+    """Every figure of one model: measured (bench), ideal, simulated, memory, predictions."""
+    rows = {(row["schedule"], row["twobp"]): row for row in bench_doc["summary"]}
+    schedules = [name for name in SCHEDULES if (name, False) in rows and (name, True) in rows]
+    batch = round(rows[schedules[0], False]["samples_per_s"] * rows[schedules[0], False]["step_time_median"])
+    latency = latency_model(costs["latency_points"])
+    result: dict[str, Any] = {"batch_size": batch, "stage_terms": {}, "schedules": {}, "cuts": {}}
+    timeline = None
+    for name in schedules:
+        off_row, on_row = rows[name, False], rows[name, True]
+        m = off_row["micro_batches"]
+        size = -(-batch // m)
+        ranges, terms = stage_terms(costs, size, WORLD)
+        result["cuts"][str(WORLD)] = [[r.start, r.stop] for r in ranges]
+        result["stage_terms"].setdefault(str(size), [t.summary() for t in terms])
+        message = latency(max(t.boundary_bytes for t in terms[:-1]))
+        sim_off, sim_on = simulate_pair(name, terms, m, message)
+        ideal = ideal_ratio(name, WORLD, m, _bottleneck(terms))
+        measured_ratio = on_row["samples_per_s"] / off_row["samples_per_s"]
+        entry: dict[str, Any] = {
+            "micro_batches": m,
+            "micro_batch_size": size,
+            "measured": {
+                "step_time_off": off_row["step_time_median"],
+                "step_time_on": on_row["step_time_median"],
+                "throughput_ratio": measured_ratio,
+                "bubble_off": off_row["bubble_ratio"],
+                "bubble_on": on_row["bubble_ratio"],
+                "bubble_ratio_on_over_off": on_row["bubble_ratio"] / off_row["bubble_ratio"] if off_row["bubble_ratio"] else None,
+                "cpu_queued_and_held_bytes_off": off_row["peak_bytes"],
+                "cpu_queued_and_held_bytes_on": on_row["peak_bytes"],
+            },
+            "ideal": {
+                "throughput_ratio": ideal,
+                "throughput_ratio_without_concatenation_gain": ideal_ratio(name, WORLD, m, _bottleneck(terms), concatenation=False),
+            },
+            "measured_over_ideal": measured_ratio / ideal,
+            "simulated": {
+                "p2p_latency": message,
+                "step_time_off": sim_off.step_time,
+                "step_time_on": sim_on.step_time,
+                "throughput_ratio": sim_off.step_time / sim_on.step_time,
+                "bubble_off": sim_off.bubble_ratio,
+                "bubble_on": sim_on.bubble_ratio,
+                "step_time_error_off": sim_off.step_time / off_row["step_time_median"] - 1,
+                "step_time_error_on": sim_on.step_time / on_row["step_time_median"] - 1,
+            },
+            "predicted": {},
+        }
+        if all(t.saved_bytes_off is not None and t.saved_bytes_on is not None for t in terms):
+            plans = {flag: schedule(name, WORLD, m, twobp=flag) for flag in (False, True)}
+            off_peak = max(modeled_peak_bytes(plans[False][r], terms[r].saved_bytes_off, 0) for r in range(WORLD))  # type: ignore[arg-type]
+            on_peak = max(
+                modeled_peak_bytes(plans[True][r], terms[r].saved_bytes_on, terms[r].pending_bytes) for r in range(WORLD)  # type: ignore[arg-type]
+            )
+            entry["memory_modeled"] = {"peak_bytes_off": off_peak, "peak_bytes_on": on_peak, "ratio": on_peak / off_peak if off_peak else None}
+        for p in PREDICT_STAGES:
+            n = default_num_micro_batches(name, p)
+            if len(costs["block_costs"]) < p:
+                entry["predicted"][str(p)] = {"skipped": f"{len(costs['block_costs'])} blocks cannot make {p} stages"}
+                continue
+            cut, p_terms = stage_terms(costs, size, p)
+            p_latency = latency(max(t.boundary_bytes for t in p_terms[:-1]))
+            p_off, p_on = simulate_pair(name, p_terms, n, p_latency)
+            entry["predicted"][str(p)] = {
+                "micro_batches": n,
+                "cut": [[r.start, r.stop] for r in cut],
+                "step_time_off": p_off.step_time,
+                "step_time_on": p_on.step_time,
+                "throughput_ratio": p_off.step_time / p_on.step_time,
+                "bubble_off": p_off.bubble_ratio,
+                "bubble_on": p_on.bubble_ratio,
+                "ideal_throughput_ratio": ideal_ratio(name, p, n, _bottleneck(p_terms)),
+            }
+        if name == timeline_schedule:
+            timeline = sim_on
+        result["schedules"][name] = entry
+    result["timeline_schedule"] = timeline_schedule if timeline is not None else None
+    result["_simulated_timeline"] = timeline  # written as a trace by the caller, not into JSON
+    return result
+
+
+# -- running the parts -----------------------------------------------------------------------
+
+
+def _digest(config: Mapping[str, Any]) -> str:
+    return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+
+
+def _run(command: Sequence[str], log: Path) -> None:
+    """Run a part in its own process (its ranks, its memory), its output kept in ``log``."""
+    printable = " ".join(command[1:]) if command[0] == sys.executable else " ".join(command)
+    print(f"  $ python {printable}", flush=True)
+    start = time.perf_counter()
+    with log.open("w") as stream:
+        completed = subprocess.run(list(command), stdout=stream, stderr=subprocess.STDOUT, cwd=HERE.parent)
+    print(f"    {time.perf_counter() - start:.0f} s", flush=True)
+    if completed.returncode != 0:
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"exit status {completed.returncode}:\n{tail}")
+
+
+def run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedule: str) -> dict[str, Any]:
+    bench_args = [
+        "--model", model, "--schedule", "all", "--twobp", "both", "--steps", str(mode.steps), "--warmup", str(mode.warmup),
+        "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
+    ]  # fmt: skip
+    directory = raw / f"{model}-{_digest({'bench': bench_args, 'costs': [mode.counts, mode.cost_repeats]})}"
+    directory.mkdir(parents=True, exist_ok=True)
+    bench_json, costs_json, traces = directory / "bench.json", directory / "costs.json", directory / "traces"
+    bench_command = [sys.executable, "-m", "twobp_autograd", "bench", "pipeline", *bench_args]
+    if force or not bench_json.exists():
+        costs_json.unlink(missing_ok=True)  # measured against the old run's cut
+        _run([*bench_command, "--json", str(bench_json), "--trace", str(traces)], directory / "bench.log")
+    bench_doc = json.loads(bench_json.read_text())
+    if force or not costs_json.exists():
+        batch = round(bench_doc["summary"][0]["samples_per_s"] * bench_doc["summary"][0]["step_time_median"])
+        sizes = sorted({-(-batch // row["micro_batches"]) for row in bench_doc["summary"]}, reverse=True)
+        _run(
+            [
+                sys.executable, str(HERE / "stage_costs.py"), "--bench-json", str(bench_json), "--out", str(costs_json),
+                "--micro-sizes", *map(str, sizes), "--counts", *map(str, mode.counts),
+                "--repeats", str(mode.cost_repeats), "--latency-repeats", str(mode.latency_repeats), "--threads", "1",
+            ],  # fmt: skip
+            directory / "costs.log",
+        )
+    costs = json.loads(costs_json.read_text())
+    analysis = analyse_model(bench_doc, costs, timeline_schedule)
+    simulated = analysis.pop("_simulated_timeline")
+    figures: dict[str, str] = {}
+    if simulated is not None:
+        path = directory / f"simulated-{timeline_schedule}-2bp-on.json"
+        write_chrome_trace(path, simulated.timelines)
+        figures["simulated_on"] = str(path)
+        for flag in ("off", "on"):
+            measured = traces / f"{model}-{timeline_schedule}-2bp-{flag}.json"
+            if measured.exists():
+                figures[f"measured_{flag}"] = str(measured)
+    return {
+        "model": model,
+        "command": "python -m twobp_autograd bench pipeline " + " ".join(bench_args),
+        "block_count": len(bench_doc["block_costs"]),
+        "threads_per_rank": bench_doc["threads_per_rank"],
+        "latency_points": costs["latency_points"],
+        "cost_repeats": costs["repeats"],
+        "weight_grad_counts": costs["counts"],
+        **analysis,
+        "_traces": figures,
+    }
+
+
+def run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, Any]]:
+    results = []
+    for name in mode.zb_schedules:
+        arguments = ["--schedule", name, *mode.zb_arguments]
+        out = raw / f"pipelining_zb-{name}-{_digest({'zb': arguments})}.json"
+        try:
+            if force or not out.exists():
+                _run([sys.executable, str(HERE / "pipelining_zb.py"), *arguments, "--out", str(out)], out.with_suffix(".log"))
+            document = json.loads(out.read_text())
+            document["command"] = "python benchmarks/pipelining_zb.py " + " ".join(arguments)
+            results.append(document)
+        except Exception as error:  # one failed part must not lose the others
+            print(f"  pipelining_zb {name} failed: {error}", file=sys.stderr)
+            results.append({"schedule": name, "error": str(error)})
+    return results
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _git_commit() -> "str | None":
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small models, few steps: a ~2 minute smoke run")
+    parser.add_argument("--models", nargs="+", default=None, help=f"default: every model bench offers ({', '.join(bench.MODELS)})")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results (quick: benchmarks/results/quick)")
+    parser.add_argument("--timeline-schedule", choices=SCHEDULES, default="1f1b-2")
+    parser.add_argument("--no-pipelining-zb", action="store_true", help="skip PyTorch's ZB schedules comparison")
+    parser.add_argument("--no-plots", action="store_true", help="JSON only (plot later with plot_results.py)")
+    parser.add_argument("--force", action="store_true", help="re-measure parts already saved")
+    args = parser.parse_args(argv)
+    unknown = set(args.models or ()) - set(bench.MODELS)
+    if unknown:
+        parser.error(f"unknown models {sorted(unknown)}; bench offers {', '.join(bench.MODELS)}")
+    return args
+
+
+def main(argv: "Sequence[str] | None" = None) -> int:
+    args = parse_args(argv)
+    mode = MODES["quick" if args.quick else "full"]
+    out: Path = args.out or (HERE / "results" / ("quick" if args.quick else ""))
+    raw = out / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    models = list(args.models or bench.MODELS)
+    started = time.perf_counter()
+    document: dict[str, Any] = {
+        "kind": "smoke run (quick mode): not figures to quote" if args.quick else "full sweep",
+        "command": "python benchmarks/pipeline_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git_commit(),
+        "machine": machine_info(),
+        "ranks": WORLD,
+        "threads_per_rank": 1,
+        "mode": {"name": mode.name, "steps": mode.steps, "warmup": mode.warmup, "cost_repeats": mode.cost_repeats, "weight_grad_counts": list(mode.counts)},
+        "models": [],
+    }
+    for model in models:
+        print(f"{model}:", flush=True)
+        try:
+            document["models"].append(run_model(model, mode, raw, force=args.force, timeline_schedule=args.timeline_schedule))
+        except Exception as error:
+            print(f"  {model} failed: {error}", file=sys.stderr)
+            document["models"].append({"model": model, "error": str(error)})
+    if not args.no_pipelining_zb:
+        print("pipelining_zb:", flush=True)
+        document["pipelining_zb"] = run_pipelining_zb(mode, raw, force=args.force)
+    document["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    document["wall_seconds"] = time.perf_counter() - started
+    # Trace paths are kept relative to the output directory, so the results can move.
+    for entry in document["models"]:
+        entry["traces"] = {k: os.path.relpath(v, out) for k, v in entry.pop("_traces", {}).items()}
+    path = out / "pipeline.json"
+    path.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"wrote {path}")
+    if not args.no_plots:
+        import plot_results
+
+        for written in plot_results.write_all(document, out):
+            print(f"wrote {written}")
+    failed = [m["model"] for m in document["models"] if "error" in m]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,313 @@
+"""Turn the sweep's ``pipeline.json`` into ``pipeline.md`` (tables for the README),
+``pipeline.png`` (2BP/off throughput per model and schedule: measured, ideal, simulated) and
+``timeline_<model>.png`` (one schedule's measured steps, 2BP off and on, over the simulated one).
+
+Kept apart from the sweep so the figures can be redrawn without measuring again:
+
+    python benchmarks/plot_results.py [benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from twobp_autograd.pipeline.actions import Action
+from twobp_autograd.pipeline.trace import CATEGORIES, COLOURS, LEGEND, Event, action_label
+
+__all__ = ["PAPER", "write_all", "markdown", "plot_ratios", "plot_timeline_panels", "read_chrome_trace"]
+
+# What the paper states, and only that: its abstract's headline (arXiv 2405.18047). Its
+# per-model, per-schedule figures are not reproduced here.
+PAPER = {
+    "throughput_ratio": 1.70,
+    "schedule": "1f1b-2",
+    "models": ("transformer", "llama"),  # LLaMA-like models of bench
+    "label": "paper: 1.70x (LLaMa-like 7B, 4 GPUs)",
+}
+BARS = (
+    ("measured", "measured, 2 ranks", "#4C72B0"),
+    ("ideal", "ideal (performance model), 2 ranks", "#BBBBBB"),
+    ("simulated", "simulated, 2 ranks", "#55A868"),
+    ("predicted_4", "simulated, 4 stages", "#DD8452"),
+)
+
+
+def _ratio(entry: Mapping[str, Any], bar: str) -> "float | None":
+    if bar == "measured":
+        return entry["measured"]["throughput_ratio"]
+    if bar in ("ideal", "simulated"):
+        return entry[bar]["throughput_ratio"]
+    predicted = entry.get("predicted", {}).get(bar.split("_")[1], {})
+    return predicted.get("throughput_ratio")
+
+
+def _fmt(value: "float | None", digits: int = 3, suffix: str = "") -> str:
+    return "–" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def _percent(value: "float | None") -> str:
+    return "–" if value is None else f"{value * 100:+.1f}%"
+
+
+def _mib(value: "float | None") -> str:
+    return "–" if value is None else f"{value / 2**20:.1f}"
+
+
+def markdown(document: Mapping[str, Any]) -> str:
+    machine = document["machine"]
+    models = [m for m in document["models"] if "error" not in m]
+    lines = [
+        "# Pipeline benchmark: 2BP on vs off",
+        "",
+        f"*{document['kind']}.* `{document['command']}` on {document['date']}"
+        + (f", commit `{document['git_commit'][:10]}`" if document.get("git_commit") else "")
+        + f": torch {machine['torch']}, {machine['cpu_count']} cores ({machine['processor']}), "
+        f"{document['ranks']} gloo ranks with {document['threads_per_rank']} thread each; load average "
+        f"{_load(machine.get('load_average_1_5_15'))} at the start, {_load(machine.get('load_average_at_end'))} at the end. "
+        f"Each run: {document['mode']['warmup']} warm-up + {document['mode']['steps']} measured steps, 2BP off and on "
+        "alternating step by step; medians.",
+        "",
+        "Which figure is what:",
+        "",
+        "- **measured**: timed on this machine, two processes (`bench pipeline`); throughput is samples/s "
+        "of the whole step, the bubble is idle time / (ranks x step time).",
+        "- **ideal**: DESIGN.md's performance model, computed: every stage costs the slowest stage's measured F, I, "
+        "W and W' (= W(n)/n, concatenated), B = I + W, no communication. For GPipe that is "
+        "(m+p-1)(F+I+W) / ((m+p-1)(F+I) + m W').",
+        "- **simulated**: computed by replaying the same action lists (`simulate.py`) with every stage's own "
+        "measured F, B, I, W(n) and the measured p2p latency; its step time is compared with the measured one.",
+        "- **modelled memory**: computed from measured bytes: what autograd saves per micro-batch (F to B, or F to I) "
+        "and what the queue holds from I to W, replayed over each rank's actions; the peak over ranks.",
+        "",
+        "## Two ranks: measured against the model",
+        "",
+        "| model | schedule | m | 2BP/off throughput, measured | ideal | measured / ideal | simulated | "
+        "simulated step vs measured, off / on | bubble off → on, measured | peak activation memory on/off, modelled |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in models:
+        for name, e in model["schedules"].items():
+            memory = e.get("memory_modeled", {})
+            lines.append(
+                f"| {model['model']} | {name} | {e['micro_batches']} | {_fmt(e['measured']['throughput_ratio'])} | "
+                f"{_fmt(e['ideal']['throughput_ratio'])} | {_fmt(e['measured_over_ideal'])} | "
+                f"{_fmt(e['simulated']['throughput_ratio'])} | {_percent(e['simulated']['step_time_error_off'])} / "
+                f"{_percent(e['simulated']['step_time_error_on'])} | {_fmt(e['measured']['bubble_off'])} → "
+                f"{_fmt(e['measured']['bubble_on'])} | {_fmt(memory.get('ratio'), 2, 'x')} |"
+            )
+    lines += [
+        "",
+        "Targets: measured within 5% of ideal (above it where W' < W), simulated step within 10% of measured. "
+        "The ideal without concatenation gain (W' = W) is in `pipeline.json` (`ideal.throughput_ratio_without_concatenation_gain`).",
+        "",
+        "## More stages (simulated)",
+        "",
+        "Same measured per-block terms, the model cut into p stages by the benchmark's balancing, N = p (GPipe, 1F1B-1) "
+        "or 2p (1F1B-2, zb) micro-batches of the measured size, the latency model at the largest message of the cut. "
+        "W(n) beyond the largest measured n is extrapolated at that n's per-micro-batch time.",
+        "",
+        "| model | schedule | p=4: N | p=4: 2BP/off | p=4: ideal | p=8: N | p=8: 2BP/off | p=8: ideal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for model in models:
+        for name, e in model["schedules"].items():
+            cells = []
+            for p in ("4", "8"):
+                predicted = e["predicted"].get(p, {})
+                if "skipped" in predicted or not predicted:
+                    cells += ["–", predicted.get("skipped", "–"), "–"]
+                else:
+                    cells += [str(predicted["micro_batches"]), _fmt(predicted["throughput_ratio"]), _fmt(predicted["ideal_throughput_ratio"])]
+            lines.append(f"| {model['model']} | {name} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "## Measured stage terms (ms per micro-batch, one thread)",
+        "",
+        "Medians over repeats, each block timed alone and summed per stage. (I+W)/B above 1 is what splitting "
+        "the backward costs; F on/off what the patched forward costs.",
+        "",
+        "| model | micro-batch | stage | F off | F on | B | I | W(1) | W' (largest n) | (I+W)/B | F on/off | p2p one-way (µs) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in models:
+        for size, stages in model["stage_terms"].items():
+            for index, t in enumerate(stages):
+                per_micro = t["weight_grad_per_micro_batch"]
+                largest = max(per_micro, key=int)
+                latency = next((e["simulated"]["p2p_latency"] for e in model["schedules"].values() if e["micro_batch_size"] == int(size)), None)
+                lines.append(
+                    f"| {model['model']} | {size} | {index} | {t['forward_off'] * 1e3:.1f} | {t['forward_on'] * 1e3:.1f} | "
+                    f"{t['backward'] * 1e3:.1f} | {t['input_grad'] * 1e3:.1f} | {t['weight_grad_1'] * 1e3:.1f} | "
+                    f"{per_micro[largest] * 1e3:.1f} (n={largest}) | {_fmt(t['split_overhead'], 2)} | "
+                    f"{_fmt(t['forward_overhead'], 2)} | {_fmt(None if latency is None else latency * 1e6, 0)} |"
+                )
+    zb = document.get("pipelining_zb") or []
+    if zb:
+        lines += [
+            "",
+            "## PyTorch's zero-bubble schedules: 2BP's deferred W against PyTorch's split W (measured)",
+            "",
+            "`benchmarks/pipelining_zb.py`: the same torch.distributed.pipelining schedule, 4 stages on 2 ranks, once with "
+            "2BP's queued W as the stages' `dw_builder` and once with PyTorch's own autograd-graph split; interleaved rounds.",
+            "",
+            "| schedule | m | step, 2BP W (s) | step, PyTorch split W (s) | speedup | gradients agree to |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in zb:
+            if "error" in r:
+                lines.append(f"| {r['schedule']} | failed: {r['error'].splitlines()[0]} | | | | |")
+                continue
+            medians = r["median_step_seconds"]
+            lines.append(
+                f"| {r['schedule']} | {r['config']['micro_batches']} | {medians['twobp']:.3f} | {medians['torch']:.3f} | "
+                f"{r['speedup_twobp_over_torch_split']:.3f}x | {r['worst_relative_grad_difference']:.1e} |"
+            )
+    lines += [
+        "",
+        "## The paper",
+        "",
+        "Rae, Lee & Richings (arXiv 2405.18047) report a 1.70x throughput increase for a LLaMa-like 7B transformer "
+        "on 4 GPUs (marked in `pipeline.png` on the LLaMA-like model's 1F1B-2 group). Its per-schedule figures for "
+        "its other models (BERT-Large, Mamba-1.4B, ResNet-152) are not quoted here. Those are GPU runs of 1.4B–7B "
+        "models; the figures above are 2 CPU processes with small models, so only the direction and the agreement "
+        "with the model carry over, not the size of the gain.",
+    ]
+    failed = [m for m in document["models"] if "error" in m]
+    if failed:
+        lines += ["", "Failed: " + "; ".join(f"{m['model']}: {m['error'].splitlines()[0]}" for m in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _load(values: "Sequence[float] | None") -> str:
+    return "unknown" if not values else "/".join(f"{v:.1f}" for v in values)
+
+
+def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
+    """One panel per model: per schedule, the 2BP/off throughput ratio measured, ideal,
+    simulated (2 ranks) and simulated for 4 stages; the paper's figure where it applies."""
+    from matplotlib.figure import Figure
+
+    models = [m for m in document["models"] if "error" not in m]
+    figure = Figure(figsize=(max(9.0, 4.2 * len(models)), 4.6), layout="constrained")
+    axes_list = figure.subplots(1, max(1, len(models)), squeeze=False)[0]
+    width = 0.8 / len(BARS)
+    for axes, model in zip(axes_list, models):
+        names = list(model["schedules"])
+        for b, (bar, label, colour) in enumerate(BARS):
+            xs, ys = [], []
+            for i, name in enumerate(names):
+                value = _ratio(model["schedules"][name], bar)
+                if value is not None:
+                    xs.append(i - 0.4 + width * (b + 0.5))
+                    ys.append(value)
+            axes.bar(xs, ys, width, label=label, color=colour)
+        if model["model"] in PAPER["models"] and PAPER["schedule"] in names:
+            x = names.index(PAPER["schedule"])
+            axes.plot([x - 0.4, x + 0.4], [PAPER["throughput_ratio"]] * 2, color="#C44E52", linewidth=2, label=PAPER["label"])
+        axes.axhline(1.0, color="black", linewidth=0.8)
+        axes.set_xticks(range(len(names)), names)
+        axes.set_title(model["model"])
+        axes.set_ylabel("throughput, 2BP on / off")
+        axes.grid(axis="y", alpha=0.3)
+        axes.set_axisbelow(True)
+    handles, labels = {}, []
+    for axes in axes_list:
+        for handle, label in zip(*axes.get_legend_handles_labels()):
+            if label not in handles:
+                handles[label] = handle
+                labels.append(label)
+    figure.legend([handles[label] for label in labels], labels, loc="outside lower center", ncol=3, frameon=False, fontsize=8)
+    figure.suptitle(f"2BP/off throughput ratio ({document['kind']})", fontsize=10)
+    figure.savefig(path, dpi=120)
+
+
+def read_chrome_trace(path: Path) -> list[list[Event]]:
+    """Timelines back from a trace written by ``trace.write_chrome_trace`` (times in seconds)."""
+    kinds = {category: kind for kind, category in CATEGORIES.items()}
+    events: dict[int, list[Event]] = {}
+    for raw in json.loads(path.read_text())["traceEvents"]:
+        if raw.get("ph") != "X":
+            continue
+        micro_batches = raw["args"]["micro_batches"]
+        action = Action(kinds[raw["cat"]], None if isinstance(micro_batches, str) else tuple(micro_batches))
+        start = raw["ts"] / 1e6
+        events.setdefault(raw["pid"], []).append(Event(raw["pid"], action, start, start + raw["dur"] / 1e6))
+    return [events.get(rank, []) for rank in range(max(events, default=-1) + 1)]
+
+
+def plot_timeline_panels(panels: Sequence[tuple[str, Sequence[Sequence[Event]]]], path: Path, title: str) -> None:
+    """Timelines stacked on one time axis, each panel one row per rank."""
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
+
+    span = max((e.end for _, timelines in panels for t in timelines for e in t), default=1.0) or 1.0
+    figure = Figure(figsize=(12, 1.2 + 1.1 * sum(len(t) for _, t in panels) * 0.6), layout="constrained")
+    axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    kinds: set[str] = set()
+    for axes, (label, timelines) in zip(axes_list, panels):
+        ranks = len(timelines)
+        for timeline in timelines:
+            for event in timeline:
+                kinds.add(event.action.kind)
+                row = ranks - 1 - event.rank
+                axes.broken_barh([(event.start, event.duration)], (row - 0.4, 0.8), facecolors=COLOURS[event.action.kind], edgecolor="white", linewidth=0.6)
+                text = action_label(event.action)
+                if event.duration / span * 12 * 72 >= 5.5 * len(text) + 3:
+                    axes.text(event.start + event.duration / 2, row, text, ha="center", va="center", fontsize=7, color="white")
+        axes.set_yticks(range(ranks), [f"rank {r}" for r in reversed(range(ranks))])
+        axes.set_ylim(-0.6, ranks - 0.4)
+        axes.set_title(label, fontsize=9, loc="left")
+        axes.grid(axis="x", alpha=0.3)
+        axes.set_axisbelow(True)
+    axes_list[-1].set_xlim(0, span)
+    axes_list[-1].set_xlabel("time (s)")
+    figure.legend(
+        handles=[Patch(color=COLOURS[k], label=LEGEND[k]) for k in LEGEND if k in kinds],
+        loc="outside lower center",
+        ncol=4,
+        frameon=False,
+        fontsize=8,
+    )
+    figure.suptitle(title, fontsize=10)
+    figure.savefig(path, dpi=110)
+
+
+def write_all(document: Mapping[str, Any], out: Path) -> list[Path]:
+    """Write pipeline.md, pipeline.png and one timeline PNG per model into ``out``."""
+    written = []
+    md = out / "pipeline.md"
+    md.write_text(markdown(document))
+    written.append(md)
+    png = out / "pipeline.png"
+    plot_ratios(document, png)
+    written.append(png)
+    for model in document["models"]:
+        traces = model.get("traces") or {}
+        panels = [
+            (f"{caption} ({'measured' if key.startswith('measured') else 'simulated from measured stage terms'})", read_chrome_trace(out / traces[key]))
+            for key, caption in (("measured_off", "2BP off"), ("measured_on", "2BP on"), ("simulated_on", "2BP on"))
+            if key in traces and (out / traces[key]).exists()
+        ]
+        if panels:
+            path = out / f"timeline_{model['model']}.png"
+            schedule = model.get("timeline_schedule")
+            plot_timeline_panels(panels, path, f"{model['model']}, {schedule}, one step ({document['kind']})")
+            written.append(path)
+    return written
+
+
+def main(argv: "Sequence[str] | None" = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
+    document = json.loads((out / "pipeline.json").read_text())
+    for path in write_all(document, out):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""The pipeline sweep (benchmarks/): its model of a step against hand-worked values, and one
+tiny end-to-end run (bench, stage costs, analysis, tables and figures) that must resume from
+what it saved."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from twobp_autograd.pipeline.actions import F, I, W
+from twobp_autograd.pipeline.schedules import schedule
+
+pytest.importorskip("matplotlib")
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.fixture
+def sweep(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import pipeline_sweep
+
+    return pipeline_sweep
+
+
+def terms(sweep, forward=1.0, backward=4.5, input_grad=2.0, weight_grad=None, **extra):
+    return sweep.StageTerms(
+        forward_off=forward,
+        forward_on=forward,
+        backward=backward,
+        input_grad=input_grad,
+        weight_grad=weight_grad or {1: 3.0, 2: 4.8, 4: 9.0},
+        boundary_bytes=1000,
+        **extra,
+    )
+
+
+def test_weight_grad_curve_interpolates_then_extrapolates_per_micro_batch(sweep) -> None:
+    curve = sweep.weight_grad_curve({1: 1.0, 2: 1.6, 4: 2.8})
+    assert [curve(n) for n in (1, 2, 4)] == [1.0, 1.6, 2.8]
+    assert curve(3) == pytest.approx(2.2)
+    assert curve(8) == pytest.approx(5.6)  # 2.8 per 4 micro-batches, no further gain
+    with pytest.raises(ValueError, match="W\\(1\\)"):
+        sweep.weight_grad_curve({2: 1.0})
+
+
+def test_latency_model_is_a_line_not_below_the_fastest_message(sweep) -> None:
+    model = sweep.latency_model([[1, 1e-4], [1_000_001, 1.1e-3]])
+    assert model(500_001) == pytest.approx(6e-4)
+    assert model(0) == pytest.approx(1e-4)
+    assert sweep.latency_model([[1, 5e-4], [100, 2e-4]])(1) == pytest.approx(3.5e-4)  # noise, falling: their mean
+    assert sweep.latency_model([[8, 3e-4]])(10**9) == 3e-4
+
+
+@pytest.mark.parametrize("num_stages,m", [(2, 2), (2, 4), (4, 4), (3, 6)], ids=str)
+def test_ideal_gpipe_ratio_is_design_closed_form(sweep, num_stages: int, m: int) -> None:
+    stage = terms(sweep)
+    f, i, w1, w = 1.0, 2.0, 3.0, stage.curve(m)
+    expected = (m + num_stages - 1) * (f + i + w1) / ((m + num_stages - 1) * (f + i) + w)
+    assert sweep.ideal_ratio("gpipe", num_stages, m, stage) == pytest.approx(expected)
+    # Without the concatenation gain W' = W: a smaller (here) ideal.
+    plain = (m + num_stages - 1) * (f + i + w1) / ((m + num_stages - 1) * (f + i) + m * w1)
+    assert sweep.ideal_ratio("gpipe", num_stages, m, stage, concatenation=False) == pytest.approx(plain)
+
+
+def test_simulation_uses_each_stage_its_own_measured_terms(sweep) -> None:
+    slow, fast = terms(sweep, forward=2.0), terms(sweep, forward=1.0)
+    off, on = sweep.simulate_pair("gpipe", [slow, fast], 2, latency=0.5)
+    # 2BP off. Rank 1: F0 2.5-3.5, F1 4.5-5.5, B0 5.5-10, B1 10-14.5. Rank 0: B0 10.5-15, B1 15-19.5.
+    assert off.step_time == pytest.approx(19.5)
+    assert on.step_time < off.step_time
+
+
+def test_modeled_peak_bytes_holds_graphs_until_i_and_queued_work_until_w(sweep) -> None:
+    gpipe_on = [F(0), F(1), I(0), I(1), W(0, 1)]
+    assert sweep.modeled_peak_bytes(gpipe_on, graph_bytes=10, pending_bytes=7) == 20
+    assert sweep.modeled_peak_bytes(gpipe_on, graph_bytes=10, pending_bytes=15) == 30
+    one_f_one_b = schedule("1f1b-2", 2, 4, twobp=False)[0]
+    assert sweep.modeled_peak_bytes(one_f_one_b, graph_bytes=10, pending_bytes=0) == 20
+
+
+def _block(forward: float, w1: float, pending: int = 5, **extra) -> dict:
+    return {
+        "name": "B", "forward_off": forward, "forward_on": forward * 1.1, "backward": 2 * forward,
+        "input_grad": forward, "weight_grad": {"1": w1, "2": 1.5 * w1}, "output_bytes": 64, "pending_bytes": pending,
+        **extra,
+    }  # fmt: skip
+
+
+def test_stage_terms_sum_blocks_per_cut_with_the_loss_on_the_last(sweep) -> None:
+    costs = {
+        "block_costs": [1.0, 1.0, 1.0, 1.0],
+        "ranks": [
+            {"rank": 0, "blocks": [0, 1], "per_size": {"4": [_block(1, 1, stage_saved_bytes_off=100, stage_saved_bytes_on=90), _block(2, 2)]}},
+            {"rank": 1, "blocks": [2, 3], "per_size": {"4": [_block(3, 3, stage_saved_bytes_off=300, stage_saved_bytes_on=270), _block(4, 4), _block(0.5, 0, pending=0)]}},
+        ],
+    }
+    cut, two = sweep.stage_terms(costs, 4, 2)
+    assert cut == [range(0, 2), range(2, 4)]
+    assert (two[0].forward_off, two[1].forward_off) == (3, 7.5)
+    assert two[1].weight_grad == {1: 7, 2: 10.5}
+    assert (two[0].saved_bytes_off, two[1].saved_bytes_on, two[0].pending_bytes) == (100, 270, 10)
+    cut, four = sweep.stage_terms(costs, 4, 4)
+    assert len(cut) == 4 and [t.forward_off for t in four] == [1, 2, 3, 4.5]
+    assert all(t.saved_bytes_off is None for t in four)  # only the measured 2-rank stages know theirs
+
+
+def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, monkeypatch) -> None:
+    """Two spawned bench ranks and two measuring ranks on a 2-block MLP: ~30 s on 2 busy cores."""
+    tiny = sweep.Mode(
+        "quick", steps=1, warmup=0, cost_repeats=1, counts=(1, 2),
+        bench_shape=("--width", "16", "--depth", "2", "--seq-len", "4", "--batch-size", "4", "--balance", "params"),
+        latency_repeats=2,
+    )  # fmt: skip
+    monkeypatch.setitem(sweep.MODES, "quick", tiny)
+    argv = ["--quick", "--models", "mlp", "--no-pipelining-zb", "--out", str(tmp_path)]
+    assert sweep.main(argv) == 0
+
+    document = json.loads((tmp_path / "pipeline.json").read_text())
+    assert document["kind"].startswith("smoke run") and document["machine"]["torch"]
+    (model,) = document["models"]
+    assert "error" not in model and set(model["schedules"]) == {"gpipe", "1f1b-1", "1f1b-2", "zb"}
+    for name, entry in model["schedules"].items():
+        assert entry["micro_batches"] == (4 if name in ("1f1b-2", "zb") else 2)
+        for figure in ("measured", "ideal", "simulated"):
+            ratio = entry[figure]["throughput_ratio"]
+            assert math.isfinite(ratio) and ratio > 0
+        assert entry["simulated"]["step_time_on"] > 0 and entry["memory_modeled"]["peak_bytes_on"] > 0
+        assert entry["predicted"]["4"]["skipped"]  # 2 blocks cannot make 4 stages
+    # The stage costs came from a stage that really deferred: something was queued between I and W.
+    raw = next((tmp_path / "raw").glob("mlp-*"))
+    costs = json.loads((raw / "costs.json").read_text())
+    assert all(any(b["pending_bytes"] > 0 for b in rank["per_size"]["2"]) for rank in costs["ranks"])
+    bench = json.loads((raw / "bench.json").read_text())
+    assert all(jobs > 0 for step in bench["steps"]["mlp-gpipe-2bp-on"] for jobs in step["deferred_jobs"])
+
+    table = (tmp_path / "pipeline.md").read_text()
+    assert table.count("| mlp | ") >= 3 * 4 and "smoke run" in table and "1.70x" in table
+    for image in ("pipeline.png", "timeline_mlp.png"):
+        assert (tmp_path / image).stat().st_size > 10_000
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("a saved part was measured again")
+
+    monkeypatch.setattr(sweep, "_run", no_measuring)
+    (tmp_path / "pipeline.json").unlink()
+    assert sweep.main(argv) == 0
+    assert json.loads((tmp_path / "pipeline.json").read_text())["models"][0]["schedules"] == model["schedules"]
