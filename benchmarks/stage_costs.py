@@ -163,7 +163,10 @@ def measure_stage(
     """Per-block medians over ``repeats`` (after ``warmup``) of F off/on, B, I and W(n) for n
     in ``counts``, with the stage fed ``micro_inputs`` (at least ``max(counts)`` of them).
     A stage without ``loss_fn`` gets an output gradient from ``output_grad(output)``. The runs
-    with 2BP off and on alternate within each repeat, so drift falls on both."""
+    with 2BP off and on alternate within each repeat, so drift falls on both. Bytes are
+    counted in the warm-up (at least one), whose times are not kept: the counting hooks cost
+    time."""
+    warmup = max(1, warmup)
     stage = _Stage(blocks, loss_fn, first)
     if len(micro_inputs) < max(counts):
         raise ValueError(f"need {max(counts)} micro-batches, got {len(micro_inputs)}")
@@ -179,25 +182,26 @@ def measure_stage(
         for repeat in range(warmup + repeats):
             keep = repeat >= warmup
             stage.set_mode(False)
-            with saved_bytes(stage.params) as saved_off:
-                pairs, forward = stage.forward(micro_inputs[0], micro_targets[0], twobp_on=False)
-            grad = output_gradient(pairs)
-            backward = stage.backward(pairs, grad)
-            stage.zero_grad()
-            memory.setdefault("output_bytes", [_bytes(out) for _, out in pairs])
-            memory.setdefault("saved_bytes_off", [saved_off.bytes])
-            if keep:
-                samples["forward_off"].append(forward)
-                samples["backward"].append(backward)
+            for k in range(len(counts)):  # as many F and B samples per repeat as W(n) ones
+                with saved_bytes(stage.params) if not keep else contextlib.nullcontext() as saved_off:
+                    pairs, forward = stage.forward(micro_inputs[k], micro_targets[k], twobp_on=False)
+                backward = stage.backward(pairs, output_gradient(pairs))
+                stage.zero_grad()
+                if keep:
+                    samples["forward_off"].append(forward)
+                    samples["backward"].append(backward)
+                else:
+                    memory.setdefault("output_bytes", [_bytes(out) for _, out in pairs])
+                    memory.setdefault("saved_bytes_off", [saved_off.bytes])
 
             stage.set_mode(True)
             was_patched = True
             for n in counts:
                 for k in range(n):
-                    with saved_bytes(stage.params) as saved_on:
+                    with saved_bytes(stage.params) if not keep else contextlib.nullcontext() as saved_on:
                         pairs, forward = stage.forward(micro_inputs[k], micro_targets[k], twobp_on=True)
                     input_grad = stage.backward(pairs, output_gradient(pairs))
-                    if k == 0:
+                    if not keep and k == 0:
                         memory.setdefault("saved_bytes_on", [saved_on.bytes])
                         memory.setdefault("pending_bytes", stage.pending_bytes())
                     if keep:

@@ -149,3 +149,51 @@ def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, m
     (tmp_path / "pipeline.json").unlink()
     assert sweep.main(argv) == 0
     assert json.loads((tmp_path / "pipeline.json").read_text())["models"][0]["schedules"] == model["schedules"]
+
+
+@pytest.fixture
+def stage_costs(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import stage_costs
+
+    return stage_costs
+
+
+def test_saved_bytes_counts_activations_once_and_no_parameters(stage_costs) -> None:
+    import torch
+
+    linear = torch.nn.Linear(8, 3)
+    x = torch.randn(4, 8, requires_grad=True)
+    with stage_costs.saved_bytes(list(linear.parameters())) as counted:
+        out = linear(x)
+        again = linear(x)  # the same input saved twice: one storage
+    assert counted.bytes == x.numel() * 4
+    (out + again).sum().backward()
+
+
+def test_measure_stage_times_every_block_and_leaves_the_stage_as_it_was(stage_costs) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    import twobp_autograd as twobp
+
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU()), torch.nn.Linear(16, 4)]
+    inputs = list(torch.randn(12, 8).tensor_split(4))
+    targets = list(torch.randn(12, 4).tensor_split(4))
+    measured = stage_costs.measure_stage(
+        blocks, inputs, targets, loss_fn=F.mse_loss, first=False, counts=[1, 2, 4], repeats=2
+    )
+    assert [b["name"] for b in measured] == ["Sequential", "Linear", "loss"]
+    for block in measured[:2]:
+        assert all(block[q] > 0 for q in ("forward_off", "forward_on", "backward", "input_grad"))
+        assert set(block["weight_grad"]) == {"1", "2", "4"} and all(t > 0 for t in block["weight_grad"].values())
+        assert block["pending_bytes"] > 0  # something was queued between I and W
+    assert measured[2]["weight_grad"]["1"] == 0 and measured[2]["pending_bytes"] == 0
+    assert measured[0]["stage_saved_bytes_off"] >= 3 * 8 * 4  # at least the first Linear's input
+    assert measured[1]["output_bytes"] == 3 * 4 * 4
+    # Unpatched, no gradient, nothing queued: the model is handed back untouched.
+    assert all(p.grad is None for b in blocks for p in b.parameters())
+    assert twobp.pending().jobs == 0
+    out = blocks[1](blocks[0](inputs[0]))
+    out.sum().backward()
+    assert blocks[1].weight.grad is not None
