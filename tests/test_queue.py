@@ -219,3 +219,19 @@ def test_an_empty_queue_passed_explicitly_is_the_one_used():
     assert twobp.pending(empty) == (0, 0)
     twobp.flush_weight_grads(empty)
     assert twobp.pending().jobs == 1 and layer.weight.grad is None
+
+
+@pytest.mark.parametrize("strategy, joined", [("auto", False), ("concat", True), ("loop", False)])
+def test_auto_joins_linear_micro_batches_only_off_the_cpu(strategy, joined):
+    """On a CPU the joined GEMM costs what the separate ones cost, plus copies: auto loops."""
+    from torch.profiler import profile
+
+    queue = twobp.WeightGradQueue(strategy)
+    layer = twobp.patch(nn.Linear(8, 4, bias=False))
+    with twobp.use_queue(queue):
+        for _ in range(3):
+            layer(torch.randn(5, 8)).pow(2).sum().backward()
+    with profile() as prof:
+        queue.flush()
+    names = [e.name for e in prof.events()]
+    assert (names.count("aten::mm"), names.count("aten::cat")) == ((1, 2) if joined else (3, 0))  # rows, grads

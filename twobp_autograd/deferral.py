@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -36,8 +35,7 @@ def detached(param: "Tensor | None") -> "Tensor | None":
     return param.detach() if param is not None and param.is_leaf else param
 
 
-@dataclass(frozen=True)
-class _TapSpec:
+class _TapSpec(NamedTuple):
     kernel: WeightGradKernel
     group: Hashable
     concatenate: bool
@@ -92,8 +90,8 @@ class _WeightGradTap(torch.autograd.Function):
                     group=spec.group,
                     concatenate=spec.concatenate,
                     params=tuple(p if d == "defer" else None for p, d in zip(spec.params, decisions)),
-                    saved=tuple(t.detach() for t in saved),
-                    grad_outputs=tuple(g.detach() for g in grad_outputs),
+                    saved=tuple([t.detach() for t in saved]),
+                    grad_outputs=tuple([g.detach() for g in grad_outputs]),
                     tag=spec.tag,
                 )
             )
@@ -118,13 +116,16 @@ def defer_weight_grads(
     saved: Sequence[Tensor],
     kernel: WeightGradKernel,
     *,
-    concatenate: bool = True,
+    concatenate: "bool | None" = None,
     group: Hashable = None,
 ) -> Any:
     """Defer the gradients of ``params`` for an op whose ``outputs`` were computed with the
     parameters detached. ``kernel(saved, grad_outputs, needs)`` later returns one gradient per
-    parameter; with ``concatenate`` it must accept several micro-batches joined on dim 0 of
-    every saved tensor and output gradient. Returns ``outputs`` (the same tensors)."""
+    parameter. Returns ``outputs`` (the same tensors).
+
+    ``concatenate``: False if the kernel must see one micro-batch at a time; otherwise it must
+    accept several joined on dim 0 of every saved tensor and output gradient. True says joining
+    always pays; None (default) that it pays off the CPU only (see ``WeightGradQueue``)."""
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
     params = tuple(p if p is not None and p.is_leaf else None for p in params)  # as `detached`
     queue = current_queue()

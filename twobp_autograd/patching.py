@@ -53,11 +53,10 @@ class DeferredForwardCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        if (
-            not torch.is_grad_enabled()
-            or not module.training
-            or not any(p.requires_grad for p in module.parameters())
-        ):
+        # Own parameters straight from the dict (this runs on every call); a module with
+        # children (MultiheadAttention's out_proj) looks at theirs too.
+        params = module.parameters() if module._modules else module._parameters.values()
+        if not torch.is_grad_enabled() or not module.training or not any(p is not None and p.requires_grad for p in params):
             return self.plain(*args, **kwargs)
         return self.deferred(module, *args, **kwargs)
 

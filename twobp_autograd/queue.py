@@ -18,7 +18,6 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -49,30 +48,37 @@ class PendingWork(NamedTuple):
     bytes: int
 
 
-@dataclass(eq=False)
 class WeightGradJob:
-    """One patched call's deferred weight-gradient work."""
+    """One patched call's deferred weight-gradient work (built once per call in backward-p1:
+    a slotted class, kept cheap)."""
 
-    kernel: WeightGradKernel
-    group: Hashable  # jobs with equal ``group`` may be concatenated and run as one kernel call
-    concatenate: bool  # False: the kernel must see one micro-batch at a time (e.g. BatchNorm)
-    params: tuple["torch.nn.Parameter | None", ...]  # None where that gradient is not wanted
-    saved: tuple[Tensor, ...]
-    grad_outputs: tuple[Tensor, ...]
-    tag: Hashable = None
-    versions: tuple[int, ...] = field(default=())
+    __slots__ = ("kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "versions")
 
-    def __post_init__(self) -> None:
-        self.versions = tuple(t._version for t in self._watched())
+    def __init__(
+        self,
+        kernel: WeightGradKernel,
+        group: Hashable,
+        concatenate: "bool | None",
+        params: tuple["torch.nn.Parameter | None", ...],
+        saved: tuple[Tensor, ...],
+        grad_outputs: tuple[Tensor, ...],
+        tag: Hashable = None,
+    ) -> None:
+        self.kernel = kernel
+        self.group = group  # jobs with equal group may be concatenated and run as one call
+        self.concatenate = concatenate  # False: never joined; True: joining pays; None: off the CPU
+        self.params = params  # None where that gradient is not wanted
+        self.saved = saved
+        self.grad_outputs = grad_outputs
+        self.tag = tag
+        self.versions = self._versions()
 
-    def _watched(self) -> Iterator[Tensor]:
-        yield from self.saved
-        yield from self.grad_outputs
-        yield from (p for p in self.params if p is not None)
+    def _versions(self) -> tuple[int, ...]:
+        watched = (*self.saved, *self.grad_outputs, *(p for p in self.params if p is not None))
+        return tuple(t._version for t in watched)
 
     def check_unmodified(self) -> None:
-        now = tuple(t._version for t in self._watched())
-        if now != self.versions:
+        if self._versions() != self.versions:
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place between backward "
@@ -80,9 +86,8 @@ class WeightGradJob:
                 "queue.clear() drops it."
             )
 
-    def tensors(self) -> Iterator[Tensor]:
-        yield from self.saved
-        yield from self.grad_outputs
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (*self.saved, *self.grad_outputs)
 
     @property
     def needs(self) -> tuple[bool, ...]:
@@ -96,13 +101,15 @@ class WeightGradQueue:
     """Weight-gradient work queued by backward-p1, run by :meth:`flush`.
 
     ``strategy`` chooses how a group of jobs of one layer runs: ``"concat"`` concatenates the
-    micro-batches and calls the kernel once, ``"loop"`` calls it per micro-batch and sums,
-    ``"auto"`` concatenates unless the concatenated copies would exceed
-    ``max_concat_bytes``.
+    micro-batches and calls the kernel once, ``"loop"`` calls it per micro-batch and sums in
+    place, ``"auto"`` (default) concatenates where it pays and the copies stay under
+    ``max_concat_bytes``: always for convolutions, off the CPU for the rest. On a CPU a GEMM or
+    a reduction over joined micro-batches costs what the separate calls cost, plus the copies
+    (measured: ``benchmarks/overhead.py``); small weight-gradient convolutions gain from it.
 
-    ``max_pending_bytes`` bounds the memory pending work holds: when an enqueue passes it, the
-    oldest jobs are flushed at once (inside that backward) until the rest fits, so memory no
-    longer grows with the number of micro-batches.
+    ``max_pending_bytes`` (fixed at construction) bounds the memory pending work holds: when
+    an enqueue passes it, the oldest jobs are flushed at once (inside that backward) until the
+    rest fits, so memory no longer grows with the number of micro-batches.
 
     ``delivery_bucket_bytes``: during a flush, gradients reach ``.grad`` (and fire their
     post-accumulate hooks) in buckets of about this many bytes as soon as their last kernel
@@ -112,7 +119,7 @@ class WeightGradQueue:
 
     def __init__(
         self,
-        strategy: FlushStrategy = "concat",
+        strategy: FlushStrategy = "auto",
         *,
         max_concat_bytes: int = 1 << 30,
         max_pending_bytes: "int | None" = None,
@@ -174,12 +181,14 @@ class WeightGradQueue:
 
     def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
         """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep
-        alive (a saved view keeps its whole storage alive; two views of one count once)."""
+        alive (a saved view keeps its whole storage alive; two views of one count once).
+        Only a queue with a cap keeps it incrementally; others count on demand."""
+        if self.max_pending_bytes is None:
+            return
         for job in jobs:
             for t in job.tensors():
-                storage = t.untyped_storage()
-                key = (storage.data_ptr(), t.device)
-                entry = self._held.setdefault(key, [0, storage.nbytes()])
+                key = _storage_key(t)
+                entry = self._held.setdefault(key, [0, t.untyped_storage().nbytes()])
                 entry[0] += sign
                 if entry[0] == 0:
                     self._held_bytes -= self._held.pop(key)[1]
@@ -192,7 +201,11 @@ class WeightGradQueue:
         return len(self._jobs)
 
     def pending(self) -> PendingWork:
-        return PendingWork(len(self._jobs), self._held_bytes)
+        if self.max_pending_bytes is not None:  # kept up to date on every enqueue
+            return PendingWork(len(self._jobs), self._held_bytes)
+        with self._lock:
+            storages = {_storage_key(t): t.untyped_storage().nbytes() for job in self._jobs for t in job.tensors()}
+        return PendingWork(len(self._jobs), sum(storages.values()))
 
     def tags(self) -> list[Hashable]:
         return list(dict.fromkeys(job.tag for job in self._jobs))
@@ -264,6 +277,10 @@ class WeightGradQueue:
                 "each thread its own queue with twobp.use_queue(). If that backward raised, "
                 "queue.clear() drops its partial work."
             )
+
+
+def _storage_key(t: Tensor) -> tuple[int, torch.device]:
+    return (t.data_ptr() - t.storage_offset() * t.element_size(), t.device)
 
 
 def run_jobs(
@@ -350,10 +367,13 @@ def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_b
     needs = first.needs
     if len(group) == 1:
         return first.kernel(first.saved, first.grad_outputs, needs)
-    concat = first.concatenate and (
-        strategy == "concat"
-        or (strategy == "auto" and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= max_concat_bytes)
-    )
+    if first.concatenate is False or strategy == "loop":
+        concat = False
+    elif strategy == "concat":
+        concat = True
+    else:
+        pays = first.concatenate or not first.grad_outputs[0].is_cpu
+        concat = pays and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= max_concat_bytes
     if concat:
         saved = [torch.cat(ts) for ts in zip(*(j.saved for j in group))]
         grad_outputs = [torch.cat(ts) for ts in zip(*(j.grad_outputs for j in group))]

@@ -113,7 +113,9 @@ def _deferred_conv(
         groups=module.groups,
         **kernel_config,
     )
-    output = defer_weight_grads(output, (weight, bias), (saved_input,), kernel)
+    # Joined on the CPU too: weight-gradient convolutions over a few samples run far below the
+    # speed they reach on many (measured: benchmarks/overhead.py, ResNet-152 at batch 2).
+    output = defer_weight_grads(output, (weight, bias), (saved_input,), kernel, concatenate=True)
     return output.squeeze(0) if unbatched else output
 
 

@@ -68,4 +68,4 @@ def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     # Indices flattened: a 0-d or 1-d (unbatched) lookup concatenates like a batched one, and
     # output-gradient rows follow the same order.
     indices = input.detach().reshape(-1)
-    return defer_weight_grads(output, (weight,), (indices,), kernel, concatenate=not module.scale_grad_by_freq)
+    return defer_weight_grads(output, (weight,), (indices,), kernel, concatenate=False if module.scale_grad_by_freq else None)
