@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 import twobp_autograd as twobp
 from twobp_autograd import registry
@@ -35,7 +35,8 @@ RESNET_SIZE = 32
 #: adds 4 separate sums: the same math in another fp32 order. At 32x32 with batches of 2,
 #: layer4's BatchNorms normalise 2 values per channel and layer3's 8, so a rounding-level
 #: difference reaches some cancelling entries at ~1e-3 relative, while the gradient as a
-#: whole agrees to ~1e-6 (measured: 8e-7). A wrong gradient is off by >= 1e-2.
+#: whole agrees to ~1e-6 (measured: 8e-7). A gradient 0.1% off, or one micro-batch missed,
+#: fails.
 RESNET_GRAD_RTOL = 2e-5
 #: Parameters, buffers and losses, element-wise: one step of lr 0.01 moves a parameter by
 #: 0.01 x its gradient, so the gradients' rounding differences leave ~1e-8 absolute.
@@ -83,7 +84,7 @@ def test_resnet152_trains_like_plain_autograd() -> None:
         for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             assert p.grad is not None, f"step {step}: {name}.grad is None after the flush"
             error = (p.grad - q.grad).norm() / q.grad.norm().clamp_min(1e-30)
-            assert error <= RESNET_GRAD_RTOL or (p.grad == q.grad).all(), f"step {step}, {name}: {error:.1e}"
+            assert error <= RESNET_GRAD_RTOL, f"step {step}, {name}: {error:.1e}"
 
         optimizer.step()
         reference_optimizer.step()

@@ -158,7 +158,7 @@ def main(args: argparse.Namespace) -> None:
     steps_per_epoch = len(train_y) // args.batch_size
     print(
         f"ResNet-152 ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), "
-        f"{report.patched.__len__()} modules patched, {len(report.skipped)} on plain autograd; "
+        f"{len(report.patched)} modules patched, {len(report.skipped)} on plain autograd; "
         f"digits {IMAGE_SIZE}x{IMAGE_SIZE}: {len(train_y)} train / {len(test_y)} test; "
         f"{steps_per_epoch} steps/epoch of {args.batch_size} in {args.micro_batches} micro-batches; "
         f"device {device}, {torch.get_num_threads()} threads"
