@@ -22,11 +22,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -34,13 +32,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.bench import MODELS, build_model
+
+from local_ranks import run_on_local_ranks  # beside this script
 
 WORLD = 2
 VARIANTS = ("overlapped", "flush_then_reduce", "ddp")
@@ -61,23 +60,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / 2)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "data_parallel.json"))
     return parser.parse_args()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // WORLD))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600)
-    )
-    try:
-        _benchmark(rank, args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _benchmark(rank: int, args: argparse.Namespace) -> None:
@@ -160,7 +142,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
 
 def main() -> None:
     args = parse_args()
-    mp.spawn(_rank_main, args=(args, _free_port()), nprocs=WORLD, join=True)
+    run_on_local_ranks(_benchmark, args, WORLD, args.threads)
 
 
 if __name__ == "__main__":

@@ -21,24 +21,23 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline.bench import MODELS, build_model
 from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
 from twobp_autograd.pipeline.schedules import schedule
 from twobp_autograd.pipeline.stages import split
+
+from local_ranks import run_on_local_ranks  # beside this script
 
 WORLD = 2
 SCHEDULE = "1f1b-2"
@@ -89,23 +88,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / 2)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "memory.json"))
     return parser.parse_args()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // WORLD))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=600)
-    )
-    try:
-        _benchmark(rank, args)
-    finally:
-        dist.destroy_process_group()
 
 
 def _benchmark(rank: int, args: argparse.Namespace) -> None:
@@ -210,7 +192,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
 
 def main() -> None:
     args = parse_args()
-    mp.spawn(_rank_main, args=(args, _free_port()), nprocs=WORLD, join=True)
+    run_on_local_ranks(_benchmark, args, WORLD, args.threads)
 
 
 if __name__ == "__main__":
