@@ -235,3 +235,28 @@ def test_auto_joins_linear_micro_batches_only_off_the_cpu(strategy, joined):
         queue.flush()
     names = [e.name for e in prof.events()]
     assert (names.count("aten::mm"), names.count("aten::cat")) == ((1, 2) if joined else (3, 0))  # rows, grads
+
+
+@pytest.mark.parametrize("strategy", ["auto", "loop"])  # a batch-shaped bias cannot be joined
+def test_sums_never_write_into_a_gradient_another_job_still_needs(strategy):
+    """A recomputed ``x + bias`` returns the output gradient itself as the bias gradient, and
+    autograd hands one gradient tensor to every branch of a sum: adding into it in place would
+    change what the next job sees."""
+    from twobp_autograd.ops import recompute
+
+    class Shift(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bias = nn.Parameter(torch.zeros(4, 3))
+
+        def forward(self, x):
+            return x + self.bias
+
+    twobp.register(Shift, recompute)
+    patched, reference = patched_and_reference(Shift())
+    xs = [torch.randn(4, 3) for _ in range(3)]
+    with twobp.use_queue(twobp.WeightGradQueue(strategy)) as queue:
+        (patched(xs[0]) + patched(xs[1]) + patched(xs[2])).pow(2).sum().backward()
+    (reference(xs[0]) + reference(xs[1]) + reference(xs[2])).pow(2).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference)

@@ -3,8 +3,8 @@
 Backward-p1 leaves one :class:`WeightGradJob` per patched call: the tensors the layer's
 weight-gradient kernel needs and the gradient of the layer's output. A flush groups the jobs
 that share a kernel, parameters and trailing shapes, concatenates their micro-batches on
-dimension 0 and runs the kernel once per group, then hands the sums to autograd's own
-gradient accumulation, so ``.grad`` ends exactly as plain backward would leave it (``None``
+dimension 0 where that pays and runs the kernel once per group (else once per micro-batch,
+summed), then hands the sums to autograd's own gradient accumulation, so ``.grad`` ends exactly as plain backward would leave it (``None``
 handling, dtype, layout, tensor hooks and post-accumulate hooks included).
 
 Each thread has its own default queue; :func:`use_queue` selects another one for the
@@ -304,7 +304,7 @@ def run_jobs(
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
 
-    summing: dict[int, tuple[Tensor, Tensor]] = {}  # id(param) -> (param, gradient so far)
+    summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
     ready: list[tuple[Tensor, Tensor]] = []
     ready_bytes = 0
     with torch.no_grad():
@@ -312,7 +312,9 @@ def run_jobs(
             _add_group_grads(summing, group, strategy, max_concat_bytes)
             for param in group[0].params:
                 if param is not None and last_group[id(param)] == index and id(param) in summing:
-                    ready.append(summing.pop(id(param)))
+                    done, total = summing.pop(id(param))
+                    ready.append((done, total.tensor))
+                    del total
                     ready_bytes += param.numel() * param.element_size()
             if delivery_bucket_bytes is not None and ready_bytes >= delivery_bucket_bytes:
                 _deliver(ready)
@@ -321,18 +323,15 @@ def run_jobs(
 
 
 def _add_group_grads(
-    summing: dict[int, tuple[Tensor, Tensor]], group: list[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int
+    summing: dict[int, tuple[Tensor, "_Sum"]], group: list[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int
 ) -> None:
     """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
     each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
     for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
         if param is None or grad is None:
             continue
-        grad = grad.to(param.dtype)
-        if id(param) in summing:
-            summing[id(param)][1].add_(grad)
-        else:
-            summing[id(param)] = (param, grad)
+        entry = summing.get(id(param))
+        summing[id(param)] = (param, _sum(entry[1] if entry else None, grad.to(param.dtype)))  # type: ignore[arg-type]
 
 
 def _deliver(ready: list[tuple[Tensor, Tensor]]) -> None:
@@ -381,9 +380,33 @@ def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_b
     total: list["Tensor | None"] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(job.kernel(job.saved, job.grad_outputs, needs)):
-            if grad is not None:  # kernels return fresh tensors: summing in place is safe
-                total[i] = grad if total[i] is None else total[i].add_(grad)
-    return total
+            total[i] = _sum(total[i], grad)
+    return [t.tensor if t is not None else None for t in total]
+
+
+class _Sum:
+    """A running sum that owns its tensor before adding into it in place: a kernel may return
+    a tensor it did not make (a recomputed ``x + bias`` returns the output gradient itself),
+    and autograd hands one gradient tensor to several branches, so another job may still
+    need it."""
+
+    __slots__ = ("tensor", "owned")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor, self.owned = tensor, False
+
+    def add(self, other: Tensor) -> "_Sum":
+        if self.owned:
+            self.tensor.add_(other)
+        else:
+            self.tensor, self.owned = self.tensor + other, True
+        return self
+
+
+def _sum(total: "_Sum | None", grad: "Tensor | None") -> "_Sum | None":
+    if grad is None:
+        return total
+    return _Sum(grad) if total is None else total.add(grad)
 
 
 # -- the queue in use -----------------------------------------------------------------------
