@@ -105,14 +105,7 @@ def test_resnet152_trains_like_plain_autograd() -> None:
 
 # -- Hugging Face models: gradients after one flush ----------------------------------------
 
-from transformers import (  # noqa: E402  (after the importorskip above)
-    BertConfig,
-    BertForMaskedLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MambaConfig,
-    MambaForCausalLM,
-)
+from tests import tiny_models  # noqa: E402  (after the importorskip above)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.mamba.modeling_mamba import MambaRMSNorm  # noqa: E402
 
@@ -127,40 +120,15 @@ def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def tiny_llama() -> nn.Module:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # grouped-query attention: k/v projections narrower than q
-        max_position_embeddings=2 * SEQUENCE,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    return LlamaForCausalLM(config)
+    return tiny_models.llama(VOCAB, HIDDEN, LAYERS, SEQUENCE, "sdpa")
 
 
 def tiny_bert() -> nn.Module:
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        max_position_embeddings=2 * SEQUENCE,
-        hidden_dropout_prob=0.0,  # dropout would draw different masks in the two models
-        attention_probs_dropout_prob=0.0,
-        attn_implementation="eager",
-    )
-    return BertForMaskedLM(config)
+    return tiny_models.bert(VOCAB, HIDDEN, LAYERS, SEQUENCE)
 
 
 def tiny_mamba() -> nn.Module:
-    config = MambaConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, state_size=8, num_hidden_layers=LAYERS, expand=2, conv_kernel=4
-    )
-    return MambaForCausalLM(config)
+    return tiny_models.mamba(VOCAB, HIDDEN, LAYERS, state_size=8, conv_kernel=4)
 
 
 #: MambaMixer's forward reads these parameters itself (``self.A_log``, ``self.D``,

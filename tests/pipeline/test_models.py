@@ -33,14 +33,7 @@ from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedul
 torchvision = pytest.importorskip("torchvision")
 transformers = pytest.importorskip("transformers")
 
-from transformers import (  # noqa: E402  (after the importorskip above)
-    BertConfig,
-    BertForMaskedLM,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MambaConfig,
-    MambaForCausalLM,
-)
+from tests import tiny_models  # noqa: E402  (after the importorskip above)
 
 VOCAB, HIDDEN, LAYERS, SEQUENCE, BATCH = 64, 16, 2, 8, 4
 WORLD = 2
@@ -51,38 +44,15 @@ RUNTIME_TIMEOUT = 60.0
 
 
 def tiny_llama(attention: str = "sdpa") -> nn.Module:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2 * SEQUENCE,
-        tie_word_embeddings=True,
-        attn_implementation=attention,
-    )
-    return LlamaForCausalLM(config)
+    return tiny_models.llama(VOCAB, HIDDEN, LAYERS, SEQUENCE, attention)
 
 
 def tiny_bert() -> nn.Module:
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=2 * HIDDEN,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        max_position_embeddings=2 * SEQUENCE,
-        hidden_dropout_prob=0.0,  # dropout would draw different masks in the two runs
-        attention_probs_dropout_prob=0.0,
-        attn_implementation="eager",  # an explicit mask tensor, rebuilt on each stage
-    )
-    return BertForMaskedLM(config)
+    return tiny_models.bert(VOCAB, HIDDEN, LAYERS, SEQUENCE)
 
 
 def tiny_mamba() -> nn.Module:
-    config = MambaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, state_size=4, num_hidden_layers=LAYERS, expand=2, conv_kernel=3)
-    return MambaForCausalLM(config)
+    return tiny_models.mamba(VOCAB, HIDDEN, LAYERS, state_size=4, conv_kernel=3)
 
 
 def small_resnet() -> nn.Module:
