@@ -11,19 +11,18 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import time
 import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
+from tests.ranks import read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
@@ -52,27 +51,9 @@ def _rank_main(rank: int, world: int, scenario: Callable[[int], dict], store_pat
 
 def launch(scenario: Callable[[int], dict], world: int, directory: str, deadline: float = 120.0) -> list[dict]:
     """Run ``scenario(rank)`` (a module-level function) on ``world`` spawned gloo ranks."""
-    context = mp.get_context("spawn")
     store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    ranks = [context.Process(target=_rank_main, args=(r, world, scenario, store, results)) for r in range(world)]
-    for process in ranks:
-        process.start()
-    end = time.monotonic() + deadline
-    for process in ranks:
-        process.join(max(0.0, end - time.monotonic()))
-    hung = [r for r, process in enumerate(ranks) if process.is_alive()]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not hung, f"ranks {hung} still running after {deadline} s"
-    found = []
-    for r in range(world):
-        assert os.path.exists(f"{results}.{r}"), f"rank {r} wrote no result"
-        result = torch.load(f"{results}.{r}", weights_only=False)
-        assert "crash" not in result, f"rank {r} crashed:\n{result['crash']}"
-        found.append(result)
-    return found
+    run_ranks(_rank_main, world, (world, scenario, store, results), deadline)
+    return read_results(results, world)
 
 
 # -- a model with every case at once ---------------------------------------------------------

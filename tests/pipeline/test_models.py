@@ -12,18 +12,17 @@ from __future__ import annotations
 import copy
 import datetime
 import os
-import time
 import traceback
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
+from tests.ranks import read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd import registry
 from twobp_autograd.pipeline.models import PipelineModel, TiedGradients, blocks_of, defer_norms, split_model
@@ -305,26 +304,8 @@ def _rank_main(rank: int, store_path: str, result_path: str) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     directory = tmp_path_factory.mktemp("models")
     store, results = str(directory / "store"), str(directory / "result")
-    context = mp.get_context("spawn")
-    ranks = [context.Process(target=_rank_main, args=(rank, store, results)) for rank in range(WORLD)]
-    for process in ranks:
-        process.start()
-    end = time.monotonic() + 150.0
-    for process in ranks:
-        process.join(max(0.0, end - time.monotonic()))
-    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not hung, f"ranks {hung} still running after 150 s: the pipeline hung"
-    found = []
-    for rank in range(WORLD):
-        assert os.path.exists(f"{results}.{rank}"), f"rank {rank} wrote no result"
-        result = torch.load(f"{results}.{rank}", weights_only=False)
-        assert "crash" not in result, f"rank {rank} crashed:\n{result['crash']}"
-        found.append(result)
-    return found
+    run_ranks(_rank_main, WORLD, (store, results), 150.0, ": the pipeline hung")
+    return read_results(results, WORLD)
 
 
 @pytest.mark.parametrize("setting", SETTING_IDS)

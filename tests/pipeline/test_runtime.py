@@ -20,10 +20,10 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tests.ranks import read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.pipeline.runtime import PipelineError, PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
@@ -206,21 +206,9 @@ def _rank_main(rank: int, scenario: str, store_path: str, result_path: str) -> N
 def launch(scenario: str, directory: str, deadline: float = 150.0) -> list["dict | None"]:
     """Run ``scenario`` on its spawned ranks; each rank's result, None if it wrote none."""
     world = SCENARIOS[scenario][1]
-    context = mp.get_context("spawn")
     store, results = os.path.join(directory, f"{scenario}.store"), os.path.join(directory, f"{scenario}.result")
-    ranks = [context.Process(target=_rank_main, args=(rank, scenario, store, results)) for rank in range(world)]
-    for process in ranks:
-        process.start()
-    end = time.monotonic() + deadline
-    for process in ranks:
-        process.join(max(0.0, end - time.monotonic()))
-    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not hung, f"ranks {hung} still running after {deadline} s: the pipeline hung"
-    return [torch.load(f"{results}.{r}", weights_only=False) if os.path.exists(f"{results}.{r}") else None for r in range(world)]
+    run_ranks(_rank_main, world, (scenario, store, results), deadline, ": the pipeline hung")
+    return read_results(results, world, required=False)
 
 
 # -- the tests -------------------------------------------------------------------------------
