@@ -1,9 +1,13 @@
-"""The command line and the demo's data, without training anything (the demo itself is run
-by hand: it takes minutes)."""
+"""The command line, the demo's data, and a few steps of the demo on the small ResNet (the
+full demo is run by hand: it takes minutes)."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -48,3 +52,39 @@ def test_digits_become_normalised_three_channel_32x32_images() -> None:
     assert set(data.train_y.tolist()) == set(range(10)) == set(data.test_y.tolist())
     assert abs(data.train_x.mean().item()) < 1e-4 and abs(data.train_x.std().item() - 1) < 1e-3
     assert torch.equal(data.train_x[:, 0], data.train_x[:, 2])  # grey repeated on 3 channels
+
+
+def test_demo_options_default_to_a_two_stage_resnet152_pipeline() -> None:
+    args = build_parser().parse_args(["demo"])
+    assert (args.stages, args.model, args.schedule, args.max_steps) == (2, "resnet152", "gpipe", None)
+    quick = build_parser().parse_args(["demo", "--stages", "1", "--model", "resnet18", "--schedule", "1f1b-2", "--max-steps", "3"])
+    assert (quick.stages, quick.model, quick.schedule, quick.max_steps) == (1, "resnet18", "1f1b-2", 3)
+
+
+def _run_demo(arguments: list[str]) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "twobp_autograd", "demo", *arguments], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+@pytest.mark.parametrize("stages", [2, 1], ids=["pipeline-2-stages", "single-process"])
+def test_demo_runs_a_few_resnet18_steps_and_reports_accuracy(stages: int, tmp_path: Path) -> None:
+    pytest.importorskip("sklearn")
+    pytest.importorskip("torchvision")
+    timeline = tmp_path / "timeline.png"
+    # A few steps of the small ResNet: not a training result, only that every part runs
+    # (spawned ranks, both pipelines, pipelined evaluation, the timeline).
+    out = _run_demo(
+        ["--stages", str(stages), "--model", "resnet18", "--epochs", "1", "--max-steps", "2", "--batch-size", "16",
+         "--timeline", str(timeline)]
+    )  # fmt: skip
+    assert re.search(r"epoch 1:\s+2BP loss \d+\.\d+ test acc \d+\.\d%.*plain loss \d+\.\d+ test acc \d+\.\d%", out), out
+    assert "final test accuracy" in out
+    if stages == 2:
+        assert "2-stage pipeline" in out and "samples/s" in out
+        assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    else:
+        assert "modules patched" in out and not timeline.exists()

@@ -24,9 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = commands.add_parser(
         "demo",
-        help="train ResNet-152 on scikit-learn's digits, patched, against plain autograd",
-        description="Train torchvision's ResNet-152, unchanged and patched with 2BP, on "
-        "scikit-learn's bundled 8x8 digits; compare its step time with plain autograd.",
+        help="train ResNet-152 on scikit-learn's digits as a 2BP pipeline, against the same pipeline without 2BP",
+        description="Train torchvision's ResNet-152, unchanged, on scikit-learn's bundled 8x8 digits "
+        "as a 2-stage pipeline (two local ranks, or the ranks torchrun gives) with 2BP, against the "
+        "same pipeline without it; --stages 1 trains it in this process against plain autograd.",
     )
     add_arguments(demo)
 

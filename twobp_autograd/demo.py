@@ -1,6 +1,9 @@
 """The demo: torchvision's ResNet-152, unchanged, trained with 2BP on scikit-learn's bundled
 digits, step for step against the same model on plain autograd.
 
+By default it runs as a pipeline (see :mod:`.demo_pipeline`); ``--stages 1`` is the
+single-process comparison below.
+
 Both models start from the same weights and see the same micro-batches, so their losses
 must agree (up to float summation order) while 2BP moves the weight-gradient work out of
 backward into one flush per step. The two trainings alternate step by step (and which one
@@ -12,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -21,9 +25,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["add_arguments", "main", "load_digits_32", "DigitsSplit"]
+__all__ = ["add_arguments", "main", "load_digits_32", "build_resnet", "DigitsSplit", "MODELS"]
 
 IMAGE_SIZE = 32
+MODELS = {"resnet152": "ResNet-152", "resnet18": "ResNet-18"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +41,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="weights, split and shuffling (default 0)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="default cpu")
     parser.add_argument("--no-compare", action="store_true", help="train the patched model only (no plain run)")
+    parser.add_argument(
+        "--stages",
+        type=int,
+        default=2,
+        help="pipeline stages, one local rank each (default 2; under torchrun: its ranks); 1 = one process",
+    )
+    parser.add_argument(
+        "--schedule",
+        default="gpipe",
+        choices=["gpipe", "1f1b-1", "1f1b-2", "zb"],
+        # On two CPU cores GPipe's one concatenated W per stage finishes the demo soonest.
+        help="pipeline schedule (default gpipe)",
+    )
+    parser.add_argument("--model", default="resnet152", choices=list(MODELS), help="default resnet152; resnet18 is quick")
+    parser.add_argument("--max-steps", type=int, default=None, help="at most this many steps per epoch (quick runs)")
+    parser.add_argument(
+        "--timeline",
+        default="demo_timeline.png",
+        help="PNG timeline of one pipelined 2BP step (default demo_timeline.png; '' for none)",
+    )
 
 
 @dataclass
@@ -122,6 +147,31 @@ def timed_step(run: Run, micro_batches: list[tuple[Tensor, Tensor]], device: tor
     run.losses.append(loss)
 
 
+def build_resnet(name: str, seed: int) -> nn.Module:
+    """torchvision's ResNet for the 10 digit classes, from ``seed`` (every rank builds the same).
+
+    torchvision's own zero_init_residual starts every block as the identity (Goyal et al.):
+    the default init's stem gradients explode on 8x8-pixel digits with small micro-batches."""
+    import torchvision
+
+    torch.manual_seed(seed)
+    return getattr(torchvision.models, name)(num_classes=10, zero_init_residual=True)
+
+
+def steps_per_epoch(args: argparse.Namespace, num_samples: int) -> int:
+    steps = num_samples // args.batch_size
+    return steps if args.max_steps is None else min(steps, args.max_steps)
+
+
+def check_arguments(args: argparse.Namespace) -> None:
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but CUDA is not available")
+    if args.batch_size < args.micro_batches:
+        raise SystemExit("error: --batch-size must be at least --micro-batches")
+    if args.stages < 1 or (args.max_steps is not None and args.max_steps < 1):
+        raise SystemExit("error: --stages and --max-steps must be at least 1")
+
+
 @torch.no_grad()
 def accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 256) -> float:
     model.eval()
@@ -131,43 +181,47 @@ def accuracy(model: nn.Module, x: Tensor, y: Tensor, batch: int = 256) -> float:
 
 
 def main(args: argparse.Namespace) -> None:
-    import torchvision
+    check_arguments(args)
+    if args.stages > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks are the stages
+        from .demo_pipeline import main as pipeline_main
+
+        pipeline_main(args)
+        return
+    single_process_main(args)
+
+
+def single_process_main(args: argparse.Namespace) -> None:
+    """The whole model in this process, 2BP against plain autograd step for step."""
     from tqdm import tqdm
 
     import twobp_autograd as twobp
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but CUDA is not available")
-    if args.batch_size < args.micro_batches:
-        raise SystemExit("error: --batch-size must be at least --micro-batches")
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
     data = load_digits_32(args.seed)
     train_x, train_y = data.train_x.to(device), data.train_y.to(device)
     test_x, test_y = data.test_x.to(device), data.test_y.to(device)
 
-    # torchvision's own zero_init_residual starts every block as the identity (Goyal et al.):
-    # the default init's stem gradients explode on 8x8-pixel digits with small micro-batches.
-    model = torchvision.models.resnet152(num_classes=10, zero_init_residual=True).to(device)
+    model = build_resnet(args.model, args.seed).to(device)
     reference = copy.deepcopy(model)  # same initial weights, stays on plain autograd
     report = twobp.patch(model, report=True)
     runs = [Run("2BP", model, torch.optim.Adam(model.parameters(), lr=args.lr), twobp_step)]
     if not args.no_compare:
         runs.append(Run("plain", reference, torch.optim.Adam(reference.parameters(), lr=args.lr), plain_step))
 
-    steps_per_epoch = len(train_y) // args.batch_size
+    steps = steps_per_epoch(args, len(train_y))
     print(
-        f"ResNet-152 ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), "
+        f"{MODELS[args.model]} ({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters), "
         f"{len(report.patched)} modules patched, {len(report.skipped)} on plain autograd; "
         f"digits {IMAGE_SIZE}x{IMAGE_SIZE}: {len(train_y)} train / {len(test_y)} test; "
-        f"{steps_per_epoch} steps/epoch of {args.batch_size} in {args.micro_batches} micro-batches; "
+        f"{steps} steps/epoch of {args.batch_size} in {args.micro_batches} micro-batches; "
         f"device {device}, {torch.get_num_threads()} threads"
     )
     shuffle = torch.Generator().manual_seed(args.seed)
     step_index = 0
     for epoch in range(1, args.epochs + 1):
         order = torch.randperm(len(train_y), generator=shuffle).to(device)
-        bar = tqdm(range(steps_per_epoch), desc=f"epoch {epoch}/{args.epochs}", leave=False, dynamic_ncols=True)
+        bar = tqdm(range(steps), desc=f"epoch {epoch}/{args.epochs}", leave=False, dynamic_ncols=True)
         for i in bar:
             batch = order[i * args.batch_size : (i + 1) * args.batch_size]
             micro_batches = [(train_x[idx], train_y[idx]) for idx in batch.chunk(args.micro_batches)]
@@ -180,10 +234,10 @@ def main(args: argparse.Namespace) -> None:
         line = f"epoch {epoch}:"
         for run in runs:
             run.accuracies.append(accuracy(run.model, test_x, test_y))
-            epoch_losses = run.losses[-steps_per_epoch:]
+            epoch_losses = run.losses[-steps:]
             line += (
                 f"  {run.name} loss {statistics.fmean(epoch_losses):.4f} test acc {run.accuracies[-1]:.1%}"
-                f" median step {statistics.median(run.step_seconds[-steps_per_epoch:]):.3f} s"
+                f" median step {statistics.median(run.step_seconds[-steps:]):.3f} s"
             )
         print(line, flush=True)
     _summary(runs)
