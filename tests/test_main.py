@@ -82,7 +82,7 @@ def test_demo_runs_a_few_resnet18_steps_and_reports_accuracy(stages: int, tmp_pa
          "--timeline", str(timeline)]
     )  # fmt: skip
     assert re.search(r"epoch 1:\s+2BP loss \d+\.\d+ test acc \d+\.\d%.*plain loss \d+\.\d+ test acc \d+\.\d%", out), out
-    assert "final test accuracy" in out
+    assert "final test accuracy" in out and "first-step losses agree" in out
     if stages == 2:
         assert "2-stage pipeline" in out and "samples/s" in out
         assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

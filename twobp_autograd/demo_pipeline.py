@@ -185,6 +185,8 @@ def _summary(sides: list[Side], batch_size: int) -> None:
         rate = batch_size / statistics.median(settled(side.step_seconds))
         print(f"  {side.name:5} final test accuracy {side.accuracies[-1]:.1%} (chance 10%), {rate:.2f} samples/s")
     if len(sides) == 2:
+        first = abs(sides[0].losses[0] - sides[1].losses[0]) / abs(sides[1].losses[0])
+        print(f"  first-step losses agree to {first:.1e} (relative; later steps drift at the rounding level)")
         ratios = [b / a for a, b in zip(settled(sides[0].step_seconds), settled(sides[1].step_seconds))]
         print(f"  median per-step throughput ratio 2BP/plain {statistics.median(ratios):.3f}")
 
