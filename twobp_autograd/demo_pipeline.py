@@ -16,54 +16,29 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .pipeline.launch import run_as_ranks, threads_per_rank
 from .demo import MODELS, IMAGE_SIZE, build_resnet, load_digits_32, steps_per_epoch
 
 __all__ = ["main"]
 
 
 def main(args: argparse.Namespace) -> None:
-    if "RANK" in os.environ:  # torchrun: the ranks it started are the stages
-        _rank_main(args, spawned=False)
-        return
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(args.stages)}
-    saved = {name: os.environ.get(name) for name in rendezvous}
-    os.environ.update(rendezvous)  # the spawned ranks inherit it
-    try:
-        mp.spawn(_spawned_rank, args=(args,), nprocs=args.stages, join=True)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    # Under torchrun the ranks it started are the stages; else --stages local ranks.
+    run_as_ranks(_rank_main, args, args.stages)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_rank(rank: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    _rank_main(args, spawned=True)
-
-
-def _rank_main(args: argparse.Namespace, *, spawned: bool) -> None:
+def _rank_main(args: argparse.Namespace) -> None:
     from .pipeline.runtime import init_distributed
 
-    if spawned:
-        torch.set_num_threads(1)  # two ranks of two threads each would thrash two cores
+    torch.set_num_threads(threads_per_rank(int(os.environ["WORLD_SIZE"])))
     device = init_distributed(timeout=600.0, backend="gloo" if args.device == "cpu" else None)
     try:
         _train(args, device)

@@ -16,17 +16,16 @@ import argparse
 import json
 import math
 import os
-import socket
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .launch import run_as_ranks, threads_per_rank
 from .runtime import PipelineRuntime, StepReport, init_distributed
 from .schedules import SCHEDULES, default_num_micro_batches, schedule
 from .models import TiedGradients, blocks_of, loss_fn_of, split_model
@@ -217,32 +216,8 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     if argv and argv[0] == "pipeline":  # tolerate the sub-command name being passed along
         argv = argv[1:]
     args = parse_args(argv)
-    if "RANK" in os.environ:
-        _rank_main(args)
-        return 0
-    rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(args.nproc)}
-    saved = {name: os.environ.get(name) for name in rendezvous}
-    os.environ.update(rendezvous)  # the spawned ranks inherit it
-    try:
-        mp.spawn(_spawned_rank, args=(args,), nprocs=args.nproc, join=True)
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    run_as_ranks(_rank_main, args, args.nproc)
     return 0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _spawned_rank(rank: int, args: argparse.Namespace) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    _rank_main(args)
 
 
 # -- one rank --------------------------------------------------------------------------------
@@ -250,7 +225,7 @@ def _spawned_rank(rank: int, args: argparse.Namespace) -> None:
 
 def _rank_main(args: argparse.Namespace) -> None:
     world = int(os.environ["WORLD_SIZE"])
-    threads = args.threads or (int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // world))
+    threads = threads_per_rank(world, args.threads)
     torch.set_num_threads(threads)
     device = init_distributed(timeout=args.timeout)
     try:
