@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -39,7 +36,7 @@ import twobp_autograd as twobp
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.bench import MODELS, build_model
 
-from local_ranks import run_on_local_ranks  # beside this script
+from local_ranks import run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 VARIANTS = ("overlapped", "flush_then_reduce", "ddp")
@@ -126,18 +123,11 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
         print(f"  {name:>28}: {value:.3f}")
     document = {
         "arguments": vars(args),
-        "world_size": WORLD,
-        "torch": torch.__version__,
-        "machine": platform.platform(),
-        "cpu_count": os.cpu_count(),
         "median_step_time": medians,
         "ratios": ratios,
         "step_times": times,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as file:
-        json.dump(document, file, indent=2)
-    print(f"wrote {args.json}")
+    write_results(args.json, WORLD, document)
 
 
 def main() -> None:

@@ -1,10 +1,13 @@
-"""Run a benchmark function on a few local gloo ranks (spawned processes on 127.0.0.1), each
-with its share of the cores: what the two-rank benchmarks here have in common."""
+"""What the two-rank benchmarks here have in common: running a benchmark function on a few
+local gloo ranks (spawned processes on 127.0.0.1), each with its share of the cores, and
+writing its results with the environment they were measured in."""
 
 from __future__ import annotations
 
 import datetime
+import json
 import os
+import platform
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_on_local_ranks"]
+__all__ = ["run_on_local_ranks", "write_results"]
 
 
 def _free_port() -> int:
@@ -37,3 +40,12 @@ def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: i
     """``benchmark(rank, args)`` on ``world`` spawned gloo ranks; ``threads`` each (default:
     the cores divided among the ranks)."""
     mp.spawn(_rank_main, args=(world, _free_port(), threads, benchmark, args), nprocs=world, join=True)
+
+
+def write_results(path: str, world: int, document: dict[str, Any]) -> None:
+    """``document`` as JSON at ``path``, with the world size, torch version and machine."""
+    environment = {"world_size": world, "torch": torch.__version__, "machine": platform.platform(), "cpu_count": os.cpu_count()}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as file:
+        json.dump({**environment, **document}, file, indent=2)
+    print(f"wrote {path}")

@@ -21,9 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
-import os
-import platform
 import statistics
 from pathlib import Path
 from typing import Any
@@ -37,7 +34,7 @@ from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
 from twobp_autograd.pipeline.schedules import schedule
 from twobp_autograd.pipeline.stages import split
 
-from local_ranks import run_on_local_ranks  # beside this script
+from local_ranks import run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 SCHEDULE = "1f1b-2"
@@ -173,10 +170,6 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
     document = {
         "arguments": vars(args),
         "schedule": SCHEDULE,
-        "world_size": WORLD,
-        "torch": torch.__version__,
-        "machine": platform.platform(),
-        "cpu_count": os.cpu_count(),
         "memory_measure": "glibc mallinfo2 heap in use after each action, minus the step's start",
         "caps": caps,
         "summary": summary,
@@ -184,10 +177,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
         "peak_rss_per_rank": [r["peak_rss"] for r in ranks],
         "steps": {name: [r["runs"][name] for r in ranks] for name in RUNS},
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as file:
-        json.dump(document, file, indent=2)
-    print(f"wrote {args.json}")
+    write_results(args.json, WORLD, document)
 
 
 def main() -> None:
