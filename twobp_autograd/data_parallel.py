@@ -128,7 +128,9 @@ class GradientSynchroniser:
         self._final = delivered - later
         self._armed = True
         try:
-            run_jobs(jobs, queue.strategy, queue.max_concat_bytes, max(1, self.bucket_bytes // 4))
+            run_jobs(
+                jobs, queue.strategy, queue.max_concat_bytes, max(1, self.bucket_bytes // 4), queue.weight_grad_streams
+            )
         finally:
             self._armed = False
             self._final = set()

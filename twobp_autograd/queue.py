@@ -23,6 +23,9 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from .offload import HostOffload, ParkedTensors
+from .streams import LaunchedGroups
+
 __all__ = [
     "WeightGradKernel",
     "WeightGradJob",
@@ -42,7 +45,8 @@ FlushStrategy = Literal["concat", "loop", "auto"]
 
 
 class PendingWork(NamedTuple):
-    """What a queue holds: number of jobs, and bytes of the distinct storages they keep alive."""
+    """What a queue holds: number of jobs, and bytes of the distinct storages they keep alive
+    (host copies of offloaded work not counted)."""
 
     jobs: int
     bytes: int
@@ -52,7 +56,7 @@ class WeightGradJob:
     """One patched call's deferred weight-gradient work (built once per call in backward-p1:
     a slotted class, kept cheap)."""
 
-    __slots__ = ("kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "versions")
+    __slots__ = ("kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "versions", "parked")
 
     def __init__(
         self,
@@ -72,6 +76,7 @@ class WeightGradJob:
         self.grad_outputs = grad_outputs
         self.tag = tag
         self.versions = self._versions()
+        self.parked: "ParkedTensors | None" = None  # set when offloaded to host memory
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *(p for p in self.params if p is not None))
@@ -88,6 +93,31 @@ class WeightGradJob:
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (*self.saved, *self.grad_outputs)
+
+    def held_tensors(self) -> tuple[Tensor, ...]:
+        """The tensors this job keeps alive on their devices (none once offloaded)."""
+        return () if self.parked is not None else self.tensors()
+
+    def park(self, offload: HostOffload) -> None:
+        """Swap the job's tensors for host copies (only those on CUDA move)."""
+        parked = offload.park(self.tensors())
+        if parked is None:
+            return
+        self.parked = parked
+        self.saved, self.grad_outputs = parked.tensors[: len(self.saved)], parked.tensors[len(self.saved) :]
+        self.versions = self._versions()  # the copies are what is checked from now on
+
+    def on_device(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """``(saved, grad_outputs)`` where the kernel runs (copied back if offloaded)."""
+        if self.parked is None:
+            return self.saved, self.grad_outputs
+        tensors = self.parked.restore()
+        return tensors[: len(self.saved)], tensors[len(self.saved) :]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the kernel runs: its parameters' device."""
+        return next(p for p in self.params if p is not None).device
 
     @property
     def needs(self) -> tuple[bool, ...]:
@@ -115,6 +145,11 @@ class WeightGradQueue:
     post-accumulate hooks) in buckets of about this many bytes as soon as their last kernel
     has run, so that e.g. a data-parallel all-reduce overlaps the rest of the flush. None:
     all at the end of the flush.
+
+    CUDA options (ignored for work on other devices): ``offload_to_host`` parks each queued
+    job's tensors in pinned host memory, copied on a side stream, until the flush copies them
+    back (:mod:`twobp_autograd.offload`); ``weight_grad_streams`` > 1 runs the layers' kernels
+    of a flush on that many side streams (:mod:`twobp_autograd.streams`).
     """
 
     def __init__(
@@ -124,7 +159,16 @@ class WeightGradQueue:
         max_concat_bytes: int = 1 << 30,
         max_pending_bytes: "int | None" = None,
         delivery_bucket_bytes: "int | None" = None,
+        offload_to_host: bool = False,
+        weight_grad_streams: int = 1,
     ) -> None:
+        if weight_grad_streams < 1:
+            raise ValueError(f"weight_grad_streams must be >= 1, not {weight_grad_streams}")
+        if offload_to_host and not torch.cuda.is_available():
+            raise ValueError(
+                "offload_to_host parks CUDA tensors in pinned host memory, but CUDA is not "
+                "available; on the CPU the pending work already lives in host memory."
+            )
         if strategy not in ("concat", "loop", "auto"):
             raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {strategy!r}")
         if max_pending_bytes is not None and max_pending_bytes < 0:
@@ -133,6 +177,8 @@ class WeightGradQueue:
         self.max_concat_bytes = max_concat_bytes
         self.max_pending_bytes = max_pending_bytes
         self.delivery_bucket_bytes = delivery_bucket_bytes
+        self.weight_grad_streams = weight_grad_streams
+        self._offload = HostOffload() if offload_to_host else None
         self._jobs: list[WeightGradJob] = []
         self._held: dict[tuple, list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
@@ -158,6 +204,8 @@ class WeightGradQueue:
         with self._lock:
             if job.tag is None:  # not tagged at forward time: take the backward's tag
                 job.tag = self._tag
+            if self._offload is not None:
+                job.park(self._offload)
             self._jobs.append(job)
             self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
@@ -173,7 +221,7 @@ class WeightGradQueue:
             over = self._held_bytes - self.max_pending_bytes  # type: ignore[operator]
             count, freed = 0, 0
             while freed < over and count < len(self._jobs):  # an estimate: shared storages count twice
-                freed += sum(t.untyped_storage().nbytes() for t in self._jobs[count].tensors())
+                freed += sum(t.untyped_storage().nbytes() for t in self._jobs[count].held_tensors())
                 count += 1
             oldest, self._jobs = self._jobs[:count], self._jobs[count:]
             self._count(oldest, -1)
@@ -186,7 +234,7 @@ class WeightGradQueue:
         if self.max_pending_bytes is None:
             return
         for job in jobs:
-            for t in job.tensors():
+            for t in job.held_tensors():
                 key = _storage_key(t)
                 entry = self._held.setdefault(key, [0, t.untyped_storage().nbytes()])
                 entry[0] += sign
@@ -204,7 +252,7 @@ class WeightGradQueue:
         if self.max_pending_bytes is not None:  # kept up to date on every enqueue
             return PendingWork(len(self._jobs), self._held_bytes)
         with self._lock:
-            storages = {_storage_key(t): t.untyped_storage().nbytes() for job in self._jobs for t in job.tensors()}
+            storages = {_storage_key(t): t.untyped_storage().nbytes() for job in self._jobs for t in job.held_tensors()}
         return PendingWork(len(self._jobs), sum(storages.values()))
 
     def tags(self) -> list[Hashable]:
@@ -252,7 +300,7 @@ class WeightGradQueue:
         """Run jobs already taken out of the queue; on failure put them back, oldest first,
         unless bucketed delivery may already have put part of them into ``.grad``."""
         try:
-            run_jobs(jobs, self.strategy, self.max_concat_bytes, self.delivery_bucket_bytes)
+            run_jobs(jobs, self.strategy, self.max_concat_bytes, self.delivery_bucket_bytes, self.weight_grad_streams)
         except BaseException:
             if self.delivery_bucket_bytes is None:
                 with self._lock:
@@ -288,11 +336,14 @@ def run_jobs(
     strategy: FlushStrategy,
     max_concat_bytes: int,
     delivery_bucket_bytes: "int | None" = None,
+    weight_grad_streams: int = 1,
 ) -> None:
     """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd.
 
     A parameter's gradient is delivered once its last group has run: all at the end, or with
-    ``delivery_bucket_bytes`` in buckets of about that size while later groups still run."""
+    ``delivery_bucket_bytes`` in buckets of about that size while later groups still run.
+    ``weight_grad_streams`` > 1: every group's kernels are launched first, spread over that
+    many CUDA side streams, then summed and delivered in order (:mod:`.streams`)."""
     if not jobs:
         return
     for job in jobs:
@@ -308,8 +359,18 @@ def run_jobs(
     ready: list[tuple[Tensor, Tensor]] = []
     ready_bytes = 0
     with torch.no_grad():
+        launched = None
+        if weight_grad_streams > 1:
+            launched = LaunchedGroups(
+                [(group[0].device, [t for job in group for t in job.tensors()]) for group in groups],
+                lambda index: _run_group(groups[index], strategy, max_concat_bytes),
+                weight_grad_streams,
+            )
         for index, group in enumerate(groups):
-            _add_group_grads(summing, group, strategy, max_concat_bytes)
+            if launched is None:
+                _add_group_grads(summing, group[0].params, _run_group(group, strategy, max_concat_bytes))
+            else:
+                _add_group_grads(summing, group[0].params, launched.take(index))
             for param in group[0].params:
                 if param is not None and last_group[id(param)] == index and id(param) in summing:
                     done, total = summing.pop(id(param))
@@ -323,11 +384,11 @@ def run_jobs(
 
 
 def _add_group_grads(
-    summing: dict[int, tuple[Tensor, "_Sum"]], group: list[WeightGradJob], strategy: FlushStrategy, max_concat_bytes: int
+    summing: dict[int, tuple[Tensor, "_Sum"]], params: Sequence["Tensor | None"], grads: Sequence["Tensor | None"]
 ) -> None:
     """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
     each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
-    for param, grad in zip(group[0].params, _run_group(group, strategy, max_concat_bytes)):
+    for param, grad in zip(params, grads):
         if param is None or grad is None:
             continue
         entry = summing.get(id(param))
@@ -365,21 +426,23 @@ def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_b
     first = group[0]
     needs = first.needs
     if len(group) == 1:
-        return first.kernel(first.saved, first.grad_outputs, needs)
+        return first.kernel(*first.on_device(), needs)
     if first.concatenate is False or strategy == "loop":
         concat = False
     elif strategy == "concat":
         concat = True
     else:
-        pays = first.concatenate or not first.grad_outputs[0].is_cpu
+        pays = first.concatenate or first.device.type != "cpu"
         concat = pays and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= max_concat_bytes
     if concat:
-        saved = [torch.cat(ts) for ts in zip(*(j.saved for j in group))]
-        grad_outputs = [torch.cat(ts) for ts in zip(*(j.grad_outputs for j in group))]
+        on_device = [job.on_device() for job in group]
+        saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device))]
+        grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device))]
+        del on_device
         return first.kernel(saved, grad_outputs, needs)
     total: list["Tensor | None"] = [None] * len(needs)
     for job in group:
-        for i, grad in enumerate(job.kernel(job.saved, job.grad_outputs, needs)):
+        for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
             total[i] = _sum(total[i], grad)
     return [t.tensor if t is not None else None for t in total]
 

@@ -48,7 +48,7 @@ class WeightGradRunner:
         if self.jobs is None:
             raise RuntimeError("twobp: this weight-gradient runner already ran; running it twice would add its gradients twice.")
         jobs, self.jobs = self.jobs, None  # release the saved activations as soon as possible
-        run_jobs(jobs, self.queue.strategy, self.queue.max_concat_bytes)
+        run_jobs(jobs, self.queue.strategy, self.queue.max_concat_bytes, weight_grad_streams=self.queue.weight_grad_streams)
 
 
 class StageWeightGrads:

@@ -1,0 +1,132 @@
+"""Pending weight-gradient work parked in pinned host memory while it waits for the flush.
+
+Between backward-p1 and backward-p2 a queued job holds a layer's input activation and output
+gradient: with many micro-batches in flight that is what makes 2BP's peak memory grow (the
+paper measured up to 2.67x). With ``WeightGradQueue(offload_to_host=True)`` each CUDA tensor
+of a job is copied, as the job is queued, into pinned host memory on a side stream (so the
+copy overlaps the rest of backward-p1), and the device tensor is let go; the flush copies it
+back just before the layer's kernel runs. Tensors on other devices stay where they are.
+
+Ordering, the part a CUDA user must be able to trust:
+- the copy starts after the work that produced the tensor (the side stream waits for the
+  stream that queued it); the device memory is not reused before the copy has read it
+  (``record_stream``);
+- when the backward that queued the job ends, its stream waits for the copies, so anything
+  the caller does afterwards (an in-place write into a reused input buffer, say) cannot race
+  them; the values parked are those of backward-p1, as plain autograd would have used;
+- the flush's copy back waits for the copy out (an event), on the stream the kernel runs on.
+
+A tensor several layers saved (the input of the q/k/v or gate/up projections) is parked once:
+copies are shared while the device storage they came from is alive and unmodified.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.multiprocessing.reductions import StorageWeakRef
+
+__all__ = ["ParkedTensors", "HostOffload"]
+
+
+class ParkedTensors:
+    """A job's tensors as parked: host copies (or the tensors themselves where not moved)."""
+
+    __slots__ = ("tensors", "devices", "ready")
+
+    def __init__(self, tensors: tuple[Tensor, ...], devices: tuple["torch.device | None", ...], ready: Any) -> None:
+        self.tensors = tensors
+        self.devices = devices  # where each tensor goes back to; None: it never left
+        self.ready = ready  # CUDA event recorded after the copies out
+
+    def restore(self) -> tuple[Tensor, ...]:
+        """Device copies of the parked tensors, ordered after the copy out on the current
+        stream (the stream the kernel that reads them runs on)."""
+        restored = []
+        for tensor, device in zip(self.tensors, self.devices):
+            if device is None:
+                restored.append(tensor)
+                continue
+            torch.cuda.current_stream(device).wait_event(self.ready)
+            restored.append(tensor.to(device, non_blocking=True))
+        return tuple(restored)
+
+
+_CacheKey = tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype, torch.device, int]
+
+
+class HostOffload:
+    """Parks the CUDA tensors of queued jobs in pinned host memory (see the module docstring)."""
+
+    def __init__(self) -> None:
+        # device tensor -> its host copy, while both live: one copy for tensors saved twice
+        self._copies: dict[_CacheKey, tuple[StorageWeakRef, "weakref.ref[Tensor]"]] = {}
+        self._joins: set[tuple[int, "torch.cuda.Stream"]] = set()  # (backward, stream) joined at its end
+
+    def park(self, tensors: Sequence[Tensor]) -> "ParkedTensors | None":
+        """Start copying ``tensors``' CUDA members to host memory; None if none is on CUDA."""
+        devices = tuple(t.device if t.is_cuda else None for t in tensors)
+        on_cuda = [t for t in tensors if t.is_cuda]
+        if not on_cuda:
+            return None
+        device = on_cuda[0].device
+        producer = torch.cuda.current_stream(device)
+        copier = _copy_stream(device)
+        copier.wait_stream(producer)
+        self._forget_dead_copies()
+        parked = []
+        with torch.cuda.stream(copier):
+            for tensor in tensors:
+                parked.append(self._host_copy(tensor, copier) if tensor.is_cuda else tensor)
+        ready = torch.cuda.Event()
+        ready.record(copier)
+        self._join_after_backward(producer, copier)
+        return ParkedTensors(tuple(parked), devices, ready)
+
+    def _join_after_backward(self, producer: "torch.cuda.Stream", copier: "torch.cuda.Stream") -> None:
+        """Make ``producer`` wait for the copies once the running backward ends (at once when
+        called outside one); one wait per backward and stream."""
+        task = torch._C._current_graph_task_id()
+        if task < 0:
+            producer.wait_stream(copier)
+            return
+        key = (task, producer)
+        if key in self._joins:
+            return
+        self._joins.add(key)
+
+        def join() -> None:
+            producer.wait_stream(copier)
+            self._joins.discard(key)
+
+        torch.autograd.Variable._execution_engine.queue_callback(join)
+
+    def _host_copy(self, tensor: Tensor, copier: "torch.cuda.Stream") -> Tensor:
+        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, tensor._version)
+        known = self._copies.get(key)
+        if known is not None and not known[0].expired():
+            host = known[1]()
+            if host is not None:
+                return host
+        host = torch.empty_like(tensor, device="cpu", pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(copier)  # its memory is not reused before the copy has read it
+        self._copies[key] = (StorageWeakRef(tensor.untyped_storage()), weakref.ref(host))
+        return host
+
+    def _forget_dead_copies(self) -> None:
+        if len(self._copies) > 64:
+            self._copies = {
+                key: entry for key, entry in self._copies.items() if not entry[0].expired() and entry[1]() is not None
+            }
+
+
+@functools.lru_cache(maxsize=None)
+def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
+    return torch.cuda.Stream(device)
+
