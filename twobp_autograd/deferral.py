@@ -12,20 +12,24 @@ each parameter, so ``backward(inputs=...)`` / ``autograd.grad`` that do not ask 
 queue nothing, and ``autograd.grad`` that does ask gets the weight gradient computed at once.
 ``create_graph=True`` is refused: the input gradient was built from detached weights, so any
 second-order term through a weight would silently be missing.
+
+An op whose own backward already produces its weight gradients on the way to the input gradient
+(BatchNorm's reductions) skips the tap: its custom Function takes the parameters as inputs and
+routes the finished gradients with :class:`ParamDeferral`, under the same rules.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from .queue import WeightGradJob, WeightGradKernel, WeightGradQueue, current_queue
 
-__all__ = ["defer_weight_grads", "detached", "kernel_group"]
+__all__ = ["ParamDeferral", "defer_weight_grads", "detached", "kernel_group", "param_inputs", "param_from_input"]
 
 
 def detached(param: "Tensor | None") -> "Tensor | None":
@@ -35,14 +39,74 @@ def detached(param: "Tensor | None") -> "Tensor | None":
     return param.detach() if param is not None and param.is_leaf else param
 
 
+#: What one backward does with a parameter's gradient: queue it, return it, or leave it alone.
+Decision = Literal["defer", "now", "skip"]
+
+
+class ParamDeferral(NamedTuple):
+    """Where the parameter gradients of one call go, fixed at forward time: the leaf parameters
+    (None for the others, whose gradient autograd takes at once), and the queue current then
+    with its tag (on CUDA the backward runs on autograd's threads, not the caller's).
+
+    Used in the backward of a custom Function whose *last* tensor inputs are the parameters
+    (:func:`param_inputs`): :meth:`decide` asks the engine about each, and
+    :meth:`defer_finished` routes gradients that are already computed."""
+
+    params: tuple["torch.nn.Parameter | None", ...]
+    queue: WeightGradQueue
+    tag: Hashable
+
+    @classmethod
+    def at_forward(cls, params: Sequence["Tensor | None"]) -> "ParamDeferral":
+        queue = current_queue()
+        return cls(tuple(p if p is not None and p.is_leaf else None for p in params), queue, queue._tag)
+
+    def decide(self, ctx: Any) -> list[Decision]:
+        """Refuse ``create_graph=True``; then per parameter 'defer' (this backward accumulates
+        into it), 'now' (``autograd.grad`` asks for it, or it is no leaf: its gradient flows on
+        through autograd) or 'skip' (not wanted, frozen, or not reached by this backward)."""
+        _refuse_create_graph()
+        first = len(ctx.next_functions) - len(self.params)
+        needed = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(self.params) :]
+        return [
+            "skip" if not need else "now" if param is None else _decide(node)
+            for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed)
+        ]
+
+    def defer_finished(self, decisions: Sequence[Decision], grads: Sequence["Tensor | None"]) -> list["Tensor | None"]:
+        """Queue the 'defer' gradients (already computed) as one job whose kernel hands them
+        back at the flush, summed there per micro-batch like any job; return what autograd
+        gets now: the 'now' gradients, None for the rest."""
+        deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions)]
+        deferred = tuple(g.detach() for g, defer in zip(grads, deferring) if defer)  # type: ignore[union-attr]
+        if deferred:
+            self.queue.enqueue(
+                WeightGradJob(
+                    kernel=_finished_grads,
+                    group=_finished_grads,
+                    concatenate=False,
+                    params=tuple(p if defer else None for p, defer in zip(self.params, deferring)),
+                    saved=deferred,
+                    grad_outputs=(),
+                    tag=self.tag,
+                )
+            )
+        return [g if d == "now" else None for g, d in zip(grads, decisions)]
+
+
+def _finished_grads(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
+    """The kernel of a job of finished gradients: ``saved`` holds one per needed parameter.
+    (The flush never adds in place into a tensor a kernel returns, so handing them out is safe.)"""
+    grads = iter(saved)
+    return [next(grads) if need else None for need in needs]
+
+
 class _TapSpec(NamedTuple):
     kernel: WeightGradKernel
     group: Hashable
-    concatenate: bool
-    queue: WeightGradQueue
-    tag: Hashable
+    concatenate: "bool | None"
     num_outputs: int
-    params: tuple["torch.nn.Parameter | None", ...]
+    deferral: ParamDeferral
 
 
 def kernel_group(kernel: WeightGradKernel) -> Hashable:
@@ -64,38 +128,37 @@ class _WeightGradTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple["Tensor | None", ...]:
         spec: _TapSpec = ctx.spec
-        if torch.is_grad_enabled():  # only true in backward under create_graph=True
-            raise RuntimeError(
-                "twobp: create_graph=True (higher-order gradients) through a patched module is not "
-                "supported: its input gradient is computed with detached weights, so second-order "
-                "terms through the weights would be missing. Run this step on the unpatched model "
-                "(twobp.unpatch(model), or patch(model, exclude=[...]) for the modules involved)."
-            )
-        n = spec.num_outputs
+        deferral = spec.deferral
+        decisions = deferral.decide(ctx)
         saved = ctx.saved_tensors
-        edges = ctx.next_functions[n:]  # one edge per tensor input: outputs, then parameters
-        decisions = [
-            _decide(node) if needed else "skip"
-            for (node, _), needed in zip(edges, ctx.needs_input_grad[2 + n :])
-        ]
         param_grads: list["Tensor | None"] = [None] * len(decisions)
         if "now" in decisions:
             needs = [d == "now" for d in decisions]
             param_grads = list(spec.kernel(saved, grad_outputs, needs))
             param_grads = [g if need else None for g, need in zip(param_grads, needs)]
         if "defer" in decisions:
-            spec.queue.enqueue(
+            deferral.queue.enqueue(
                 WeightGradJob(
                     kernel=spec.kernel,
                     group=spec.group,
                     concatenate=spec.concatenate,
-                    params=tuple(p if d == "defer" else None for p, d in zip(spec.params, decisions)),
+                    params=tuple(p if d == "defer" else None for p, d in zip(deferral.params, decisions)),
                     saved=tuple([t.detach() for t in saved]),
                     grad_outputs=tuple([g.detach() for g in grad_outputs]),
-                    tag=spec.tag,
+                    tag=deferral.tag,
                 )
             )
         return (None, None, *grad_outputs, *param_grads)
+
+
+def _refuse_create_graph() -> None:
+    if torch.is_grad_enabled():  # only true in backward under create_graph=True
+        raise RuntimeError(
+            "twobp: create_graph=True (higher-order gradients) through a patched module is not "
+            "supported: its weight gradients are taken out of autograd's graph (deferred or "
+            "computed outside it), so second-order terms through the weights would be missing. Run this step on the unpatched model "
+            "(twobp.unpatch(model), or patch(model, exclude=[...]) for the modules involved)."
+        )
 
 
 def _decide(param_node: Any) -> str:
@@ -127,21 +190,29 @@ def defer_weight_grads(
     accept several joined on dim 0 of every saved tensor and output gradient. True says joining
     always pays; None (default) that it pays off the CPU only (see ``WeightGradQueue``)."""
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
-    params = tuple(p if p is not None and p.is_leaf else None for p in params)  # as `detached`
-    queue = current_queue()
+    deferral = ParamDeferral.at_forward(params)
     spec = _TapSpec(
         kernel=kernel,
         group=kernel_group(kernel) if group is None else group,
         concatenate=concatenate,
-        queue=queue,
-        tag=queue._tag,
         num_outputs=len(outs),
-        params=params,
+        deferral=deferral,
     )
-    # The parameters are inputs of the tap so that its node has an edge to each parameter's
-    # gradient accumulator: that is what the engine is asked about in backward.
-    param_inputs = [p if p is not None else _NO_PARAM for p in params]
-    return _WeightGradTap.apply(spec, tuple(saved), *outs, *param_inputs)
+    # The leaf parameters are inputs of the tap so that its node has an edge to each one's
+    # gradient accumulator: that is what the engine is asked about in backward. (The others,
+    # as `detached` leaves them, keep their graph through the op itself.)
+    return _WeightGradTap.apply(spec, tuple(saved), *outs, *param_inputs(deferral.params))
+
+
+def param_inputs(params: Sequence["Tensor | None"]) -> tuple[Tensor, ...]:
+    """The parameters as a custom Function's tensor inputs: one per parameter, a placeholder
+    for None (a None argument gets no edge, which would shift every later one)."""
+    return tuple(_NO_PARAM if p is None else p for p in params)
+
+
+def param_from_input(input: Tensor) -> "Tensor | None":
+    """Inverse of :func:`param_inputs` for one input, inside the Function's forward."""
+    return None if input is _NO_PARAM else input
 
 
 _NO_PARAM = torch.empty(0)

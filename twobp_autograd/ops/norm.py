@@ -1,17 +1,19 @@
 """Normalisation layers: BatchNorm1d/2d/3d, LayerNorm, GroupNorm, RMSNorm.
 
-Each forward calls the very ATen op the module's own forward reaches, with the parameters
-detached, so the input gradient (the one backward-p1 must deliver at once) is PyTorch's own.
-The native ops hand back their statistics (mean and 1/std) for free; they are saved with the
+Each forward calls the very ATen op the module's own forward reaches, so the input gradient
+(the one backward-p1 must deliver at once) is PyTorch's own: LayerNorm, GroupNorm and RMSNorm
+with the parameters detached, BatchNorm through the op's own derivative (see below). The
+native ops hand back their statistics (mean and 1/std) for free; they are saved with the
 input so the weight kernel never recomputes them (RMSNorm's composite hands back none: its
 kernel recomputes 1/rms at flush time, off backward-p1's critical path).
 
 LayerNorm, GroupNorm and RMSNorm normalise each sample on its own, so their saved tensors
 concatenate on the batch dimension and one kernel call serves all queued micro-batches.
-BatchNorm's statistics are those of its own micro-batch, so its jobs run one micro-batch at a
-time (``concatenate=False``) with the statistics each one was normalised with; its input
-gradient passes through those statistics too, which is why it comes from the native op's
-derivative rather than from a hand-written formula.
+BatchNorm is the exception: in training its input gradient passes through the micro-batch
+statistics, and the reductions that takes (sum(dy), sum(dy * x_hat)) are its bias and weight
+gradients. So its backward-p1 runs the native derivative once for all three and queues the
+finished weight and bias gradients (2 x C numbers, summed per micro-batch at the flush):
+deferring a kernel would only run the reductions twice and keep the input alive meanwhile.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -26,11 +29,10 @@ from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 from torch.overrides import has_torch_function_variadic
 
-from ..deferral import defer_weight_grads, detached
+from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs
 from ..registry import register
 
 __all__ = [
-    "batch_norm_weight_grad",
     "layer_norm_weight_grad",
     "group_norm_weight_grad",
     "rms_norm_weight_grad",
@@ -93,16 +95,52 @@ def _is_plain_call(*tensors: "Tensor | None") -> bool:
 # -- BatchNorm -------------------------------------------------------------------------------
 
 
-def batch_norm_weight_grad(
-    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, eps: float, weight_dtype: torch.dtype
-) -> Grads:
-    """One micro-batch: the statistics it was normalised with are its own."""
-    input, save_mean, save_invstd = saved
-    weight = torch.ones(input.shape[1], dtype=weight_dtype, device=input.device)
-    _, weight_grad, bias_grad = torch.ops.aten.native_batch_norm_backward(
-        grad_outputs[0], input, weight, None, None, save_mean, save_invstd, True, eps, [False, needs[0], needs[1]]
-    )
-    return [weight_grad if needs[0] else None, bias_grad if needs[1] else None]
+class _TrainingBatchNorm(torch.autograd.Function):
+    """``native_batch_norm`` in training. In training its input gradient needs sum(dy) and
+    sum(dy * x_hat), which are the bias and weight gradients: backward-p1 gets all three from
+    one ``native_batch_norm_backward`` call and queues the finished weight and bias gradients
+    (2 x C numbers per call), not the input."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        eps: float,
+        momentum: float,
+        running_stats: tuple["Tensor | None", "Tensor | None"],
+        deferral: ParamDeferral,
+        input: Tensor,
+        weight_input: Tensor,
+        bias_input: Tensor,
+    ) -> Tensor:
+        # `input` comes cast already (autocast's cast of it is differentiable); the parameters
+        # are cast here, so the Function keeps its edges to them.
+        weight, bias = param_from_input(weight_input), param_from_input(bias_input)
+        _, weight, bias = _as_autocast_casts("batch_norm", input, weight, bias)
+        # The op torch.batch_norm runs in training on CPU (on CUDA it may pick cuDNN: same result
+        # up to rounding). It updates the running statistics in place, once per forward.
+        output, save_mean, save_invstd = torch.native_batch_norm(
+            input, weight, bias, *running_stats, True, momentum, eps
+        )
+        ctx.eps, ctx.deferral = eps, deferral
+        ctx.save_for_backward(input, weight, save_mean, save_invstd)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple["Tensor | None", ...]:
+        deferral: ParamDeferral = ctx.deferral
+        decisions = deferral.decide(ctx)  # refuses create_graph=True
+        input, weight, save_mean, save_invstd = ctx.saved_tensors
+        mask = [ctx.needs_input_grad[4], decisions[0] != "skip", decisions[1] != "skip"]
+        grads: Grads = [None, None, None]
+        if any(mask):
+            # Autograd's own derivative of native_batch_norm in training, all outputs at once.
+            grads = list(
+                torch.ops.aten.native_batch_norm_backward(
+                    grad_output, input, weight, None, None, save_mean, save_invstd, True, ctx.eps, mask
+                )
+            )
+        grads = [g if wanted else None for g, wanted in zip(grads, mask)]
+        return (None, None, None, None, grads[0], *deferral.defer_finished(decisions, grads[1:]))
 
 
 def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
@@ -120,15 +158,11 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
         raise ValueError(f"batch_norm eps must be positive during training, but got {module.eps}")
     running_mean = module.running_mean if module.track_running_stats else None
     running_var = module.running_var if module.track_running_stats else None
-    x, weight, bias = _as_autocast_casts("batch_norm", input, detached(module.weight), detached(module.bias))
-    # The op torch.batch_norm runs in training on CPU (on CUDA it may pick cuDNN: same result
-    # up to rounding).
-    output, save_mean, save_invstd = torch.native_batch_norm(
-        x, weight, bias, running_mean, running_var, True, factor, module.eps
-    )
-    kernel = functools.partial(batch_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    saved = (x, save_mean, save_invstd)
-    return defer_weight_grads(output, (module.weight, module.bias), saved, kernel, concatenate=False)
+    (x,) = _as_autocast_casts("batch_norm", input)
+    params = (module.weight, module.bias)
+    deferral = ParamDeferral.at_forward(params)
+    # The running statistics go in a tuple: buffers updated in place, not inputs to differentiate.
+    return _TrainingBatchNorm.apply(module.eps, factor, (running_mean, running_var), deferral, x, *param_inputs(params))
 
 
 for _batch_norm_type in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
