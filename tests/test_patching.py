@@ -179,3 +179,24 @@ def test_register_rejects_what_is_not_a_module_type():
         twobp.register(nn.Linear, "not a function")
     with pytest.raises(TypeError, match="nn.Module"):
         twobp.patch(object())
+
+
+def test_torch_func_transforms_take_the_plain_path():
+    """torch.func differentiates on its own (no autograd graph to split): a patched model
+    gives torch.func's own per-sample gradients and queues nothing."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
+    patched, reference = patched_and_reference(model)
+    x = torch.randn(5, 4)
+
+    def per_sample_grads(net: nn.Module) -> dict[str, torch.Tensor]:
+        params = {name: p.detach() for name, p in net.named_parameters()}
+
+        def loss(p: dict[str, torch.Tensor], sample: torch.Tensor) -> torch.Tensor:
+            return torch.func.functional_call(net, p, (sample.unsqueeze(0),)).pow(2).sum()
+
+        return torch.func.vmap(torch.func.grad(loss), in_dims=(None, 0))(params, x)
+
+    got, expected = per_sample_grads(patched), per_sample_grads(reference)
+    assert twobp.pending().jobs == 0
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], msg=name)

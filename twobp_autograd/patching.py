@@ -39,7 +39,8 @@ class PatchReport:
 
 class DeferredForwardCall:
     """The instance ``forward`` of a patched module: the plain forward wherever no weight
-    gradient can be wanted (no grad mode, inference mode, eval, frozen), else the rule's."""
+    gradient can be wanted (no grad mode, inference mode, eval, frozen) or autograd is not the
+one differentiating (inside a ``torch.func`` transform), else the rule's."""
 
     def __init__(self, module: nn.Module, deferred: DeferredForward, original: Any) -> None:
         self.module = module
@@ -56,7 +57,12 @@ class DeferredForwardCall:
         # Own parameters straight from the dict (this runs on every call); a module with
         # children (MultiheadAttention's out_proj) looks at theirs too.
         params = module.parameters() if module._modules else module._parameters.values()
-        if not torch.is_grad_enabled() or not module.training or not any(p is not None and p.requires_grad for p in params):
+        if (
+            not torch.is_grad_enabled()
+            or not module.training
+            or not any(p is not None and p.requires_grad for p in params)
+            or torch._C._functorch.maybe_current_level() is not None  # torch.func transforms differentiate by themselves
+        ):
             return self.plain(*args, **kwargs)
         return self.deferred(module, *args, **kwargs)
 
