@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..queue import WeightGradQueue
 from .launch import run_as_ranks, threads_per_rank
 from .runtime import PipelineRuntime, StepReport, init_distributed
 from .schedules import SCHEDULES, default_num_micro_batches, schedule
@@ -204,6 +205,8 @@ def parse_args(argv: "Sequence[str] | None") -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds any rank waits for a peer")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--offload", action="store_true", help="2BP: park pending W in pinned host memory (CUDA)")
+    parser.add_argument("--weight-grad-streams", type=int, default=1, help="2BP: CUDA streams a flush spreads W over")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.steps < 1 or args.warmup < 0:
@@ -262,6 +265,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device, threads: int) -> 
             twobp=twobp,
             device=device,
             timeout=args.timeout,
+            queue=WeightGradQueue(offload_to_host=args.offload, weight_grad_streams=args.weight_grad_streams) if twobp else None,
         )
         for name, twobp in runs
     }
