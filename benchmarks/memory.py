@@ -1,13 +1,11 @@
 """What bounding the weight-gradient queue costs: 1F1B-2 on two pipeline ranks with 2BP off,
 2BP on, and 2BP on with ``WeightGradQueue(max_pending_bytes=cap)``.
 
-Memory is the process heap in use (glibc ``mallinfo2``: bytes in allocated chunks, every arena
-and mmap, so tensors and autograd's saved activations alike), sampled after every action of
-the schedule, minus the heap at the step's start: the peak activation-and-pending memory of
-the step (transients inside an action, e.g. a flush's concatenation, are not seen). The
-runtime's own CPU accounting (queued work plus held stage inputs/outputs) and its peak
-pending bytes are recorded too; they do not see activations held by autograd, so they cannot
-compare 2BP off with on. Peak RSS is process-wide and monotonic, so it is not split per run.
+Memory is the runtime's CPU peak: the process heap in use (glibc ``mallinfo2``: bytes in
+allocated chunks, every arena and mmap, so tensors and autograd's saved activations alike),
+sampled after every action of the schedule, minus the heap at the step's start (transients
+inside an action, e.g. a flush's concatenation, are not seen). The queue's peak pending bytes
+are recorded too. Peak RSS is process-wide and monotonic, so it is not split per run.
 
 Unless ``--cap-mib`` is given, the cap is ``--cap-fraction`` of the 2BP-off peak of each rank,
 measured first: pending work is what 2BP adds, so a cap of 10% aims at the target below.
@@ -20,7 +18,6 @@ throughput. The runs alternate step by step (rotating the order) so noise falls 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 from pathlib import Path
 from typing import Any
@@ -30,7 +27,7 @@ import torch.distributed as dist
 
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline.bench import MODELS, build_model
-from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
+from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import schedule
 from twobp_autograd.pipeline.stages import split
 
@@ -39,35 +36,6 @@ from local_ranks import run_on_local_ranks, write_results  # beside this script
 WORLD = 2
 SCHEDULE = "1f1b-2"
 RUNS = ("2bp_off", "2bp_on", "2bp_capped")
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-_libc = ctypes.CDLL("libc.so.6")
-_libc.mallinfo2.restype = _MallInfo2
-
-
-def heap_in_use() -> int:
-    """Bytes the process has allocated with malloc and not freed (glibc 2.33 and later)."""
-    info = _libc.mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-class HeapSampledRuntime(PipelineRuntime):
-    """The runtime, with the heap sampled wherever it accounts its own memory (after each action)."""
-
-    heap_start = 0
-    heap_peak = 0
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        self.heap_start = self.heap_peak = heap_in_use()
-        return super().step(*args, **kwargs)
-
-    def _account_memory(self) -> None:
-        super()._account_memory()
-        self.heap_peak = max(self.heap_peak, heap_in_use())
 
 
 def parse_args() -> argparse.Namespace:
@@ -96,19 +64,22 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1))
     m = 2 * WORLD  # 1F1B-2: twice as many micro-batches as stages
 
-    def runtime(twobp: bool, queue: "WeightGradQueue | None" = None) -> HeapSampledRuntime:
+    def runtime(twobp: bool, queue: "WeightGradQueue | None" = None) -> PipelineRuntime:
         actions = schedule(SCHEDULE, WORLD, m, twobp)[rank]
-        return HeapSampledRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0)
+        return PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0)
 
-    def step(run: HeapSampledRuntime) -> "StepReport | Any":
+    def step(run: PipelineRuntime) -> tuple[RankMetrics, "float | None"]:
+        """This rank's metrics, and the pipeline's step time (on rank 0)."""
         for p in stage.parameters():
             p.grad = None
-        return run.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+        report = run.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+        if isinstance(report, StepReport):
+            return report.ranks[rank], report.step_time
+        return report, None
 
     off = runtime(False)
     for _ in range(2):  # the second step shows the steady state
-        step(off)
-    off_peak = off.heap_peak - off.heap_start
+        off_peak = step(off)[0].peak_bytes
     cap = int(args.cap_mib * 2**20) if args.cap_mib is not None else int(args.cap_fraction * off_peak)
     runs = {"2bp_off": off, "2bp_on": runtime(True), "2bp_capped": runtime(True, WeightGradQueue(max_pending_bytes=cap))}
 
@@ -116,15 +87,12 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     for round_ in range(args.warmup + args.steps):
         shift = round_ % len(RUNS)
         for name in RUNS[shift:] + RUNS[:shift]:
-            report = step(runs[name])
-            own = report.ranks[rank] if isinstance(report, StepReport) else report
+            own, step_time = step(runs[name])
             if round_ >= args.warmup:
                 measured[name].append(
                     {
-                        "step_time": report.step_time if isinstance(report, StepReport) else None,
-                        "heap_peak_delta": runs[name].heap_peak - runs[name].heap_start,
-                        "heap_peak": runs[name].heap_peak,
-                        "runtime_peak_bytes": own.peak_bytes,
+                        "step_time": step_time,
+                        "heap_peak_delta": own.peak_bytes,
                         "peak_pending_bytes": own.peak_pending_bytes,
                         "deferred_jobs": own.deferred_jobs,
                     }
@@ -144,7 +112,6 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
             "samples_per_s": args.batch_size / statistics.median(step_times),
             # per rank: the highest of its steps; the pipeline's peak is its highest rank
             "heap_peak_delta_per_rank": [max(s["heap_peak_delta"] for s in r["runs"][name]) for r in ranks],
-            "runtime_peak_bytes_per_rank": [max(s["runtime_peak_bytes"] for s in r["runs"][name]) for r in ranks],
             "peak_pending_bytes_per_rank": [max(s["peak_pending_bytes"] for s in r["runs"][name]) for r in ranks],
             "deferred_jobs_per_rank": [max(s["deferred_jobs"] for s in r["runs"][name]) for r in ranks],
         }

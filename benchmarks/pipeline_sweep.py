@@ -317,8 +317,10 @@ def analyse_model(bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeli
                 "bubble_off": off_row["bubble_ratio"],
                 "bubble_on": on_row["bubble_ratio"],
                 "bubble_ratio_on_over_off": on_row["bubble_ratio"] / off_row["bubble_ratio"] if off_row["bubble_ratio"] else None,
-                "cpu_queued_and_held_bytes_off": off_row["peak_bytes"],
-                "cpu_queued_and_held_bytes_on": on_row["peak_bytes"],
+                # the runtime's CPU peak: heap in use after any action over the step's start
+                "peak_heap_bytes_off": off_row["peak_bytes"],
+                "peak_heap_bytes_on": on_row["peak_bytes"],
+                "peak_memory_ratio": on_row["peak_bytes"] / off_row["peak_bytes"] if off_row["peak_bytes"] else None,
             },
             "ideal": {
                 "throughput_ratio": ideal,

@@ -80,12 +80,13 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
     actions = schedule(schedule_name, world, m, twobp)[rank]
     runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, timeout=RUNTIME_TIMEOUT)
     generator = torch.Generator().manual_seed(1)
-    result: dict = {"deferred_jobs": [], "losses": [], "reference_losses": [], "events": []}
+    result: dict = {"deferred_jobs": [], "peak_bytes": [], "losses": [], "reference_losses": [], "events": []}
     for batch in BATCH_SIZES:
         inputs, targets = make_inputs(batch, generator), make_targets(batch, generator)
         report = runtime.step(inputs if rank == 0 else None, targets if rank == world - 1 else None)
         own = _own(report, rank)
         result["deferred_jobs"].append(own.deferred_jobs)
+        result["peak_bytes"].append(own.peak_bytes)
         result["events"].append([e.action for e in own.events])
         reference_loss = 0.0
         for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
@@ -248,6 +249,7 @@ def _assert_matches(ranks: list[dict], setting: str) -> None:
         result = results[setting]
         assert not result["mismatches"], f"rank {rank}: {result['mismatches']}"
         assert all(kinds == result["actions"] for kinds in result["events"]), "events are not the schedule's actions"
+        assert all(peak > 0 for peak in result["peak_bytes"]), f"rank {rank}: a step held no memory {result['peak_bytes']}"
         if twobp:  # a stage that silently fell back to plain autograd would queue nothing
             assert all(jobs > 0 for jobs in result["deferred_jobs"]), f"rank {rank}: nothing was deferred"
             assert any(a.kind == "I" for a in result["actions"]) and any(a.kind == "W" for a in result["actions"])

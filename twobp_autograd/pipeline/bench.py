@@ -336,7 +336,7 @@ def _summarise(reports: dict[tuple[str, bool], list[StepReport]], num_micro: dic
 
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, device: torch.device, threads: int) -> str:
-    memory = "peak alloc MiB" if device.type == "cuda" else "queued+held MiB"
+    memory = "peak alloc MiB" if device.type == "cuda" else "peak heap MiB"
     header = ["schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, "peak RSS MiB"]
     lines = [
         f"{args.model}: {world} ranks on {device.type}, {threads} thread(s) each, "

@@ -17,7 +17,9 @@ died, raised or disagrees about shapes ends every rank with an error instead of 
 
 from __future__ import annotations
 
+import ctypes
 import datetime
+import functools
 import os
 import resource
 import time
@@ -67,7 +69,7 @@ class RankMetrics:
     events: list[Event]
     samples: int
     deferred_jobs: int  # most weight-gradient jobs queued at once (0 with 2BP off)
-    peak_bytes: int  # CUDA: max_memory_allocated; CPU: queued weight work + held activations
+    peak_bytes: int  # CUDA: max_memory_allocated; CPU: see PipelineRuntime._account_memory
     peak_rss: int  # bytes, the process's peak resident set so far
     loss: "float | None"  # on the last rank
     peak_pending_bytes: int = 0  # most bytes the weight-gradient queue held after an action
@@ -180,6 +182,7 @@ class PipelineRuntime:
         self._losses: list[Tensor] = []
         self._receive_wait = 0.0
         self._peak_bytes = 0
+        self._heap_at_start = _heap_in_use() if self.device.type == "cpu" else None
         self._peak_pending_bytes = 0
         self._deferred_jobs = 0
         self._backwards_left = sum(a.kind in ("I", "B") for a in self.actions)
@@ -349,10 +352,19 @@ class PipelineRuntime:
             self._receive_wait += self._received_at - start
 
     def _account_memory(self) -> None:
+        """After each action. On a CPU the peak is the heap in use (glibc's ``mallinfo2``:
+        tensors, autograd's saved activations and queued work alike) over the step's start, so
+        2BP off and on compare; transients inside an action are not seen. Without ``mallinfo2``
+        it falls back to queued work plus the held stage inputs and outputs."""
         pending = self.queue.pending()
         self._deferred_jobs = max(self._deferred_jobs, pending.jobs)
         self._peak_pending_bytes = max(self._peak_pending_bytes, pending.bytes)
-        if self.device.type != "cuda":
+        if self.device.type == "cuda":
+            return
+        heap = _heap_in_use()
+        if heap is not None and self._heap_at_start is not None:
+            self._peak_bytes = max(self._peak_bytes, heap - self._heap_at_start)
+        else:
             held = sum(t.numel() * t.element_size() for pair in self._held.values() for t in pair)
             self._peak_bytes = max(self._peak_bytes, pending.bytes + held)
 
@@ -369,3 +381,30 @@ def _dtype_code(dtype: torch.dtype) -> int:
     if dtype not in _DTYPES:
         raise TypeError(f"cannot send {dtype} between stages")
     return _DTYPES.index(dtype)
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
+    ]
+
+
+@functools.lru_cache(maxsize=None)
+def _mallinfo2() -> "Callable[[], _MallInfo2] | None":
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33 and later
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
+
+
+def _heap_in_use() -> "int | None":
+    """Bytes the process has malloc'ed and not freed (every arena and mmap), or None without
+    glibc's ``mallinfo2``. About 10 µs a call."""
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
+        return None
+    info = mallinfo2()
+    return info.uordblks + info.hblkhd
