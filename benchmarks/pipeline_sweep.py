@@ -533,7 +533,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     if not args.no_plots:
         import plot_results
 
-        for written in plot_results.write_all(document, out):
+        for written in plot_results.write_all(document, out, readme=plot_results.README if args.out is None else None):
             print(f"wrote {written}")
     failed = [m["model"] for m in document["models"] if "error" in m]
     return 1 if failed else 0

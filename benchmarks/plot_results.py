@@ -1,6 +1,7 @@
-"""Turn the sweep's ``pipeline.json`` into ``pipeline.md`` (tables for the README),
-``pipeline.png`` (2BP/off throughput per model and schedule: measured, ideal, simulated) and
-``timeline_<model>.png`` (one schedule's measured steps, 2BP off and on, over the simulated one).
+"""Turn the sweep's ``pipeline.json`` into ``pipeline.md`` (every table),
+``pipeline.png`` (2BP/off throughput per model and schedule: measured, ideal, simulated),
+``timeline_<model>.png`` (one schedule's measured steps, 2BP off and on, over the simulated one)
+and, for a full sweep, the README's pipeline table (between its ``pipeline-table`` markers).
 
 Kept apart from the sweep so the figures can be redrawn without measuring again:
 
@@ -18,7 +19,19 @@ from typing import Any
 from twobp_autograd.pipeline.actions import Action
 from twobp_autograd.pipeline.trace import CATEGORIES, COLOURS, LEGEND, Event, action_label
 
-__all__ = ["PAPER", "write_all", "markdown", "plot_ratios", "plot_timeline_panels", "read_chrome_trace"]
+__all__ = ["PAPER", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios", "plot_timeline_panels", "read_chrome_trace"]
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+README_MARKERS = ("<!-- pipeline-table: written by benchmarks/plot_results.py -->", "<!-- /pipeline-table -->")
+MODEL_NAMES = {
+    "resnet152": "ResNet-152 (torchvision)",
+    "transformer": "Transformer (pre-norm blocks)",
+    "mlp": "MLP (512→2048 blocks)",
+    "llama": "LLaMA-like (HF Llama)",
+    "bert": "BERT (HF)",
+    "mamba": "Mamba (HF)",
+}
+PAPER_SCHEDULES = {"gpipe": "GPipe", "1f1b-1": "1F1B-1", "1f1b-2": "1F1B-2"}
 
 # What the paper states, and only that: its abstract's headline (arXiv 2405.18047). Its
 # per-model, per-schedule figures are not reproduced here.
@@ -286,9 +299,51 @@ def plot_timeline_panels(panels: Sequence[tuple[str, Sequence[Sequence[Event]]]]
     figure.savefig(path, dpi=110)
 
 
-def write_all(document: Mapping[str, Any], out: Path) -> list[Path]:
-    """Write pipeline.md, pipeline.png and one timeline PNG per model into ``out``."""
+def readme_table(document: Mapping[str, Any]) -> str:
+    """The README's table: every model under the paper's three schedules, two significant
+    decimals (the full figures are in pipeline.md)."""
+    lines = [
+        "| model | schedule (m) | measured | ideal | measured / ideal | simulated, 2 ranks | simulated, 4 stages | "
+        "simulated, 8 stages | bubble off → on (measured) | peak memory on/off, measured | peak activation memory on/off, modelled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for model in document["models"]:
+        for name, label in PAPER_SCHEDULES.items():
+            e = model.get("schedules", {}).get(name)
+            if e is None:
+                continue
+            predicted = e.get("predicted", {})
+            lines.append(
+                f"| {MODEL_NAMES.get(model['model'], model['model'])} | {label} ({e['micro_batches']}) | "
+                f"{_fmt(e['measured']['throughput_ratio'], 2)} | {_fmt(e['ideal']['throughput_ratio'], 2)} | "
+                f"{_fmt(e['measured_over_ideal'], 2)} | {_fmt(e['simulated']['throughput_ratio'], 2)} | "
+                f"{_fmt(predicted.get('4', {}).get('throughput_ratio'), 2)} | "
+                f"{_fmt(predicted.get('8', {}).get('throughput_ratio'), 2)} | "
+                f"{_fmt(e['measured']['bubble_off'], 2)} → {_fmt(e['measured']['bubble_on'], 2)} | "
+                f"{_fmt(e['measured'].get('peak_memory_ratio'), 2, 'x')} | "
+                f"{_fmt(e.get('memory_modeled', {}).get('ratio'), 2, 'x')} |"
+            )
+    return "\n".join(lines)
+
+
+def update_readme(table: str, readme: Path = README) -> bool:
+    """Put ``table`` between the README's markers; False (nothing written) without them."""
+    text = readme.read_text() if readme.exists() else ""
+    start, end = README_MARKERS
+    if start not in text or end not in text:
+        return False
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n{table}\n{end}{tail}")
+    return True
+
+
+def write_all(document: Mapping[str, Any], out: Path, readme: "Path | None" = None) -> list[Path]:
+    """Write pipeline.md, pipeline.png and one timeline PNG per model into ``out``; with
+    ``readme``, a full sweep's table into that README too."""
     written = []
+    if readme is not None and document.get("kind") == "full sweep" and update_readme(readme_table(document), readme):
+        written.append(readme)
     md = out / "pipeline.md"
     md.write_text(markdown(document))
     written.append(md)
@@ -314,7 +369,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
     document = json.loads((out / "pipeline.json").read_text())
-    for path in write_all(document, out):
+    for path in write_all(document, out, readme=None if argv else README):  # the README shows the default results
         print(f"wrote {path}")
     return 0
 

@@ -151,6 +151,32 @@ def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, m
     assert json.loads((tmp_path / "pipeline.json").read_text())["models"][0]["schedules"] == model["schedules"]
 
 
+def test_readme_table_goes_between_the_markers_and_only_there(sweep, tmp_path) -> None:
+    import plot_results
+
+    entry = {
+        "micro_batches": 2,
+        "measured": {"throughput_ratio": 1.234, "bubble_off": 0.3, "bubble_on": 0.15, "peak_memory_ratio": 1.5},
+        "ideal": {"throughput_ratio": 1.3},
+        "measured_over_ideal": 0.95,
+        "simulated": {"throughput_ratio": 1.2},
+        "predicted": {"4": {"throughput_ratio": 1.25}},
+        "memory_modeled": {"ratio": 1.6},
+    }
+    document = {"kind": "full sweep", "models": [{"model": "mlp", "schedules": {"gpipe": entry, "zb": entry}}]}
+    table = plot_results.readme_table(document)
+    assert table.splitlines()[2] == "| MLP (512→2048 blocks) | GPipe (2) | 1.23 | 1.30 | 0.95 | 1.20 | 1.25 | – | 0.30 → 0.15 | 1.50x | 1.60x |"
+    assert len(table.splitlines()) == 3  # zb is not one of the paper's schedules
+
+    start, end = plot_results.README_MARKERS
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{start}\nold table\n{end}\nafter\n")
+    assert plot_results.update_readme(table, readme)
+    assert readme.read_text() == f"intro\n{start}\n{table}\n{end}\nafter\n"
+    readme.write_text("no markers\n")
+    assert not plot_results.update_readme(table, readme) and readme.read_text() == "no markers\n"
+
+
 @pytest.fixture
 def stage_costs(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
