@@ -379,6 +379,12 @@ def _digest(config: Mapping[str, Any]) -> str:
     return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
 
 
+def _repo_path(path: Path) -> str:
+    """``path`` as the parts (run from the repository root) get it: relative, so nothing they
+    record names this machine's directories."""
+    return os.path.relpath(path, HERE.parent)
+
+
 def _run(command: Sequence[str], log: Path) -> None:
     """Run a part in its own process (its ranks, its memory), its output kept in ``log``."""
     printable = " ".join(command[1:]) if command[0] == sys.executable else " ".join(command)
@@ -403,14 +409,14 @@ def run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedu
     bench_command = [sys.executable, "-m", "twobp_autograd", "bench", "pipeline", *bench_args]
     if force or not bench_json.exists():
         costs_json.unlink(missing_ok=True)  # measured against the old run's cut
-        _run([*bench_command, "--json", str(bench_json), "--trace", str(traces)], directory / "bench.log")
+        _run([*bench_command, "--json", _repo_path(bench_json), "--trace", _repo_path(traces)], directory / "bench.log")
     bench_doc = json.loads(bench_json.read_text())
     if force or not costs_json.exists():
         batch = round(bench_doc["summary"][0]["samples_per_s"] * bench_doc["summary"][0]["step_time_median"])
         sizes = sorted({-(-batch // row["micro_batches"]) for row in bench_doc["summary"]}, reverse=True)
         _run(
             [
-                sys.executable, str(HERE / "stage_costs.py"), "--bench-json", str(bench_json), "--out", str(costs_json),
+                sys.executable, _repo_path(HERE / "stage_costs.py"), "--bench-json", _repo_path(bench_json), "--out", _repo_path(costs_json),
                 "--micro-sizes", *map(str, sizes), "--counts", *map(str, mode.counts),
                 "--repeats", str(mode.cost_repeats), "--latency-repeats", str(mode.latency_repeats), "--threads", "1",
             ],  # fmt: skip
@@ -448,7 +454,7 @@ def run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, A
         out = raw / f"pipelining_zb-{name}-{_digest({'zb': arguments})}.json"
         try:
             if force or not out.exists():
-                _run([sys.executable, str(HERE / "pipelining_zb.py"), *arguments, "--out", str(out)], out.with_suffix(".log"))
+                _run([sys.executable, _repo_path(HERE / "pipelining_zb.py"), *arguments, "--out", _repo_path(out)], out.with_suffix(".log"))
             document = json.loads(out.read_text())
             document["command"] = "python benchmarks/pipelining_zb.py " + " ".join(arguments)
             results.append(document)
