@@ -175,6 +175,34 @@ def test_max_pending_bytes_bounds_memory_and_keeps_gradients_exact():
         twobp.WeightGradQueue(max_pending_bytes=-1)
 
 
+def test_cap_enforced_after_a_block_lets_work_pass_the_cap_until_it_ends():
+    per_micro_batch = 2 * (4 * 16 + 4 * 16) * 4  # 2 linear layers, input rows + output grads, fp32
+    queue = twobp.WeightGradQueue(max_pending_bytes=per_micro_batch)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    with twobp.use_queue(queue):
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            with queue.cap_enforced_after():
+                patched(x).pow(2).sum().backward()
+                with queue.cap_enforced_after():  # nested: only the outer end flushes
+                    patched(x).pow(2).sum().backward()
+                assert queue.pending().bytes > queue.max_pending_bytes
+            assert queue.pending().bytes <= queue.max_pending_bytes
+            for _ in range(2):
+                reference(x).pow(2).sum().backward()
+        assert patched[0].weight.grad is not None  # the oldest work was flushed early
+        queue.flush()
+        assert_grads_match(patched, reference)
+
+        with pytest.raises(RuntimeError, match="boom"):
+            with queue.cap_enforced_after():
+                for _ in range(2):
+                    patched(torch.randn(4, 16)).pow(2).sum().backward()
+                raise RuntimeError("boom")
+    assert queue.pending().bytes > queue.max_pending_bytes  # an error leaves the work as it is
+    queue.clear()
+
+
 def test_flush_hands_gradients_over_without_copying_them():
     """An empty .grad takes the flushed tensor as it is: no parameter-sized copy per step."""
     from torch.profiler import profile

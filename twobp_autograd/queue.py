@@ -139,7 +139,8 @@ class WeightGradQueue:
 
     ``max_pending_bytes`` (fixed at construction) bounds the memory pending work holds: when
     an enqueue passes it, the oldest jobs are flushed at once (inside that backward) until the
-    rest fits, so memory no longer grows with the number of micro-batches.
+    rest fits, so memory no longer grows with the number of micro-batches. A caller with a
+    better moment than the backward itself defers that flush with :meth:`cap_enforced_after`.
 
     ``delivery_bucket_bytes``: during a flush, gradients reach ``.grad`` (and fire their
     post-accumulate hooks) in buckets of about this many bytes as soon as their last kernel
@@ -185,6 +186,7 @@ class WeightGradQueue:
         self._lock = threading.Lock()
         self._running_backwards: dict[int, int] = {}  # graph task id -> thread ident
         self._tag: Hashable = None
+        self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
 
     # -- filling -------------------------------------------------------------------------
@@ -213,19 +215,35 @@ class WeightGradQueue:
                 torch.autograd.Variable._execution_engine.queue_callback(
                     lambda: self._running_backwards.pop(task, None)
                 )
-        if self.max_pending_bytes is not None and self._held_bytes > self.max_pending_bytes:
-            self._flush_oldest()
+        if not self._cap_deferred:
+            self._enforce_cap()
 
-    def _flush_oldest(self) -> None:
-        with self._lock:
-            over = self._held_bytes - self.max_pending_bytes  # type: ignore[operator]
-            count, freed = 0, 0
-            while freed < over and count < len(self._jobs):  # an estimate: shared storages count twice
-                freed += sum(t.untyped_storage().nbytes() for t in self._jobs[count].held_tensors())
-                count += 1
-            oldest, self._jobs = self._jobs[:count], self._jobs[count:]
-            self._count(oldest, -1)
-        self._run(oldest)
+    @contextlib.contextmanager
+    def cap_enforced_after(self) -> Iterator["WeightGradQueue"]:
+        """Inside, queued work may pass ``max_pending_bytes``; when the block ends (without an
+        error) the oldest work is flushed until the rest fits. A pipeline stage runs its
+        backward-p1 and posts the input-gradient send inside, so the early flush no longer
+        delays the rank upstream; memory may pass the cap by one backward's work meanwhile."""
+        self._cap_deferred += 1
+        try:
+            yield self
+        finally:
+            self._cap_deferred -= 1
+        if not self._cap_deferred:
+            self._enforce_cap()
+
+    def _enforce_cap(self) -> None:
+        """Flush the oldest jobs until the rest fits under ``max_pending_bytes``."""
+        while self.max_pending_bytes is not None and self._held_bytes > self.max_pending_bytes and self._jobs:
+            with self._lock:
+                over = self._held_bytes - self.max_pending_bytes
+                count, freed = 0, 0
+                while freed < over and count < len(self._jobs):  # a guess: storages shared by jobs count twice
+                    freed += sum(t.untyped_storage().nbytes() for t in self._jobs[count].held_tensors())
+                    count += 1
+                oldest, self._jobs = self._jobs[:count], self._jobs[count:]
+                self._count(oldest, -1)
+            self._run(oldest)
 
     def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
         """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep

@@ -276,6 +276,11 @@ class PipelineRuntime:
             self._held[k] = (x, out)
 
     def _backward(self, k: int) -> None:
+        # With a capped queue, work over the cap is flushed after the input gradient is posted.
+        with self.queue.cap_enforced_after():
+            self._backward_and_send(k)
+
+    def _backward_and_send(self, k: int) -> None:
         x, out = self._held.pop(k)
         if self.last:
             out.backward()
