@@ -4,7 +4,9 @@
 Memory is the runtime's CPU peak: the process heap in use (glibc ``mallinfo2``: bytes in
 allocated chunks, every arena and mmap, so tensors and autograd's saved activations alike),
 sampled after every action of the schedule, minus the heap at the step's start (transients
-inside an action, e.g. a flush's concatenation, are not seen). The queue's peak pending bytes
+inside an action, e.g. a flush's concatenation, are not seen; nor is the one micro-batch of
+weight work a capped stage may hold beyond the cap inside a backward-p1 action, flushed once its
+input-gradient send is posted). The queue's peak pending bytes
 are recorded too. Peak RSS is process-wide and monotonic, so it is not split per run.
 
 Unless ``--cap-mib`` is given, the cap is ``--cap-fraction`` of the 2BP-off peak of each rank,
