@@ -223,3 +223,12 @@ def test_measure_stage_times_every_block_and_leaves_the_stage_as_it_was(stage_co
     out = blocks[1](blocks[0](inputs[0]))
     out.sum().backward()
     assert blocks[1].weight.grad is not None
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message is for machines without CUDA")
+def test_cuda_options_benchmark_says_it_needs_a_gpu(monkeypatch) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import cuda_options
+
+    with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+        cuda_options.main([])
