@@ -34,9 +34,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from twobp_autograd.data_parallel import GradientSynchroniser
-from twobp_autograd.pipeline.bench import MODELS, build_model
+from twobp_autograd.pipeline.bench import build_model
 
-from local_ranks import run_on_local_ranks, write_results  # beside this script
+from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 VARIANTS = ("overlapped", "flush_then_reduce", "ddp")
@@ -44,17 +44,11 @@ VARIANTS = ("overlapped", "flush_then_reduce", "ddp")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=16, help="samples per rank per step")
+    add_model_arguments(parser, batch_size=16, batch_help="samples per rank per step")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--bucket-mib", type=float, default=25.0)
     parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / 2)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "data_parallel.json"))
     return parser.parse_args()
 

@@ -4,6 +4,7 @@ writing its results with the environment they were measured in."""
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_on_local_ranks", "write_results"]
+__all__ = ["add_model_arguments", "run_on_local_ranks", "write_results"]
 
 
 def _free_port() -> int:
@@ -34,6 +35,19 @@ def _rank_main(rank: int, world: int, port: int, threads: "int | None", benchmar
         benchmark(rank, args)
     finally:
         dist.destroy_process_group()
+
+
+def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: "str | None" = None) -> None:
+    """The model options of ``bench pipeline``'s ``build_model`` (an MLP by default)."""
+    from twobp_autograd.pipeline.bench import MODELS
+
+    parser.add_argument("--model", choices=MODELS, default="mlp")
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
 
 
 def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: int, threads: "int | None" = None) -> None:

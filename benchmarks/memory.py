@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from twobp_autograd import WeightGradQueue
-from twobp_autograd.pipeline.bench import MODELS, build_model
+from twobp_autograd.pipeline.bench import build_model
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import schedule
 from twobp_autograd.pipeline.stages import split
 
-from local_ranks import run_on_local_ranks, write_results  # beside this script
+from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 SCHEDULE = "1f1b-2"
@@ -42,17 +42,11 @@ RUNS = ("2bp_off", "2bp_on", "2bp_capped")
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=32)
+    add_model_arguments(parser, batch_size=32)
     parser.add_argument("--cap-mib", type=float, default=None, help="max_pending_bytes per rank (default: from --cap-fraction)")
     parser.add_argument("--cap-fraction", type=float, default=0.10, help="cap as a fraction of the rank's 2BP-off peak")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / 2)")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "memory.json"))
     return parser.parse_args()
 
