@@ -83,6 +83,40 @@ def test_optimizer_step_with_queued_work_is_refused():
     optimizer.step()
 
 
+def test_amp_training_loop_with_grad_scaler_and_clipping_matches_plain():
+    """backward, flush, unscale, clip, step: the same parameters as plain autograd. A scaler
+    step with the flush forgotten is refused (where no gradient exists yet at all, GradScaler
+    itself stops first: "No inf checks were recorded")."""
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 2))
+    patched, reference = patched_and_reference(model)
+    for net, flush in ((patched, twobp.flush_weight_grads), (reference, lambda: None)):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            for _ in range(2):  # two micro-batches per step
+                x = torch.randn(4, 6, generator=generator)
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = net(x).float().pow(2).mean()
+                scaler.scale(loss).backward()
+            flush()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3, msg=name)  # bf16 autocast
+
+    partly_plain = twobp.patch(nn.Sequential(nn.Linear(6, 8), nn.PReLU(), nn.Linear(8, 2)))  # PReLU: plain
+    optimizer = torch.optim.SGD(partly_plain.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(partly_plain(torch.randn(4, 6)).pow(2).mean()).backward()
+    with pytest.raises(RuntimeError, match="flush_weight_grads"):
+        scaler.step(optimizer)
+    twobp.flush_weight_grads()
+
+
 @pytest.mark.parametrize("what", ["saved-activation", "parameter"])
 def test_in_place_change_between_backward_and_flush_is_refused(what):
     model = twobp.patch(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
