@@ -3,13 +3,32 @@ hang) if a rank is still running; then read what each rank wrote."""
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
+
+
+def gloo_rank_main(rank: int, world: int, scenario: Callable[[int], Any], store_path: str, result_path: str) -> None:
+    """A spawned rank: join a gloo group through a file store, run ``scenario(rank)`` and save
+    its result (or the traceback) at ``result_path.<rank>`` for :func:`read_results`."""
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+    )
+    try:
+        result = scenario(rank)
+    except BaseException:  # noqa: BLE001 - reported to the test process
+        result = {"crash": traceback.format_exc()}
+    torch.save(result, f"{result_path}.{rank}")
+    os._exit(0)  # no destroy_process_group: after a failure it could wait on a dead peer
 
 
 def run_ranks(target: Callable[..., None], world: int, args: tuple, deadline: float, what: str = "") -> None:

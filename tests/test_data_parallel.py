@@ -9,9 +9,7 @@ synchroniser that reduced nothing (or summed instead of averaging) would not mat
 from __future__ import annotations
 
 import copy
-import datetime
 import os
-import traceback
 from collections.abc import Callable
 
 import pytest
@@ -22,7 +20,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
-from tests.ranks import read_results, run_ranks
+from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
@@ -35,24 +33,10 @@ VOCAB, WIDTH, STEPS, MICRO_BATCHES = 11, 8, 2, 2
 # -- spawning --------------------------------------------------------------------------------
 
 
-def _rank_main(rank: int, world: int, scenario: Callable[[int], dict], store_path: str, result_path: str) -> None:
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1")
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        result = scenario(rank)
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        result = {"crash": traceback.format_exc()}
-    torch.save(result, f"{result_path}.{rank}")
-    os._exit(0)  # no destroy_process_group: after a failure it could wait on a dead peer
-
-
 def launch(scenario: Callable[[int], dict], world: int, directory: str, deadline: float = 120.0) -> list[dict]:
     """Run ``scenario(rank)`` (a module-level function) on ``world`` spawned gloo ranks."""
     store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(_rank_main, world, (world, scenario, store, results), deadline)
+    run_ranks(gloo_rank_main, world, (world, scenario, store, results), deadline)
     return read_results(results, world)
 
 

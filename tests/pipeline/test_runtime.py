@@ -10,20 +10,17 @@ error in bounded time.
 from __future__ import annotations
 
 import copy
-import datetime
 import functools
 import os
 import time
-import traceback
 from collections.abc import Callable
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from tests.ranks import read_results, run_ranks
+from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.pipeline.runtime import PipelineError, PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
@@ -189,26 +186,11 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
 }
 
 
-def _rank_main(rank: int, scenario: str, store_path: str, result_path: str) -> None:
-    torch.set_num_threads(1)
-    run, world = SCENARIOS[scenario]
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        result = run(rank)
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        result = {"crash": traceback.format_exc()}
-    torch.save(result, f"{result_path}.{rank}")
-    # No destroy_process_group: after a failure it could wait on the dead peer.
-    os._exit(0)
-
-
 def launch(scenario: str, directory: str, deadline: float = 150.0) -> list["dict | None"]:
     """Run ``scenario`` on its spawned ranks; each rank's result, None if it wrote none."""
-    world = SCENARIOS[scenario][1]
+    run, world = SCENARIOS[scenario]
     store, results = os.path.join(directory, f"{scenario}.store"), os.path.join(directory, f"{scenario}.result")
-    run_ranks(_rank_main, world, (scenario, store, results), deadline, ": the pipeline hung")
+    run_ranks(gloo_rank_main, world, (world, run, store, results), deadline, ": the pipeline hung")
     return read_results(results, world, required=False)
 
 
