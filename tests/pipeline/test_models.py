@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import twobp_autograd as twobp
 from tests.ranks import read_results, run_ranks
-from tests.utils import TOLERANCES
+from tests.utils import close_to_reference
 from twobp_autograd import registry
 from twobp_autograd.pipeline.models import PipelineModel, TiedGradients, blocks_of, defer_norms, split_model
 from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
@@ -222,8 +222,7 @@ def test_the_models_own_norms_are_deferred(isolated_registry: None, make_model: 
 
 
 def _differs(a: "Tensor | None", b: "Tensor | None") -> bool:
-    rtol, atol = TOLERANCES[torch.float32]
-    return a is None or b is None or not torch.allclose(a, b, rtol=rtol, atol=atol)
+    return a is None or b is None or not close_to_reference(a, b)
 
 
 def _check_model(rank: int, model_name: str) -> dict:
