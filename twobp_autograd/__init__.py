@@ -6,7 +6,16 @@ call per layer over all queued micro-batches.
 """
 
 from .patching import patch, unpatch
-from .queue import WeightGradQueue, flush_weight_grads, pending, use_queue
+from .queue import WeightGradQueue, discard_weight_grads, flush_weight_grads, pending, use_queue
 from .registry import register
 
-__all__ = ["patch", "unpatch", "flush_weight_grads", "pending", "register", "WeightGradQueue", "use_queue"]
+__all__ = [
+    "patch",
+    "unpatch",
+    "flush_weight_grads",
+    "discard_weight_grads",
+    "pending",
+    "register",
+    "WeightGradQueue",
+    "use_queue",
+]

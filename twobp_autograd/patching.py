@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -146,7 +147,29 @@ def _install_optimizer_guard() -> None:
         _guard_installed = True
 
 
-def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    """Optimizer step pre-hook. With a closure (LBFGS, or any ``step(closure)``) the backward
+    runs inside the step, so the check goes after each call of the closure instead."""
+    # ``args`` are step's own: (optimizer, closure?, ...).
+    if kwargs.get("closure") is not None:
+        return args, {**kwargs, "closure": _checked_closure(optimizer, kwargs["closure"])}
+    if len(args) > 1 and args[1] is not None:
+        return (args[0], _checked_closure(optimizer, args[1]), *args[2:]), kwargs
+    _refuse_if_queued(optimizer)
+    return None
+
+
+def _checked_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    @functools.wraps(closure)
+    def checked() -> Any:
+        loss = closure()
+        _refuse_if_queued(optimizer)
+        return loss
+
+    return checked
+
+
+def _refuse_if_queued(optimizer: torch.optim.Optimizer) -> None:
     queues = queues_with_work()
     if not queues:
         return
@@ -154,5 +177,6 @@ def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, k
     if any(q.has_work_for(params) for q in queues):
         raise RuntimeError(
             "twobp: optimizer.step() over parameters whose weight gradients are still queued; "
-            "call twobp.flush_weight_grads() (or queue.flush()) after backward and before step()."
+            "call twobp.flush_weight_grads() (or queue.flush()) after backward and before step() "
+            "(with step(closure): inside the closure, after its backward)."
         )

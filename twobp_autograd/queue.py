@@ -7,15 +7,20 @@ dimension 0 where that pays and runs the kernel once per group (else once per mi
 summed), then hands the sums to autograd's own gradient accumulation, so ``.grad`` ends exactly as plain backward would leave it (``None``
 handling, dtype, layout, tensor hooks and post-accumulate hooks included).
 
-Each thread has its own default queue; :func:`use_queue` selects another one for the
-forwards run inside it (a queue is bound at forward time, because on CUDA the backward runs
-on autograd's device threads, not the caller's).
+One default queue serves the whole process, so work queued by a forward run on any thread
+(a worker pool, a serving thread) is reached by a flush from the thread that trains; it is
+thread-safe. :func:`use_queue` sends the forwards run inside it (on that thread) to another
+queue, for whoever wants separation (one per pipeline stage, one per concurrently training
+thread). A queue is bound at forward time, because on CUDA the backward runs on autograd's
+device threads, not the caller's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple
@@ -34,6 +39,7 @@ __all__ = [
     "use_queue",
     "current_queue",
     "flush_weight_grads",
+    "discard_weight_grads",
     "pending",
 ]
 
@@ -88,7 +94,7 @@ class WeightGradJob:
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place between backward "
                 "and flush_weight_grads(). Flush before modifying it; the work stays queued until "
-                "queue.clear() drops it."
+                "twobp.discard_weight_grads() (or queue.clear() for a queue of your own) drops it."
             )
 
     def tensors(self) -> tuple[Tensor, ...]:
@@ -188,6 +194,17 @@ class WeightGradQueue:
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
+
+    def __del__(self) -> None:
+        # Jobs do not keep their queue alive: a queue dropped with work would lose it silently.
+        if getattr(self, "_jobs", None) and not sys.is_finalizing():
+            warnings.warn(
+                f"twobp: a WeightGradQueue holding {len(self._jobs)} weight-gradient jobs was garbage "
+                "collected before a flush; those weight gradients are lost. Keep a reference to the "
+                "queue and flush it (queue.flush()) before optimizer.step().",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     # -- filling -------------------------------------------------------------------------
 
@@ -341,7 +358,7 @@ class WeightGradQueue:
                 "twobp: flush while a backward pass that feeds this queue is still running on "
                 "another thread. Wait for that backward (join the thread) before flushing, or give "
                 "each thread its own queue with twobp.use_queue(). If that backward raised, "
-                "queue.clear() drops its partial work."
+                "twobp.discard_weight_grads() (or queue.clear()) drops its partial work."
             )
 
 
@@ -420,8 +437,17 @@ def _deliver(ready: list[tuple[Tensor, Tensor]]) -> None:
     params = [param for param, _ in ready]
     handover = [[grad for _, grad in ready]]
     ready.clear()
-    with torch.enable_grad():
-        _HandOver.apply(handover, *params).backward()
+    # A parameter frozen (requires_grad_(False)) between backward and flush still gets the
+    # gradient plain autograd gave it during backward: it is unfrozen for the hand-over.
+    frozen = [p for p in params if not p.requires_grad]
+    try:
+        for param in frozen:
+            param.requires_grad_(True)
+        with torch.enable_grad():
+            _HandOver.apply(handover, *params).backward()
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
 
 
 class _HandOver(torch.autograd.Function):
@@ -458,10 +484,13 @@ def _run_group(group: list[WeightGradJob], strategy: FlushStrategy, max_concat_b
         grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device))]
         del on_device
         return first.kernel(saved, grad_outputs, needs)
-    total: list["Tensor | None"] = [None] * len(needs)
+    # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial
+    # sums into an fp32 parameter would lose precision with every micro-batch.
+    dtypes = [p.dtype if p is not None else None for p in first.params]
+    total: list["_Sum | None"] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
-            total[i] = _sum(total[i], grad)
+            total[i] = _sum(total[i], None if grad is None else grad.to(dtypes[i]))
     return [t.tensor if t is not None else None for t in total]
 
 
@@ -495,16 +524,17 @@ def _sum(total: "_Sum | None", grad: "Tensor | None") -> "_Sum | None":
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        self.default = WeightGradQueue()
         self.stack: list[WeightGradQueue] = []
 
 
 _state = _ThreadState()
+_default_queue = WeightGradQueue()
 
 
 def current_queue() -> WeightGradQueue:
-    """The queue that forwards run now feed: the innermost :func:`use_queue`, else the thread's."""
-    return _state.stack[-1] if _state.stack else _state.default
+    """The queue that forwards run now feed: this thread's innermost :func:`use_queue`, else
+    the process-wide default queue."""
+    return _state.stack[-1] if _state.stack else _default_queue
 
 
 @contextlib.contextmanager
@@ -522,6 +552,13 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
 def flush_weight_grads(queue: "WeightGradQueue | None" = None) -> None:
     """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``."""
     (queue if queue is not None else current_queue()).flush()
+
+
+def discard_weight_grads(queue: "WeightGradQueue | None" = None) -> None:
+    """Drop all queued weight-gradient work (default: the current queue's) without computing
+    it: after a failed step, to start the next one clean. The dropped micro-batches contribute
+    nothing to ``.grad``."""
+    (queue if queue is not None else current_queue()).clear()
 
 
 def pending(queue: "WeightGradQueue | None" = None) -> PendingWork:

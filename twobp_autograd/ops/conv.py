@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..deferral import defer_weight_grads, detached
 from ..registry import register
+from .precision import accumulation_dtype
 
 __all__ = ["conv_weight_grad", "conv_forward", "conv_transpose_forward"]
 
@@ -51,6 +52,10 @@ def conv_weight_grad(
     stand-in with its shape and strides is passed."""
     (input,) = saved
     (grad_output,) = grad_outputs
+    # bf16/fp16 weight-gradient convolutions over joined micro-batches lose up to 25 times
+    # autograd's precision (measured on CPU): run them in fp32 (see .precision).
+    accumulate = accumulation_dtype(input.dtype)
+    input, grad_output = input.to(accumulate), grad_output.to(accumulate)
     if extra_right_padding is not None:
         input = F.pad(input, extra_right_padding)
     need_weight = needs[0]

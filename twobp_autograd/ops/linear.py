@@ -5,20 +5,31 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..deferral import defer_weight_grads, detached
 from ..registry import register
+from .precision import accumulation_dtype
 
 __all__ = ["linear_forward", "linear_weight_grad"]
 
 
 def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
+    """Summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
     (rows,) = saved
     grad = grad_outputs[0].reshape(-1, grad_outputs[0].shape[-1])
-    weight_grad = grad.t().mm(rows) if needs[0] else None
-    bias_grad = grad.sum(0) if len(needs) > 1 and needs[1] else None
+    accumulate = accumulation_dtype(grad.dtype)
+    weight_grad = None
+    if needs[0]:
+        if accumulate == grad.dtype:
+            weight_grad = grad.t().mm(rows)
+        elif grad.is_cuda:  # reduced-precision GEMM, fp32 result
+            weight_grad = torch.mm(grad.t(), rows, out_dtype=accumulate)
+        else:
+            weight_grad = grad.t().to(accumulate).mm(rows.to(accumulate))
+    bias_grad = grad.sum(0, dtype=accumulate) if len(needs) > 1 and needs[1] else None
     return [weight_grad, bias_grad]
 
 

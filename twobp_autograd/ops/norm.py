@@ -31,6 +31,7 @@ from torch.overrides import has_torch_function_variadic
 
 from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs
 from ..registry import register
+from .precision import accumulation_dtype
 
 __all__ = [
     "layer_norm_weight_grad",
@@ -259,10 +260,6 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
 # -- RMSNorm ---------------------------------------------------------------------------------
 
 
-def _opmath_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def rms_norm_weight_grad(
     saved: Sequence[Tensor],
     grad_outputs: Sequence[Tensor],
@@ -276,7 +273,7 @@ def rms_norm_weight_grad(
     if not needs[0]:
         return [None]
     (rows,) = saved
-    compute = _opmath_dtype(rows.dtype)
+    compute = accumulation_dtype(rows.dtype)
     upcast = rows.to(compute)
     if eps is None:
         eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
