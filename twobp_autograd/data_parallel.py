@@ -30,6 +30,7 @@ through :meth:`GradientSynchroniser.flush`, and the step ends with
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from .queue import WeightGradQueue, current_queue, run_jobs
+from .flush import run_jobs
+from .queue import WeightGradQueue, current_queue
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
 
@@ -128,9 +130,7 @@ class GradientSynchroniser:
         self._final = delivered - later
         self._armed = True
         try:
-            run_jobs(
-                jobs, queue.strategy, queue.max_concat_bytes, max(1, self.bucket_bytes // 4), queue.weight_grad_streams
-            )
+            run_jobs(jobs, dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4)))
         finally:
             self._armed = False
             self._final = set()

@@ -27,7 +27,8 @@ from typing import Any, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from .queue import WeightGradJob, WeightGradKernel, WeightGradQueue, current_queue
+from .job import WeightGradJob, WeightGradKernel
+from .queue import WeightGradQueue, current_queue
 
 __all__ = ["ParamDeferral", "defer_weight_grads", "detached", "kernel_group", "param_inputs", "param_from_input"]
 

@@ -473,7 +473,8 @@ def test_batch_norm_jobs_go_to_the_queue_and_tag_of_their_forward() -> None:
 @pytest.mark.parametrize("strategy", ["loop", "concat"])
 def test_batch_norm_flush_leaves_the_finished_grads_untouched(strategy: str) -> None:
     """The kernel hands back tensors the job holds: summing them must not write into them."""
-    from twobp_autograd.queue import current_queue, run_jobs
+    from twobp_autograd.flush import FlushOptions, run_jobs
+    from twobp_autograd.queue import current_queue
 
     patched, reference = _batch_norm_twins()
     for batch in (4, 6, 3):
@@ -484,7 +485,7 @@ def test_batch_norm_flush_leaves_the_finished_grads_untouched(strategy: str) -> 
     reference.weight.grad = reference.weight.grad + 1
     jobs = current_queue().take()
     before = [[t.clone() for t in job.saved] for job in jobs]
-    run_jobs(jobs, strategy, 1 << 30)
+    run_jobs(jobs, FlushOptions(strategy))
     for job, kept in zip(jobs, before, strict=True):
         for t, k in zip(job.saved, kept, strict=True):
             assert torch.equal(t, k)

@@ -26,13 +26,16 @@ patched keep plain autograd: their weight gradients are computed in the I step.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
-from ..queue import WeightGradJob, WeightGradQueue, run_jobs, use_queue
+from ..flush import run_jobs
+from ..job import WeightGradJob
+from ..queue import WeightGradQueue, use_queue
 
 __all__ = ["dw_builder", "StageWeightGrads", "WeightGradRunner"]
 
@@ -48,7 +51,8 @@ class WeightGradRunner:
         if self.jobs is None:
             raise RuntimeError("twobp: this weight-gradient runner already ran; running it twice would add its gradients twice.")
         jobs, self.jobs = self.jobs, None  # release the saved activations as soon as possible
-        run_jobs(jobs, self.queue.strategy, self.queue.max_concat_bytes, weight_grad_streams=self.queue.weight_grad_streams)
+        # Delivered all at the end: PyTorch's schedule reads .grad only after the step.
+        run_jobs(jobs, dataclasses.replace(self.queue.flush_options, delivery_bucket_bytes=None))
 
 
 class StageWeightGrads:

@@ -1,0 +1,193 @@
+"""Backward-p2: run taken jobs, grouped per layer, into ``.grad``.
+
+A flush groups the jobs that share a kernel, parameters and trailing shapes, concatenates their
+micro-batches on dimension 0 where that pays and runs the kernel once per group (else once per
+micro-batch, summed in each parameter's dtype), then hands the sums to autograd's own gradient
+accumulation, so ``.grad`` ends exactly as plain backward would leave it (``None`` handling,
+dtype, layout, tensor hooks and post-accumulate hooks included).
+
+:class:`FlushOptions` is how a queue, a data-parallel synchroniser or a pipeline adapter says
+how to run them: one entry point, :func:`run_jobs`, so a new option is added once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from .job import WeightGradJob
+from .streams import LaunchedGroups
+
+__all__ = ["FlushStrategy", "FlushOptions", "run_jobs"]
+
+FlushStrategy = Literal["concat", "loop", "auto"]
+
+
+@dataclass(frozen=True)
+class FlushOptions:
+    """How a flush runs its jobs (see :class:`twobp_autograd.WeightGradQueue` for each)."""
+
+    strategy: FlushStrategy = "auto"
+    max_concat_bytes: int = 1 << 30
+    delivery_bucket_bytes: "int | None" = None
+    weight_grad_streams: int = 1
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("concat", "loop", "auto"):
+            raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {self.strategy!r}")
+        if self.weight_grad_streams < 1:
+            raise ValueError(f"weight_grad_streams must be >= 1, not {self.weight_grad_streams}")
+
+
+def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions()) -> None:
+    """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd.
+
+    A parameter's gradient is delivered once its last group has run: all at the end, or with
+    ``options.delivery_bucket_bytes`` in buckets of about that size while later groups still
+    run. ``options.weight_grad_streams`` > 1: every group's kernels are launched first, spread
+    over that many CUDA side streams, then summed and delivered in order (:mod:`.streams`)."""
+    if not jobs:
+        return
+    for job in jobs:
+        job.check_unmodified()
+    grouped: dict[tuple, list[WeightGradJob]] = {}
+    for job in jobs:
+        shapes = tuple((t.shape[1:], t.dtype, t.device) for t in job.tensors())
+        grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
+    groups = list(grouped.values())
+    last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
+
+    summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
+    ready: list[tuple[Tensor, Tensor]] = []
+    ready_bytes = 0
+    with torch.no_grad():
+        launched = None
+        if options.weight_grad_streams > 1:
+            launched = LaunchedGroups(
+                [(group[0].device, [t for job in group for t in job.tensors()]) for group in groups],
+                lambda index: _run_group(groups[index], options),
+                options.weight_grad_streams,
+            )
+        for index, group in enumerate(groups):
+            if launched is None:
+                _add_group_grads(summing, group[0].params, _run_group(group, options))
+            else:
+                _add_group_grads(summing, group[0].params, launched.take(index))
+            for param in group[0].params:
+                if param is not None and last_group[id(param)] == index and id(param) in summing:
+                    done, total = summing.pop(id(param))
+                    ready.append((done, total.tensor))
+                    del total
+                    ready_bytes += param.numel() * param.element_size()
+            if options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes:
+                _deliver(ready)
+                ready_bytes = 0
+    _deliver(ready)
+
+
+def _add_group_grads(
+    summing: dict[int, tuple[Tensor, "_Sum"]], params: Sequence["Tensor | None"], grads: Sequence["Tensor | None"]
+) -> None:
+    """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
+    each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
+    for param, grad in zip(params, grads):
+        if param is None or grad is None:
+            continue
+        entry = summing.get(id(param))
+        summing[id(param)] = (param, _sum(entry[1] if entry else None, grad.to(param.dtype)))  # type: ignore[arg-type]
+
+
+def _deliver(ready: list[tuple[Tensor, Tensor]]) -> None:
+    """Hand ``ready``'s gradients to their parameters and empty it."""
+    if not ready:
+        return
+    params = [param for param, _ in ready]
+    handover = [[grad for _, grad in ready]]
+    ready.clear()
+    # A parameter frozen (requires_grad_(False)) between backward and flush still gets the
+    # gradient plain autograd gave it during backward: it is unfrozen for the hand-over.
+    frozen = [p for p in params if not p.requires_grad]
+    try:
+        for param in frozen:
+            param.requires_grad_(True)
+        with torch.enable_grad():
+            _HandOver.apply(handover, *params).backward()
+    finally:
+        for param in frozen:
+            param.requires_grad_(False)
+
+
+class _HandOver(torch.autograd.Function):
+    """Delivers the summed gradients to the parameters through autograd's own AccumulateGrad
+    (same None, dtype, layout and hook rules as a plain backward). They leave from this node's
+    backward with no other reference alive, so an empty ``.grad`` takes the tensor as it is
+    instead of a copy (``torch.autograd.backward(params, grads)`` would copy every one)."""
+
+    @staticmethod
+    def forward(ctx: Any, handover: list, *params: Tensor) -> Tensor:
+        ctx.handover = handover
+        return params[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: Tensor) -> tuple["Tensor | None", ...]:
+        return (None, *ctx.handover.pop())
+
+
+def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence["Tensor | None"]:
+    first = group[0]
+    needs = first.needs
+    if len(group) == 1:
+        return first.kernel(*first.on_device(), needs)
+    if first.concatenate is False or options.strategy == "loop":
+        concat = False
+    elif options.strategy == "concat":
+        concat = True
+    else:
+        pays = first.concatenate or first.device.type != "cpu"
+        concat = pays and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= options.max_concat_bytes
+    if concat:
+        on_device = [job.on_device() for job in group]
+        saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device))]
+        grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device))]
+        del on_device
+        return first.kernel(saved, grad_outputs, needs)
+    # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial
+    # sums into an fp32 parameter would lose precision with every micro-batch.
+    dtypes = [p.dtype if p is not None else None for p in first.params]
+    total: list["_Sum | None"] = [None] * len(needs)
+    for job in group:
+        for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
+            total[i] = _sum(total[i], None if grad is None else grad.to(dtypes[i]))
+    return [t.tensor if t is not None else None for t in total]
+
+
+class _Sum:
+    """A running sum that owns its tensor before adding into it in place: a kernel may return
+    a tensor it did not make (a recomputed ``x + bias`` returns the output gradient itself),
+    and autograd hands one gradient tensor to several branches, so another job may still
+    need it."""
+
+    __slots__ = ("tensor", "owned")
+
+    def __init__(self, tensor: Tensor) -> None:
+        self.tensor, self.owned = tensor, False
+
+    def add(self, other: Tensor) -> "_Sum":
+        if self.owned:
+            self.tensor.add_(other)
+        else:
+            self.tensor, self.owned = self.tensor + other, True
+        return self
+
+
+def _sum(total: "_Sum | None", grad: "Tensor | None") -> "_Sum | None":
+    if grad is None:
+        return total
+    return _Sum(grad) if total is None else total.add(grad)
+
+
+# -- the queue in use -----------------------------------------------------------------------

@@ -1,0 +1,98 @@
+"""One patched call's deferred weight-gradient work, as backward-p1 leaves it: the kernel that
+computes the layer's weight gradients, the tensors it needs, and the parameters they go to.
+
+A kernel is ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``:
+
+- ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0 (the
+  batch dimension of every tensor, output gradients in the same row order);
+- ``needs[i]`` says whether parameter ``i``'s gradient is wanted (return None where not);
+- a kernel given as a ``functools.partial`` of one function with hashable arguments lets jobs
+  of different calls with equal configuration share one kernel call at the flush.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+from torch import Tensor
+
+from .offload import HostOffload, ParkedTensors
+
+__all__ = ["WeightGradKernel", "WeightGradJob"]
+
+#: ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``.
+#: ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0.
+WeightGradKernel = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[bool]], Sequence["Tensor | None"]]
+
+
+class WeightGradJob:
+    """One patched call's deferred weight-gradient work (built once per call in backward-p1:
+    a slotted class, kept cheap)."""
+
+    __slots__ = ("kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "versions", "parked")
+
+    def __init__(
+        self,
+        kernel: WeightGradKernel,
+        group: Hashable,
+        concatenate: "bool | None",
+        params: tuple["torch.nn.Parameter | None", ...],
+        saved: tuple[Tensor, ...],
+        grad_outputs: tuple[Tensor, ...],
+        tag: Hashable = None,
+    ) -> None:
+        self.kernel = kernel
+        self.group = group  # jobs with equal group may be concatenated and run as one call
+        self.concatenate = concatenate  # False: never joined; True: joining pays; None: off the CPU
+        self.params = params  # None where that gradient is not wanted
+        self.saved = saved
+        self.grad_outputs = grad_outputs
+        self.tag = tag
+        self.versions = self._versions()
+        self.parked: "ParkedTensors | None" = None  # set when offloaded to host memory
+
+    def _versions(self) -> tuple[int, ...]:
+        watched = (*self.saved, *self.grad_outputs, *(p for p in self.params if p is not None))
+        return tuple(t._version for t in watched)
+
+    def check_unmodified(self) -> None:
+        if self._versions() != self.versions:
+            raise RuntimeError(
+                "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
+                "output gradient or the parameter itself) was modified in place between backward "
+                "and flush_weight_grads(). Flush before modifying it; the work stays queued until "
+                "twobp.discard_weight_grads() (or queue.clear() for a queue of your own) drops it."
+            )
+
+    def tensors(self) -> tuple[Tensor, ...]:
+        return (*self.saved, *self.grad_outputs)
+
+    def held_tensors(self) -> tuple[Tensor, ...]:
+        """The tensors this job keeps alive on their devices (none once offloaded)."""
+        return () if self.parked is not None else self.tensors()
+
+    def park(self, offload: HostOffload) -> None:
+        """Swap the job's tensors for host copies (only those on CUDA move)."""
+        parked = offload.park(self.tensors())
+        if parked is None:
+            return
+        self.parked = parked
+        self.saved, self.grad_outputs = parked.tensors[: len(self.saved)], parked.tensors[len(self.saved) :]
+        self.versions = self._versions()  # the copies are what is checked from now on
+
+    def on_device(self) -> tuple[tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """``(saved, grad_outputs)`` where the kernel runs (copied back if offloaded)."""
+        if self.parked is None:
+            return self.saved, self.grad_outputs
+        tensors = self.parked.restore()
+        return tensors[: len(self.saved)], tensors[len(self.saved) :]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the kernel runs: its parameters' device."""
+        return next(p for p in self.params if p is not None).device
+
+    @property
+    def needs(self) -> tuple[bool, ...]:
+        return tuple(p is not None for p in self.params)
