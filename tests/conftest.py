@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from twobp_autograd.queue import current_queue
+from twobp_autograd.registry import rules_restored_after
 
 
 # One thread: on a loaded 2-core machine two OpenMP threads per process spin against each
@@ -25,3 +26,10 @@ def empty_default_queue():
     current_queue().clear()
     yield
     current_queue().clear()
+
+
+@pytest.fixture(autouse=True)
+def scoped_registrations():
+    """A type a test registers is forgotten when it ends."""
+    with rules_restored_after():
+        yield

@@ -181,6 +181,33 @@ def test_register_rejects_what_is_not_a_module_type():
         twobp.patch(object())
 
 
+def test_register_takes_a_tuple_of_types_and_scopes_and_unregisters():
+    from twobp_autograd.ops import recompute
+    from twobp_autograd.registry import rule_for, rules_restored_after, unregister
+
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.weight
+
+    class Shift(Scale):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.weight
+
+    with rules_restored_after():
+        twobp.register((Scale, Shift), recompute)
+        assert rule_for(Scale()) is not None and rule_for(Shift()) is not None
+        unregister(Shift)
+        assert rule_for(Shift()) is None and rule_for(Scale()) is not None
+    assert rule_for(Scale()) is None, "the registration outlived its block"
+    assert rule_for(nn.Linear(2, 2)) is not None, "a built-in rule was lost"
+    with pytest.raises(TypeError, match="tuple of them"):
+        twobp.register((Scale, int), recompute)
+
+
 def test_torch_func_transforms_take_the_plain_path():
     """torch.func differentiates on its own (no autograd graph to split): a patched model
     gives torch.func's own per-sample gradients and queues nothing."""

@@ -3,13 +3,14 @@ forward computes, so it keeps plain autograd until it is registered itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Union
 
 from torch import nn
 
-__all__ = ["DeferredForward", "Rule", "register", "rule_for"]
+__all__ = ["DeferredForward", "Rule", "register", "unregister", "rules_restored_after", "rule_for"]
 
 #: ``forward(module, *args, **kwargs)``: the module's forward, computing the output with the
 #: parameters detached and handing them to :func:`twobp_autograd.deferral.defer_weight_grads`.
@@ -31,28 +32,54 @@ def _always_supported(module: nn.Module) -> None:
     return None
 
 
+ModuleTypes = Union[type, tuple[type, ...]]
+
+
 def register(
-    module_type: type,
+    module_type: ModuleTypes,
     forward: "DeferredForward | None" = None,
     *,
     unsupported: "Callable[[nn.Module], str | None] | None" = None,
 ) -> Any:
-    """Register how ``module_type`` defers its weight gradients.
+    """Register how ``module_type`` (one type, or a tuple of types sharing one forward) defers
+    its weight gradients.
 
     As a decorator, ``@register(MyNorm)`` on ``def forward(module, *args, **kwargs)``; or
     directly, ``register(MyNorm, twobp_autograd.ops.recompute)`` for a module whose forward
     treats the samples of a batch independently (see :func:`twobp_autograd.ops.recompute`).
+    A type registered again takes the new rule.
     """
-    if not (isinstance(module_type, type) and issubclass(module_type, nn.Module)):
-        raise TypeError(f"register expects an nn.Module subclass, got {module_type!r}")
+    types = module_type if isinstance(module_type, tuple) else (module_type,)
+    for t in types:
+        if not (isinstance(t, type) and issubclass(t, nn.Module)):
+            raise TypeError(f"register expects an nn.Module subclass (or a tuple of them), got {t!r}")
 
     def decorator(fn: DeferredForward) -> DeferredForward:
         if not callable(fn):
-            raise TypeError(f"register({module_type.__name__}) needs a callable forward, got {fn!r}")
-        _rules[module_type] = Rule(fn, unsupported or _always_supported)
+            raise TypeError(f"register({', '.join(t.__name__ for t in types)}) needs a callable forward, got {fn!r}")
+        for t in types:
+            _rules[t] = Rule(fn, unsupported or _always_supported)
         return fn
 
     return decorator if forward is None else decorator(forward)
+
+
+def unregister(module_type: ModuleTypes) -> None:
+    """Forget the rules of ``module_type`` (already patched modules keep theirs until
+    :func:`twobp_autograd.unpatch`)."""
+    for t in module_type if isinstance(module_type, tuple) else (module_type,):
+        _rules.pop(t, None)
+
+
+@contextlib.contextmanager
+def rules_restored_after() -> Iterator[None]:
+    """Registrations made inside last until the block ends; the rules before it come back."""
+    saved = dict(_rules)
+    try:
+        yield
+    finally:
+        _rules.clear()
+        _rules.update(saved)
 
 
 def rule_for(module: nn.Module) -> "Rule | None":
