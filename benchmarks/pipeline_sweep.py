@@ -48,10 +48,10 @@ from typing import Any
 import torch
 
 from twobp_autograd.pipeline import bench
-from twobp_autograd.pipeline.actions import Action
+from twobp_autograd.pipeline.actions import Action, Held, peak_memory
 from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
-from twobp_autograd.pipeline.simulate import SimulationResult, StageCosts, simulate
-from twobp_autograd.pipeline.stages import partition
+from twobp_autograd.pipeline.simulator import SimulationResult, StageCosts, simulate
+from twobp_autograd.pipeline.split import partition
 from twobp_autograd.pipeline.trace import write_chrome_trace
 
 __all__ = [
@@ -268,20 +268,7 @@ def ideal_ratio(name: str, num_stages: int, num_micro_batches: int, bottleneck: 
 def modeled_peak_bytes(actions: Sequence[Action], graph_bytes: int, pending_bytes: int) -> int:
     """Peak activation bytes of one rank running ``actions``: each micro-batch holds
     ``graph_bytes`` from its F to its B or I, and ``pending_bytes`` from its I to its W."""
-    held: set[int] = set()
-    pending: set[int] = set()
-    peak = 0
-    for action in actions:
-        if action.kind == "F":
-            held.add(action.micro_batch)
-        elif action.kind in "BI":
-            held.discard(action.micro_batch)
-            if action.kind == "I":
-                pending.add(action.micro_batch)
-        else:
-            pending -= set(pending if action.micro_batches is None else action.micro_batches)
-        peak = max(peak, len(held) * graph_bytes + len(pending) * pending_bytes)
-    return peak
+    return peak_memory(actions, {Held.GRAPH: graph_bytes, Held.PENDING_WEIGHT_GRADS: pending_bytes})
 
 
 def _bottleneck(terms: Sequence[StageTerms]) -> StageTerms:
@@ -306,27 +293,16 @@ def analyse_model(bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeli
         message = latency(max(t.boundary_bytes for t in terms[:-1]))
         sim_off, sim_on = simulate_pair(name, terms, m, message)
         ideal = ideal_ratio(name, WORLD, m, _bottleneck(terms))
-        measured_ratio = on_row["samples_per_s"] / off_row["samples_per_s"]
+        measured = _measured(off_row, on_row)
         entry: dict[str, Any] = {
             "micro_batches": m,
             "micro_batch_size": size,
-            "measured": {
-                "step_time_off": off_row["step_time_median"],
-                "step_time_on": on_row["step_time_median"],
-                "throughput_ratio": measured_ratio,
-                "bubble_off": off_row["bubble_ratio"],
-                "bubble_on": on_row["bubble_ratio"],
-                "bubble_ratio_on_over_off": on_row["bubble_ratio"] / off_row["bubble_ratio"] if off_row["bubble_ratio"] else None,
-                # the runtime's CPU peak: heap in use after any action over the step's start
-                "peak_heap_bytes_off": off_row["peak_bytes"],
-                "peak_heap_bytes_on": on_row["peak_bytes"],
-                "peak_memory_ratio": on_row["peak_bytes"] / off_row["peak_bytes"] if off_row["peak_bytes"] else None,
-            },
+            "measured": measured,
             "ideal": {
                 "throughput_ratio": ideal,
                 "throughput_ratio_without_concatenation_gain": ideal_ratio(name, WORLD, m, _bottleneck(terms), concatenation=False),
             },
-            "measured_over_ideal": measured_ratio / ideal,
+            "measured_over_ideal": measured["throughput_ratio"] / ideal,
             "simulated": {
                 "p2p_latency": message,
                 "step_time_off": sim_off.step_time,
@@ -337,39 +313,61 @@ def analyse_model(bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeli
                 "step_time_error_off": sim_off.step_time / off_row["step_time_median"] - 1,
                 "step_time_error_on": sim_on.step_time / on_row["step_time_median"] - 1,
             },
-            "predicted": {},
+            "predicted": {str(p): _predicted(name, costs, size, p, latency) for p in PREDICT_STAGES},
         }
         if all(t.saved_bytes_off is not None and t.saved_bytes_on is not None for t in terms):
-            plans = {flag: schedule(name, WORLD, m, twobp=flag) for flag in (False, True)}
-            off_peak = max(modeled_peak_bytes(plans[False][r], terms[r].saved_bytes_off, 0) for r in range(WORLD))  # type: ignore[arg-type]
-            on_peak = max(
-                modeled_peak_bytes(plans[True][r], terms[r].saved_bytes_on, terms[r].pending_bytes) for r in range(WORLD)  # type: ignore[arg-type]
-            )
-            entry["memory_modeled"] = {"peak_bytes_off": off_peak, "peak_bytes_on": on_peak, "ratio": on_peak / off_peak if off_peak else None}
-        for p in PREDICT_STAGES:
-            n = default_num_micro_batches(name, p)
-            if len(costs["block_costs"]) < p:
-                entry["predicted"][str(p)] = {"skipped": f"{len(costs['block_costs'])} blocks cannot make {p} stages"}
-                continue
-            cut, p_terms = stage_terms(costs, size, p)
-            p_latency = latency(max(t.boundary_bytes for t in p_terms[:-1]))
-            p_off, p_on = simulate_pair(name, p_terms, n, p_latency)
-            entry["predicted"][str(p)] = {
-                "micro_batches": n,
-                "cut": [[r.start, r.stop] for r in cut],
-                "step_time_off": p_off.step_time,
-                "step_time_on": p_on.step_time,
-                "throughput_ratio": p_off.step_time / p_on.step_time,
-                "bubble_off": p_off.bubble_ratio,
-                "bubble_on": p_on.bubble_ratio,
-                "ideal_throughput_ratio": ideal_ratio(name, p, n, _bottleneck(p_terms)),
-            }
+            entry["memory_modeled"] = _modeled_memory(name, terms, m)
         if name == timeline_schedule:
             timeline = sim_on
         result["schedules"][name] = entry
     result["timeline_schedule"] = timeline_schedule if timeline is not None else None
     result["_simulated_timeline"] = timeline  # written as a trace by the caller, not into JSON
     return result
+
+
+def _measured(off_row: Mapping[str, Any], on_row: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``bench pipeline`` measured for one schedule, 2BP off against on."""
+    return {
+        "step_time_off": off_row["step_time_median"],
+        "step_time_on": on_row["step_time_median"],
+        "throughput_ratio": on_row["samples_per_s"] / off_row["samples_per_s"],
+        "bubble_off": off_row["bubble_ratio"],
+        "bubble_on": on_row["bubble_ratio"],
+        "bubble_ratio_on_over_off": on_row["bubble_ratio"] / off_row["bubble_ratio"] if off_row["bubble_ratio"] else None,
+        # the runtime's CPU peak: heap in use after any action over the step's start
+        "peak_heap_bytes_off": off_row["peak_bytes"],
+        "peak_heap_bytes_on": on_row["peak_bytes"],
+        "peak_memory_ratio": on_row["peak_bytes"] / off_row["peak_bytes"] if off_row["peak_bytes"] else None,
+    }
+
+
+def _modeled_memory(name: str, terms: Sequence[StageTerms], num_micro_batches: int) -> dict[str, Any]:
+    """Peak activation bytes over the ranks, 2BP off and on, from the measured bytes per stage."""
+    plans = {flag: schedule(name, WORLD, num_micro_batches, twobp=flag) for flag in (False, True)}
+    off_peak = max(modeled_peak_bytes(plans[False][r], terms[r].saved_bytes_off, 0) for r in range(WORLD))  # type: ignore[arg-type]
+    on_peak = max(
+        modeled_peak_bytes(plans[True][r], terms[r].saved_bytes_on, terms[r].pending_bytes) for r in range(WORLD)  # type: ignore[arg-type]
+    )
+    return {"peak_bytes_off": off_peak, "peak_bytes_on": on_peak, "ratio": on_peak / off_peak if off_peak else None}
+
+
+def _predicted(name: str, costs: Mapping[str, Any], size: int, num_stages: int, latency: Callable[[int], float]) -> dict[str, Any]:
+    """The simulated step of ``name`` on ``num_stages`` stages cut from the measured blocks."""
+    n = default_num_micro_batches(name, num_stages)
+    if len(costs["block_costs"]) < num_stages:
+        return {"skipped": f"{len(costs['block_costs'])} blocks cannot make {num_stages} stages"}
+    cut, terms = stage_terms(costs, size, num_stages)
+    off, on = simulate_pair(name, terms, n, latency(max(t.boundary_bytes for t in terms[:-1])))
+    return {
+        "micro_batches": n,
+        "cut": [[r.start, r.stop] for r in cut],
+        "step_time_off": off.step_time,
+        "step_time_on": on.step_time,
+        "throughput_ratio": off.step_time / on.step_time,
+        "bubble_off": off.bubble_ratio,
+        "bubble_on": on.bubble_ratio,
+        "ideal_throughput_ratio": ideal_ratio(name, num_stages, n, _bottleneck(terms)),
+    }
 
 
 # -- running the parts -----------------------------------------------------------------------

@@ -16,10 +16,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from twobp_autograd.pipeline.actions import Action
-from twobp_autograd.pipeline.trace import CATEGORIES, COLOURS, LEGEND, Event, action_label
+from twobp_autograd.pipeline.trace import plot_timelines, read_chrome_trace
 
-__all__ = ["PAPER", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios", "plot_timeline_panels", "read_chrome_trace"]
+__all__ = ["PAPER", "README", "README_MARKERS", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios"]
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_MARKERS = ("<!-- pipeline-table: written by benchmarks/plot_results.py -->", "<!-- /pipeline-table -->")
@@ -71,9 +70,33 @@ def _mib(value: "float | None") -> str:
 
 
 def markdown(document: Mapping[str, Any]) -> str:
-    machine = document["machine"]
     models = [m for m in document["models"] if "error" not in m]
     lines = [
+        *_introduction(document),
+        *_two_ranks_table(models),
+        *_more_stages_table(models),
+        *_stage_terms_table(models),
+        *_pipelining_zb_table(document.get("pipelining_zb") or []),
+        *_the_paper(),
+    ]
+    failed = [m for m in document["models"] if "error" in m]
+    if failed:
+        lines += ["", "Failed: " + "; ".join(f"{m['model']}: {m['error'].splitlines()[0]}" for m in failed)]
+    return "\n".join(lines) + "\n"
+
+
+def _section(title: str, prose: "str | None", columns: Sequence[str]) -> list[str]:
+    """A heading, its prose and the head of its table."""
+    return ["", f"## {title}", "", *([prose, ""] if prose else []), *_table_head(columns)]
+
+
+def _table_head(columns: Sequence[str]) -> list[str]:
+    return [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
+
+
+def _introduction(document: Mapping[str, Any]) -> list[str]:
+    machine = document["machine"]
+    return [
         "# Pipeline benchmark: 2BP on vs off",
         "",
         f"*{document['kind']}.* `{document['command']}` on {document['date']}"
@@ -91,20 +114,22 @@ def markdown(document: Mapping[str, Any]) -> str:
         "- **ideal**: DESIGN.md's performance model, computed: every stage costs the slowest stage's measured F, I, "
         "W and W' (= W(n)/n, concatenated), B = I + W, no communication. For GPipe that is "
         "(m+p-1)(F+I+W) / ((m+p-1)(F+I) + m W').",
-        "- **simulated**: computed by replaying the same action lists (`simulate.py`) with every stage's own "
+        "- **simulated**: computed by replaying the same action lists (`pipeline/simulator.py`) with every stage's own "
         "measured F, B, I, W(n) and the measured p2p latency; its step time is compared with the measured one.",
         "- **modelled memory**: computed from measured bytes: what autograd saves per micro-batch (F to B, or F to I) "
         "and what the queue holds from I to W, replayed over each rank's actions; the peak over ranks.",
         "- **measured memory**: the heap in use (glibc `mallinfo2`: tensors and autograd's saved activations alike) "
         "after each action, over the step's start; the peak over ranks and steps.",
-        "",
-        "## Two ranks: measured against the model",
-        "",
-        "| model | schedule | m | 2BP/off throughput, measured | ideal | ideal if W' = W | measured / ideal | simulated | "
-        "simulated step vs measured, off / on | bubble off → on, measured | peak memory on/off, measured | "
-        "peak activation memory on/off, modelled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+
+
+def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    columns = (
+        "model", "schedule", "m", "2BP/off throughput, measured", "ideal", "ideal if W' = W", "measured / ideal",
+        "simulated", "simulated step vs measured, off / on", "bubble off → on, measured", "peak memory on/off, measured",
+        "peak activation memory on/off, modelled",
+    )  # fmt: skip
+    lines = _section("Two ranks: measured against the model", None, columns)
     for model in models:
         for name, e in model["schedules"].items():
             memory = e.get("memory_modeled", {})
@@ -117,20 +142,21 @@ def markdown(document: Mapping[str, Any]) -> str:
                 f"{_fmt(e['measured']['bubble_on'])} | {_fmt(e['measured'].get('peak_memory_ratio'), 2, 'x')} | "
                 f"{_fmt(memory.get('ratio'), 2, 'x')} |"
             )
-    lines += [
+    return lines + [
         "",
         "Targets: measured within 5% of ideal (above the W' = W ideal where concatenation makes W' < W), simulated "
         "step within 10% of measured.",
-        "",
-        "## More stages (simulated)",
-        "",
+    ]
+
+
+def _more_stages_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = _section(
+        "More stages (simulated)",
         "Same measured per-block terms, the model cut into p stages by the benchmark's balancing, N = p (GPipe, 1F1B-1) "
         "or 2p (1F1B-2, zb) micro-batches of the measured size, the latency model at the largest message of the cut. "
         "W(n) beyond the largest measured n is extrapolated at that n's per-micro-batch time.",
-        "",
-        "| model | schedule | p=4: N | p=4: 2BP/off | p=4: ideal | p=8: N | p=8: 2BP/off | p=8: ideal |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+        ("model", "schedule", "p=4: N", "p=4: 2BP/off", "p=4: ideal", "p=8: N", "p=8: 2BP/off", "p=8: ideal"),
+    )
     for model in models:
         for name, e in model["schedules"].items():
             cells = []
@@ -141,50 +167,54 @@ def markdown(document: Mapping[str, Any]) -> str:
                 else:
                     cells += [str(predicted["micro_batches"]), _fmt(predicted["throughput_ratio"]), _fmt(predicted["ideal_throughput_ratio"])]
             lines.append(f"| {model['model']} | {name} | " + " | ".join(cells) + " |")
-    lines += [
-        "",
-        "## Measured stage terms (ms per micro-batch, one thread)",
-        "",
+    return lines
+
+
+def _stage_terms_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    lines = _section(
+        "Measured stage terms (ms per micro-batch, one thread)",
         "Medians over repeats, each block timed alone and summed per stage. (I+W)/B above 1 is what splitting "
         "the backward costs; F on/off what the patched forward costs.",
-        "",
-        "| model | micro-batch | stage | F off | F on | B | I | W(1) | W' (largest n) | (I+W)/B | F on/off | p2p one-way (µs) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+        ("model", "micro-batch", "stage", "F off", "F on", "B", "I", "W(1)", "W' (largest n)", "(I+W)/B", "F on/off", "p2p one-way (µs)"),
+    )
     for model in models:
         for size, stages in model["stage_terms"].items():
+            latency = next((e["simulated"]["p2p_latency"] for e in model["schedules"].values() if e["micro_batch_size"] == int(size)), None)
             for index, t in enumerate(stages):
                 per_micro = t["weight_grad_per_micro_batch"]
                 largest = max(per_micro, key=int)
-                latency = next((e["simulated"]["p2p_latency"] for e in model["schedules"].values() if e["micro_batch_size"] == int(size)), None)
                 lines.append(
                     f"| {model['model']} | {size} | {index} | {t['forward_off'] * 1e3:.1f} | {t['forward_on'] * 1e3:.1f} | "
                     f"{t['backward'] * 1e3:.1f} | {t['input_grad'] * 1e3:.1f} | {t['weight_grad_1'] * 1e3:.1f} | "
                     f"{per_micro[largest] * 1e3:.1f} (n={largest}) | {_fmt(t['split_overhead'], 2)} | "
                     f"{_fmt(t['forward_overhead'], 2)} | {_fmt(None if latency is None else latency * 1e6, 0)} |"
                 )
-    zb = document.get("pipelining_zb") or []
-    if zb:
-        lines += [
-            "",
-            "## PyTorch's zero-bubble schedules: 2BP's deferred W against PyTorch's split W (measured)",
-            "",
-            "`benchmarks/pipelining_zb.py`: the same torch.distributed.pipelining schedule, 4 stages on 2 ranks, once with "
-            "2BP's queued W as the stages' `dw_builder` and once with PyTorch's own autograd-graph split; interleaved rounds.",
-            "",
-            "| schedule | m | step, 2BP W (s) | step, PyTorch split W (s) | speedup | gradients agree to |",
-            "|---|---|---|---|---|---|",
-        ]
-        for r in zb:
-            if "error" in r:
-                lines.append(f"| {r['schedule']} | failed: {r['error'].splitlines()[0]} | | | | |")
-                continue
-            medians = r["median_step_seconds"]
-            lines.append(
-                f"| {r['schedule']} | {r['config']['micro_batches']} | {medians['twobp']:.3f} | {medians['torch']:.3f} | "
-                f"{r['speedup_twobp_over_torch_split']:.3f}x | {r['worst_relative_grad_difference']:.1e} |"
-            )
-    lines += [
+    return lines
+
+
+def _pipelining_zb_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
+    if not runs:
+        return []
+    lines = _section(
+        "PyTorch's zero-bubble schedules: 2BP's deferred W against PyTorch's split W (measured)",
+        "`benchmarks/pipelining_zb.py`: the same torch.distributed.pipelining schedule, 4 stages on 2 ranks, once with "
+        "2BP's queued W as the stages' `dw_builder` and once with PyTorch's own autograd-graph split; interleaved rounds.",
+        ("schedule", "m", "step, 2BP W (s)", "step, PyTorch split W (s)", "speedup", "gradients agree to"),
+    )
+    for r in runs:
+        if "error" in r:
+            lines.append(f"| {r['schedule']} | failed: {r['error'].splitlines()[0]} | | | | |")
+            continue
+        medians = r["median_step_seconds"]
+        lines.append(
+            f"| {r['schedule']} | {r['config']['micro_batches']} | {medians['twobp']:.3f} | {medians['torch']:.3f} | "
+            f"{r['speedup_twobp_over_torch_split']:.3f}x | {r['worst_relative_grad_difference']:.1e} |"
+        )
+    return lines
+
+
+def _the_paper() -> list[str]:
+    return [
         "",
         "## The paper",
         "",
@@ -194,10 +224,6 @@ def markdown(document: Mapping[str, Any]) -> str:
         "models; the figures above are 2 CPU processes with small models, so only the direction and the agreement "
         "with the model carry over, not the size of the gain.",
     ]
-    failed = [m for m in document["models"] if "error" in m]
-    if failed:
-        lines += ["", "Failed: " + "; ".join(f"{m['model']}: {m['error'].splitlines()[0]}" for m in failed)]
-    return "\n".join(lines) + "\n"
 
 
 def _load(values: "Sequence[float] | None") -> str:
@@ -248,65 +274,16 @@ def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
     figure.savefig(path, dpi=120)
 
 
-def read_chrome_trace(path: Path) -> list[list[Event]]:
-    """Timelines back from a trace written by ``trace.write_chrome_trace`` (times in seconds)."""
-    kinds = {category: kind for kind, category in CATEGORIES.items()}
-    events: dict[int, list[Event]] = {}
-    for raw in json.loads(path.read_text())["traceEvents"]:
-        if raw.get("ph") != "X":
-            continue
-        micro_batches = raw["args"]["micro_batches"]
-        action = Action(kinds[raw["cat"]], None if isinstance(micro_batches, str) else tuple(micro_batches))
-        start = raw["ts"] / 1e6
-        events.setdefault(raw["pid"], []).append(Event(raw["pid"], action, start, start + raw["dur"] / 1e6))
-    return [events.get(rank, []) for rank in range(max(events, default=-1) + 1)]
-
-
-def plot_timeline_panels(panels: Sequence[tuple[str, Sequence[Sequence[Event]]]], path: Path, title: str) -> None:
-    """Timelines stacked on one time axis, each panel one row per rank."""
-    from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
-
-    span = max((e.end for _, timelines in panels for t in timelines for e in t), default=1.0) or 1.0
-    figure = Figure(figsize=(12, 1.2 + 1.1 * sum(len(t) for _, t in panels) * 0.6), layout="constrained")
-    axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    kinds: set[str] = set()
-    for axes, (label, timelines) in zip(axes_list, panels):
-        ranks = len(timelines)
-        for timeline in timelines:
-            for event in timeline:
-                kinds.add(event.action.kind)
-                row = ranks - 1 - event.rank
-                axes.broken_barh([(event.start, event.duration)], (row - 0.4, 0.8), facecolors=COLOURS[event.action.kind], edgecolor="white", linewidth=0.6)
-                text = action_label(event.action)
-                if event.duration / span * 12 * 72 >= 5.5 * len(text) + 3:
-                    axes.text(event.start + event.duration / 2, row, text, ha="center", va="center", fontsize=7, color="white")
-        axes.set_yticks(range(ranks), [f"rank {r}" for r in reversed(range(ranks))])
-        axes.set_ylim(-0.6, ranks - 0.4)
-        axes.set_title(label, fontsize=9, loc="left")
-        axes.grid(axis="x", alpha=0.3)
-        axes.set_axisbelow(True)
-    axes_list[-1].set_xlim(0, span)
-    axes_list[-1].set_xlabel("time (s)")
-    figure.legend(
-        handles=[Patch(color=COLOURS[k], label=LEGEND[k]) for k in LEGEND if k in kinds],
-        loc="outside lower center",
-        ncol=4,
-        frameon=False,
-        fontsize=8,
-    )
-    figure.suptitle(title, fontsize=10)
-    figure.savefig(path, dpi=110)
-
-
 def readme_table(document: Mapping[str, Any]) -> str:
     """The README's table: every model under the paper's three schedules, two significant
     decimals (the full figures are in pipeline.md)."""
-    lines = [
-        "| model | schedule (m) | measured | ideal | measured / ideal | simulated, 2 ranks | simulated, 4 stages | "
-        "simulated, 8 stages | bubble off → on (measured) | peak memory on/off, measured | peak activation memory on/off, modelled |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    lines = _table_head(
+        (
+            "model", "schedule (m)", "measured", "ideal", "measured / ideal", "simulated, 2 ranks", "simulated, 4 stages",
+            "simulated, 8 stages", "bubble off → on (measured)", "peak memory on/off, measured",
+            "peak activation memory on/off, modelled",
+        )  # fmt: skip
+    )
     for model in document["models"]:
         for name, label in PAPER_SCHEDULES.items():
             e = model.get("schedules", {}).get(name)
@@ -360,7 +337,7 @@ def write_all(document: Mapping[str, Any], out: Path, readme: "Path | None" = No
         if panels:
             path = out / f"timeline_{model['model']}.png"
             schedule = model.get("timeline_schedule")
-            plot_timeline_panels(panels, path, f"{model['model']}, {schedule}, one step ({document['kind']})")
+            plot_timelines(panels, path, f"{model['model']}, {schedule}, one step ({document['kind']})")
             written.append(path)
     return written
 

@@ -208,6 +208,34 @@ def test_checker_accepts_w_of_everything_pending() -> None:
     validate_schedule([[F(0), F(1), I(0), I(1), W()], [F(0), F(1), I(0), I(1), W(1), W()]])
 
 
+def test_neighbours_exchange_the_same_gradient_whether_their_backward_is_b_or_i() -> None:
+    validate_schedule([[F(0), I(0), W(0)], [F(0), B(0)]])
+
+
+def test_schedule_error_shows_the_schedule_with_the_faulty_actions_marked() -> None:
+    with pytest.raises(ScheduleError) as deadlock:
+        validate_schedule([[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]])
+    assert str(deadlock.value) == (
+        "deadlock: rank 0 at B0, rank 1 at F1 wait on each other\n"
+        "\n"
+        "step  rank 0  rank 1\n"
+        "0     F0      F0\n"
+        "1     >B0<    >F1<\n"
+        "2     F1      B0\n"
+        "3     B1      B1"
+    )
+    assert deadlock.value.reason.startswith("deadlock") and deadlock.value.faulty == {(0, 1), (1, 1)}
+
+    with pytest.raises(ScheduleError) as late_w:
+        validate_schedule([[F(0), F(1), I(0), W(1), I(1), W(0)]])
+    assert str(late_w.value).splitlines()[0] == "rank 0, action 3 (W1): W of micro-batches before its I: [1]"
+    assert str(late_w.value).splitlines()[2:] == ["step  rank 0", "0     F0", "1     F1", "2     I0", "3     >W1<", "4     I1", "5     W0"]
+
+    with pytest.raises(ScheduleError) as order:
+        validate_schedule([[F(0), F(1), I(1), I(0), W(0, 1)], [F(0), F(1), I(0), I(1), W(0, 1)]])
+    assert order.value.faulty == {(0, 2), (1, 2)}  # where the two orders first differ, on each side
+
+
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_checker_notices_any_single_dropped_action(name: str) -> None:
     ranks = schedule(name, 2, 3)

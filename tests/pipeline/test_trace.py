@@ -9,8 +9,16 @@ import pytest
 
 from twobp_autograd.pipeline.actions import Action, B, F, I, W
 from twobp_autograd.pipeline.schedules import schedule
-from twobp_autograd.pipeline.simulate import StageCosts, simulate
-from twobp_autograd.pipeline.trace import Event, action_label, plot_timeline, to_chrome_trace, write_chrome_trace
+from twobp_autograd.pipeline.simulator import StageCosts, simulate
+from twobp_autograd.pipeline.trace import (
+    Event,
+    action_label,
+    plot_timeline,
+    plot_timelines,
+    read_chrome_trace,
+    to_chrome_trace,
+    write_chrome_trace,
+)
 
 TIMELINES = [
     [Event(0, F(0), 0.0, 0.001), Event(0, I(0), 0.003, 0.004), Event(0, W(0, 1), 0.005, 0.007)],
@@ -59,8 +67,11 @@ def test_chrome_trace_scales_simulated_units() -> None:
 
 def test_write_chrome_trace_round_trips(tmp_path: Path) -> None:
     path = tmp_path / "step.json"
-    write_chrome_trace(path, TIMELINES)
-    assert json.loads(path.read_text()) == to_chrome_trace(TIMELINES)
+    write_chrome_trace(path, TIMELINES + [[Event(2, W(), 0.0, 0.5)]])
+    assert json.loads(path.read_text()) == to_chrome_trace(TIMELINES + [[Event(2, W(), 0.0, 0.5)]])
+    read = read_chrome_trace(path)
+    assert [[e.action for e in timeline] for timeline in read] == [[F(0), I(0), W(0, 1)], [F(0), B(0)], [W()]]
+    assert [t for e in read[0] for t in (e.start, e.end)] == pytest.approx([0.0, 0.001, 0.003, 0.004, 0.005, 0.007])
 
 
 @pytest.mark.parametrize("twobp", [False, True], ids=["plain", "2bp"])
@@ -71,3 +82,12 @@ def test_plot_timeline_writes_a_png(tmp_path: Path, twobp: bool) -> None:
     plot_timeline(result.timelines, path, title="1F1B-2, 3 stages")
     data = path.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+
+
+def test_plot_timelines_stacks_panels_on_one_axis(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    costs = StageCosts(1, 1, 1)
+    panels = [(f"2BP {'on' if on else 'off'}", simulate(schedule("gpipe", 2, twobp=on), costs).timelines) for on in (False, True)]
+    path = tmp_path / "panels.png"
+    plot_timelines(panels, path, "GPipe, 2 stages")
+    assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -10,7 +10,7 @@ N = 2p) place backward-p2 as the paper's code does: with 2BP on, GPipe runs one 
 each cool-down ``I`` and then one concatenated ``W`` over the rest. ``"zb"`` is this project's
 own placement: the 1F1B order of ``F`` and ``I``, with a single-micro-batch ``W`` wherever the
 rank would otherwise wait for a neighbour, or before an ``I`` once ``max_pending`` micro-batches
-wait for their ``W`` (so activation memory does not grow with N), as in ZB-H1.
+wait for their ``W`` (so the memory held for ``W`` does not grow with N), as in ZB-H1.
 
 Every ``W`` names its micro-batches explicitly (never ``W()``), so a schedule says exactly
 which work each ``W`` concatenates.
@@ -18,20 +18,18 @@ which work each ``W`` concatenates.
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Sequence
+from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
 
-from .actions import Action, B, F, I, W
+from .actions import Action, ActionKind, B, F, Held, I, Message, Payload, W
 
 __all__ = [
     "SCHEDULES",
     "ScheduleError",
     "schedule",
     "default_num_micro_batches",
-    "gpipe",
-    "one_f_one_b",
-    "zero_bubble",
     "validate_schedule",
+    "execution_order",
 ]
 
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b-1", "1f1b-2", "zb")
@@ -40,7 +38,29 @@ RankActions = list[Action]
 
 
 class ScheduleError(ValueError):
-    """A schedule that misses or repeats work, or whose ranks would wait on each other forever."""
+    """A schedule that misses or repeats work, or whose ranks would wait on each other forever.
+
+    The message gives the reason, then the schedule as a grid (one row per step, one column
+    per rank) with the faulty actions between ``>`` and ``<``."""
+
+    def __init__(self, reason: str, ranks: Sequence[Sequence[Action]] = (), faulty: Iterable[tuple[int, int]] = ()) -> None:
+        self.reason = reason
+        self.faulty = frozenset(faulty)  # (rank, step)
+        super().__init__(f"{reason}\n\n{_grid(ranks, self.faulty)}" if ranks else reason)
+
+
+def _grid(ranks: Sequence[Sequence[Action]], faulty: frozenset[tuple[int, int]]) -> str:
+    columns = [
+        [f">{action!r}<" if (rank, step) in faulty else repr(action) for step, action in enumerate(actions)]
+        for rank, actions in enumerate(ranks)
+    ]
+    header = ["step", *(f"rank {rank}" for rank in range(len(ranks)))]
+    rows = [
+        [str(step), *(column[step] if step < len(column) else "" for column in columns)]
+        for step in range(max(map(len, columns)))
+    ]
+    widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows))
 
 
 def default_num_micro_batches(name: str, num_stages: int) -> int:
@@ -70,16 +90,16 @@ def schedule(
     if max_pending is not None and name != "zb":
         raise ValueError(f"max_pending applies to 'zb' only, not {name!r}")
     if name == "gpipe":
-        ranks = gpipe(num_stages, num_micro_batches, twobp)
+        ranks = _gpipe(num_stages, num_micro_batches, twobp)
     elif name in ("1f1b-1", "1f1b-2"):
-        ranks = one_f_one_b(num_stages, num_micro_batches, twobp)
+        ranks = _one_f_one_b(num_stages, num_micro_batches, twobp)
     else:
-        ranks = zero_bubble(num_stages, num_micro_batches, twobp, max_pending=max_pending)
+        ranks = _zero_bubble(num_stages, num_micro_batches, twobp, max_pending=max_pending)
     validate_schedule(ranks, num_micro_batches)
     return ranks
 
 
-def gpipe(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
+def _gpipe(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
     """All forwards, then all backwards in micro-batch order; with 2BP one concatenated ``W``."""
     _check_sizes(num_stages, num_micro_batches)
     micro_batches = range(num_micro_batches)
@@ -94,7 +114,7 @@ def gpipe(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActi
     return ranks
 
 
-def one_f_one_b(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
+def _one_f_one_b(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
     """Rank r warms up with p − r forwards, alternates backward/forward until every forward is
     issued, then cools down with the remaining backwards. With 2BP each cool-down ``I`` is
     followed by the ``W`` of the oldest pending micro-batch, and one concatenated ``W`` runs
@@ -119,7 +139,7 @@ def one_f_one_b(num_stages: int, num_micro_batches: int, twobp: bool) -> list[Ra
     return ranks
 
 
-def zero_bubble(
+def _zero_bubble(
     num_stages: int, num_micro_batches: int, twobp: bool, *, max_pending: int | None = None
 ) -> list[RankActions]:
     """1F1B's ``F``/``I`` order with each ``W`` moved into the first gap that would otherwise be
@@ -129,22 +149,27 @@ def zero_bubble(
     runs first. The rest runs as one concatenated ``W`` at the end."""
     _check_sizes(num_stages, num_micro_batches)
     if not twobp:
-        return one_f_one_b(num_stages, num_micro_batches, twobp=False)
+        return _one_f_one_b(num_stages, num_micro_batches, twobp=False)
     max_pending = num_stages if max_pending is None else max_pending
     if max_pending < 1:
         raise ValueError(f"max_pending must be at least 1, got {max_pending}")
 
     # The F/I order of 1F1B without its W; W is placed below.
-    base = [[a for a in actions if a.kind != "W"] for actions in one_f_one_b(num_stages, num_micro_batches, True)]
-    finish: dict[tuple[int, Action], int] = {}
+    base = [
+        [a for a in actions if a.kind is not ActionKind.BACKWARD_P2]
+        for actions in _one_f_one_b(num_stages, num_micro_batches, True)
+    ]
+    arrives: dict[Message, int] = {}
     clock = [0] * num_stages
     cursor = [0] * num_stages
     pending: list[deque[int]] = [deque() for _ in range(num_stages)]
     ranks: list[RankActions] = [[] for _ in range(num_stages)]
 
-    def run(rank: int, action: Action, start: int) -> None:
-        clock[rank] = start + 1
-        finish[rank, action] = clock[rank]
+    def run(rank: int, action: Action) -> None:
+        clock[rank] += 1
+        message = action.sends(rank, num_stages)
+        if message is not None:
+            arrives[message] = clock[rank]
         ranks[rank].append(action)
 
     while True:
@@ -153,24 +178,25 @@ def zero_bubble(
             break
         rank = min(active, key=lambda r: (clock[r], r))
         action = base[rank][cursor[rank]]
-        if action.kind == "I" and len(pending[rank]) >= max_pending:
-            run(rank, W(pending[rank].popleft()), clock[rank])
+        if action.kind is ActionKind.BACKWARD_P1 and len(pending[rank]) >= max_pending:
+            run(rank, W(pending[rank].popleft()))
             continue
-        dependency = _remote_dependency(action, rank, num_stages)
-        ready_at = finish.get(dependency) if dependency is not None else 0
+        waits_for = action.receives(rank, num_stages)
+        ready_at = 0 if waits_for is None else arrives.get(waits_for)
         if ready_at is not None and ready_at <= clock[rank]:
-            run(rank, action, clock[rank])
+            run(rank, action)
             cursor[rank] += 1
-            if action.kind == "I":
+            if action.kind is ActionKind.BACKWARD_P1:
                 pending[rank].append(action.micro_batch)
         elif pending[rank]:
             # Idle until the neighbour delivers: do one micro-batch's weight work meanwhile.
-            run(rank, W(pending[rank].popleft()), clock[rank])
+            run(rank, W(pending[rank].popleft()))
         elif ready_at is not None:
             clock[rank] = ready_at
         else:
-            # The neighbour has not run the dependency yet; it cannot finish it sooner than this.
-            clock[rank] = max(clock[rank], clock[dependency[0]] + 1)
+            # The neighbour has not sent it yet; it cannot do so sooner than this.
+            assert waits_for is not None
+            clock[rank] = max(clock[rank], clock[waits_for.sender] + 1)
     for rank in range(num_stages):
         if pending[rank]:
             ranks[rank].append(W(*pending[rank]))
@@ -182,109 +208,125 @@ def validate_schedule(ranks: Sequence[Sequence[Action]], num_micro_batches: int 
 
     Per rank: every micro-batch has exactly one ``F``, and after it either one ``B`` or one
     ``I`` followed by exactly one ``W`` that covers it (``W()`` covers all that is pending).
-    Across ranks (with non-blocking sends): rank r's ``F(k)`` needs rank r−1's ``F(k)``, and
-    rank r's ``B``/``I(k)`` needs rank r+1's; each pair of neighbours exchanges messages in the
-    same order on both sides, so plain in-order send/recv matches them. Replaying the lists
-    must finish: a rank whose next action waits on a neighbour that waits on it is a deadlock.
+    Across ranks (with non-blocking sends): an action that receives (see
+    :meth:`Action.receives`) waits for the neighbour's action that sends it; each pair of
+    neighbours exchanges messages in the same order on both sides, so plain in-order
+    send/recv matches them. Replaying the lists must finish: a rank whose next action waits
+    on a neighbour that waits on it is a deadlock.
     """
     if not ranks:
         raise ScheduleError("a schedule needs at least one rank")
     if num_micro_batches is None:
-        num_micro_batches = 1 + max((a.micro_batch for rank in ranks for a in rank if a.kind == "F"), default=-1)
-    for rank, actions in enumerate(ranks):
-        _check_rank(rank, actions, num_micro_batches)
+        forwards = (a.micro_batch for rank in ranks for a in rank if a.kind is ActionKind.FORWARD)
+        num_micro_batches = 1 + max(forwards, default=-1)
+    for rank in range(len(ranks)):
+        _check_rank(ranks, rank, num_micro_batches)
     _check_message_order(ranks)
-    _check_no_deadlock(ranks)
+    _, stuck = execution_order(ranks)
+    if stuck:
+        waits = ", ".join(f"rank {rank} at {ranks[rank][step]!r}" for rank, step in stuck.items())
+        raise ScheduleError(f"deadlock: {waits} wait on each other", ranks, stuck.items())
 
 
-def _check_rank(rank: int, actions: Sequence[Action], num_micro_batches: int) -> None:
-    forwarded: set[int] = set()
-    backwarded: set[int] = set()
-    pending: set[int] = set()
-    weight_done: set[int] = set()
-    for position, action in enumerate(actions):
-        where = f"rank {rank}, action {position} ({action!r})"
-        if action.kind == "W":
-            covered = set(pending) if action.micro_batches is None else set(action.micro_batches)
-            if not covered:
-                raise ScheduleError(f"{where}: W with no pending weight work")
-            if action.micro_batches is not None and len(covered) != len(action.micro_batches):
-                raise ScheduleError(f"{where}: W names a micro-batch twice")
-            if not covered <= pending:
-                late = sorted(covered - pending - weight_done)
-                again = sorted(covered & weight_done)
-                reason = f"before its I: {late}" if late else f"a second time: {again}"
-                raise ScheduleError(f"{where}: W of micro-batches {reason}")
-            pending -= covered
-            weight_done |= covered
-            continue
-        k = action.micro_batch
-        if not 0 <= k < num_micro_batches:
-            raise ScheduleError(f"{where}: micro-batch {k} outside 0..{num_micro_batches - 1}")
-        if action.kind == "F":
-            if k in forwarded:
-                raise ScheduleError(f"{where}: second forward of micro-batch {k}")
-            forwarded.add(k)
-            continue
-        if k not in forwarded:
-            raise ScheduleError(f"{where}: backward before the forward of micro-batch {k}")
-        if k in backwarded:
-            raise ScheduleError(f"{where}: second backward of micro-batch {k}")
-        backwarded.add(k)
-        if action.kind == "B":
-            weight_done.add(k)
-        else:
-            pending.add(k)
-    everything = set(range(num_micro_batches))
-    for what, done in (("forward", forwarded), ("backward", backwarded), ("weight gradient", weight_done)):
-        if done != everything:
-            raise ScheduleError(f"rank {rank}: no {what} for micro-batches {sorted(everything - done)}")
-
-
-def _check_message_order(ranks: Sequence[Sequence[Action]]) -> None:
-    """Neighbours must agree on the order of what one sends and the other receives."""
-
-    def order(actions: Sequence[Action], kinds: str) -> list[int]:
-        return [a.micro_batch for a in actions if a.kind in kinds]
-
-    for rank in range(len(ranks) - 1):
-        for kinds, what in (("F", "activations"), ("BI", "gradients")):
-            here, there = order(ranks[rank], kinds), order(ranks[rank + 1], kinds)
-            if here != there:
-                raise ScheduleError(
-                    f"ranks {rank} and {rank + 1} exchange {what} in different orders: {here} vs {there}"
-                )
-
-
-def _remote_dependency(action: Action, rank: int, num_stages: int) -> tuple[int, Action] | None:
-    """The (rank, action) whose output ``action`` receives, or None when it needs nothing remote."""
-    if action.kind == "F" and rank > 0:
-        return rank - 1, action
-    if action.kind in "BI" and rank < num_stages - 1:
-        return rank + 1, action
-    return None
-
-
-def _check_no_deadlock(ranks: Sequence[Sequence[Action]]) -> None:
-    num_stages = len(ranks)
-    done: set[tuple[int, Action]] = set()
-    cursor = [0] * num_stages
+def execution_order(ranks: Sequence[Sequence[Action]]) -> tuple[list[tuple[int, Action]], dict[int, int]]:
+    """Replay the ranks' lists with non-blocking sends: each rank runs its next action once
+    the message it receives has been sent. Returns every action that ran, as (rank, action),
+    each after the action it waited for, and for each rank that could not finish the step
+    it is stuck at."""
+    num_ranks = len(ranks)
+    sent: set[Message] = set()
+    order: list[tuple[int, Action]] = []
+    cursor = [0] * num_ranks
     progressed = True
     while progressed:
         progressed = False
         for rank, actions in enumerate(ranks):
             while cursor[rank] < len(actions):
                 action = actions[cursor[rank]]
-                dependency = _remote_dependency(action, rank, num_stages)
-                if dependency is not None and dependency not in done:
+                waits_for = action.receives(rank, num_ranks)
+                if waits_for is not None and waits_for not in sent:
                     break
-                done.add((rank, action))
+                message = action.sends(rank, num_ranks)
+                if message is not None:
+                    sent.add(message)
+                order.append((rank, action))
                 cursor[rank] += 1
                 progressed = True
-    stuck = {rank: ranks[rank][cursor[rank]] for rank in range(num_stages) if cursor[rank] < len(ranks[rank])}
-    if stuck:
-        waits = ", ".join(f"rank {rank} at {action!r}" for rank, action in stuck.items())
-        raise ScheduleError(f"deadlock: {waits} wait on each other")
+    stuck = {rank: cursor[rank] for rank in range(num_ranks) if cursor[rank] < len(ranks[rank])}
+    return order, stuck
+
+
+def _check_rank(ranks: Sequence[Sequence[Action]], rank: int, num_micro_batches: int) -> None:
+    forwarded: set[int] = set()
+    backwarded: set[int] = set()
+    pending: set[int] = set()
+    weight_done: set[int] = set()
+    for step, action in enumerate(ranks[rank]):
+
+        def fault(reason: str) -> ScheduleError:
+            return ScheduleError(f"rank {rank}, action {step} ({action!r}): {reason}", ranks, [(rank, step)])
+
+        if action.kind is ActionKind.BACKWARD_P2:
+            covered = action.covers(pending)
+            if not covered:
+                raise fault("W with no pending weight work")
+            if action.micro_batches is not None and len(covered) != len(action.micro_batches):
+                raise fault("W names a micro-batch twice")
+            if not covered <= pending:
+                late = sorted(covered - pending - weight_done)
+                again = sorted(covered & weight_done)
+                raise fault(f"W of micro-batches {f'before its I: {late}' if late else f'a second time: {again}'}")
+            pending -= covered
+            weight_done |= covered
+            continue
+        k = action.micro_batch
+        if not 0 <= k < num_micro_batches:
+            raise fault(f"micro-batch {k} outside 0..{num_micro_batches - 1}")
+        if action.kind is ActionKind.FORWARD:
+            if k in forwarded:
+                raise fault(f"second forward of micro-batch {k}")
+            forwarded.add(k)
+            continue
+        if k not in forwarded:
+            raise fault(f"backward before the forward of micro-batch {k}")
+        if k in backwarded:
+            raise fault(f"second backward of micro-batch {k}")
+        backwarded.add(k)
+        if action.kind.holds is Held.PENDING_WEIGHT_GRADS:
+            pending.add(k)
+        else:
+            weight_done.add(k)
+    everything = set(range(num_micro_batches))
+    for what, done in (("forward", forwarded), ("backward", backwarded), ("weight gradient", weight_done)):
+        if done != everything:
+            raise ScheduleError(f"rank {rank}: no {what} for micro-batches {sorted(everything - done)}", ranks)
+
+
+def _check_message_order(ranks: Sequence[Sequence[Action]]) -> None:
+    """Neighbours must agree on the order of what one sends and the other receives."""
+    num_ranks = len(ranks)
+    # (sender, receiver, payload) -> [(micro-batch, step)], as each side sees it
+    sent: defaultdict[tuple[int, int, Payload], list[tuple[int, int]]] = defaultdict(list)
+    received: defaultdict[tuple[int, int, Payload], list[tuple[int, int]]] = defaultdict(list)
+    for rank, actions in enumerate(ranks):
+        for step, action in enumerate(actions):
+            for seen, message in ((sent, action.sends(rank, num_ranks)), (received, action.receives(rank, num_ranks))):
+                if message is not None:
+                    seen[message.sender, message.receiver, message.payload].append((message.micro_batch, step))
+    payloads = list(Payload)
+    for link in sorted(sent.keys() | received.keys(), key=lambda l: (min(l[:2]), payloads.index(l[2]))):
+        sender, receiver, payload = link
+        here, there = [k for k, _ in sent[link]], [k for k, _ in received[link]]
+        if here == there:
+            continue
+        first = next((i for i, (a, b) in enumerate(zip(here, there)) if a != b), min(len(here), len(there)))
+        faulty = [(rank, seen[link][first][1]) for rank, seen in ((sender, sent), (receiver, received)) if first < len(seen[link])]
+        (low, low_order), (high, high_order) = sorted([(sender, here), (receiver, there)])
+        raise ScheduleError(
+            f"ranks {low} and {high} exchange {payload.value} in different orders: {low_order} vs {high_order}",
+            ranks,
+            faulty,
+        )
 
 
 def _check_name(name: str) -> None:

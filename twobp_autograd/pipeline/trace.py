@@ -2,19 +2,30 @@
 
 The simulator and the runtime both produce timelines of :class:`Event`, one list per rank, so
 a predicted step and a measured one are written and drawn by the same code and can be laid
-side by side (open the JSON in ``chrome://tracing`` or https://ui.perfetto.dev).
+side by side (open the JSON in ``chrome://tracing`` or https://ui.perfetto.dev), and a trace
+read back draws like the timelines it was written from.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
-from .actions import Action
+from .actions import Action, ActionKind
 
-__all__ = ["Event", "Timelines", "action_label", "to_chrome_trace", "write_chrome_trace", "plot_timeline"]
+__all__ = [
+    "Event",
+    "Timelines",
+    "action_label",
+    "to_chrome_trace",
+    "write_chrome_trace",
+    "read_chrome_trace",
+    "plot_timeline",
+    "plot_timelines",
+]
 
 
 @dataclass(frozen=True)
@@ -34,13 +45,11 @@ class Event:
 Timelines = Sequence[Sequence[Event]]
 """One sequence of events per rank, indexed by rank."""
 
-CATEGORIES: dict[str, str] = {"F": "forward", "B": "backward", "I": "backward_p1", "W": "backward_p2"}
-COLOURS: dict[str, str] = {"F": "#4C72B0", "B": "#8172B2", "I": "#DD8452", "W": "#55A868"}
-LEGEND: dict[str, str] = {
-    "F": "F  forward",
-    "B": "B  full backward",
-    "I": "I  backward-p1 (input grads)",
-    "W": "W  backward-p2 (weight grads)",
+_COLOURS: dict[ActionKind, str] = {
+    ActionKind.FORWARD: "#4C72B0",
+    ActionKind.BACKWARD: "#8172B2",
+    ActionKind.BACKWARD_P1: "#DD8452",
+    ActionKind.BACKWARD_P2: "#55A868",
 }
 
 
@@ -48,11 +57,12 @@ def action_label(action: Action) -> str:
     """``F3``, ``I3``, ``W*`` (all pending), ``W0-3`` (a run of micro-batches) or ``W0,2``."""
     if action.micro_batches is None:
         return f"{action.kind}*"
-    return action.kind + _compact(action.micro_batches)
+    return f"{action.kind}{_compact(action.micro_batches)}"
 
 
 def to_chrome_trace(timelines: Timelines, *, seconds_per_unit: float = 1.0) -> dict[str, Any]:
-    """Trace Event Format: one process per rank, one complete (``"X"``) event per action.
+    """Trace Event Format: one process per rank, one complete (``"X"``) event per action,
+    its category the kind's name (``forward``, ``backward``, ``backward_p1``, ``backward_p2``).
 
     Times are multiplied by ``seconds_per_unit`` and written in microseconds, as the format
     expects; pass the unit of a simulation's costs if it was not seconds.
@@ -68,7 +78,7 @@ def to_chrome_trace(timelines: Timelines, *, seconds_per_unit: float = 1.0) -> d
                 {
                     "ph": "X",
                     "name": action_label(event.action),
-                    "cat": CATEGORIES[event.action.kind],
+                    "cat": event.action.kind.name.lower(),
                     "pid": event.rank,
                     "tid": 0,
                     "ts": event.start * to_us,
@@ -84,55 +94,79 @@ def write_chrome_trace(path: str | os.PathLike[str], timelines: Timelines, *, se
         json.dump(to_chrome_trace(timelines, seconds_per_unit=seconds_per_unit), file)
 
 
-def plot_timeline(
-    timelines: Timelines,
-    path: str | os.PathLike[str],
-    title: str = "",
-    *,
-    time_unit: str = "s",
-) -> None:
+def read_chrome_trace(path: str | os.PathLike[str]) -> list[list[Event]]:
+    """The timelines of a trace :func:`write_chrome_trace` wrote (times in seconds)."""
+    with open(path, encoding="utf-8") as file:
+        trace = json.load(file)
+    timelines: dict[int, list[Event]] = {}
+    for raw in trace["traceEvents"]:
+        if raw.get("ph") != "X":
+            continue
+        micro_batches = raw["args"]["micro_batches"]
+        action = Action(ActionKind[raw["cat"].upper()], None if isinstance(micro_batches, str) else tuple(micro_batches))
+        start = raw["ts"] / 1e6
+        timelines.setdefault(raw["pid"], []).append(Event(raw["pid"], action, start, start + raw["dur"] / 1e6))
+    return [timelines.get(rank, []) for rank in range(max(timelines, default=-1) + 1)]
+
+
+def plot_timeline(timelines: Timelines, path: str | os.PathLike[str], title: str = "", *, time_unit: str = "s") -> None:
     """Draw one row per rank (rank 0 on top), each action a bar coloured by kind and labelled
     when it is wide enough, and save it as an image (format from the file name). Needs
     matplotlib (the ``bench`` extra); renders off-screen with Agg."""
+    plot_timelines([("", timelines)], path, title, time_unit=time_unit)
+
+
+def plot_timelines(
+    panels: Sequence[tuple[str, Timelines]], path: str | os.PathLike[str], title: str = "", *, time_unit: str = "s"
+) -> None:
+    """Like :func:`plot_timeline`, for several (caption, timelines) stacked on one time axis:
+    a measured step over the simulated one, 2BP off over on."""
     # Figure without pyplot: no global backend switch, nothing left open in the caller's session.
     from matplotlib.figure import Figure
     from matplotlib.patches import Patch
 
-    num_ranks = len(timelines)
-    events = [event for timeline in timelines for event in timeline]
+    events = [event for _, timelines in panels for timeline in timelines for event in timeline]
     origin = min((e.start for e in events), default=0.0)
     span = (max((e.end for e in events), default=1.0) - origin) or 1.0
-    most_actions = max((len(timeline) for timeline in timelines), default=0)
+    most_actions = max((len(timeline) for _, timelines in panels for timeline in timelines), default=0)
     width_in = min(4.0 + 0.4 * most_actions, 16.0)
-    figure = Figure(figsize=(width_in, 1.4 + 0.5 * num_ranks), layout="constrained")
-    axes = figure.subplots()
-    points_per_unit = 0.85 * width_in * 72 / span
-    for event in events:
-        row = num_ranks - 1 - event.rank
-        left, width = event.start - origin, event.duration
-        axes.broken_barh(
-            [(left, width)], (row - 0.4, 0.8), facecolors=COLOURS[event.action.kind], edgecolor="white", linewidth=0.8
-        )
-        label = action_label(event.action)
-        if width * points_per_unit >= 5.5 * len(label) + 3:  # 8 pt digits are about 5 pt wide
-            axes.text(left + width / 2, row, label, ha="center", va="center", fontsize=8, color="white")
-    axes.set_yticks(range(num_ranks), [f"rank {rank}" for rank in reversed(range(num_ranks))])
-    axes.set_ylim(-0.6, num_ranks - 0.4)
-    axes.set_xlim(0, span)
-    axes.set_xlabel(f"time ({time_unit})")
-    axes.grid(axis="x", alpha=0.3)
-    axes.set_axisbelow(True)
-    kinds = [kind for kind in LEGEND if any(e.action.kind == kind for e in events)]
+    height_in = 1.0 + sum(0.4 + 0.5 * len(timelines) for _, timelines in panels)
+    figure = Figure(figsize=(width_in, height_in), layout="constrained")
+    axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
+    for axes, (caption, timelines) in zip(axes_list, panels):
+        _draw_ranks(axes, timelines, origin, points_per_unit=0.85 * width_in * 72 / span)
+        if caption:
+            axes.set_title(caption, fontsize=9, loc="left")
+    axes_list[-1].set_xlim(0, span)
+    axes_list[-1].set_xlabel(f"time ({time_unit})")
+    kinds = [kind for kind in ActionKind if any(e.action.kind is kind for e in events)]
     figure.legend(
-        handles=[Patch(color=COLOURS[kind], label=LEGEND[kind]) for kind in kinds],
+        handles=[Patch(color=_COLOURS[kind], label=f"{kind}  {kind.description}") for kind in kinds],
         loc="outside lower center",
         ncol=max(len(kinds), 1),
         frameon=False,
         fontsize=8,
     )
     if title:
-        axes.set_title(title)
+        figure.suptitle(title, fontsize=10)
     figure.savefig(path, dpi=120)
+
+
+def _draw_ranks(axes: Any, timelines: Timelines, origin: float, *, points_per_unit: float) -> None:
+    num_ranks = len(timelines)
+    for timeline in timelines:
+        for event in timeline:
+            row = num_ranks - 1 - event.rank
+            left, width = event.start - origin, event.duration
+            colour = _COLOURS[event.action.kind]
+            axes.broken_barh([(left, width)], (row - 0.4, 0.8), facecolors=colour, edgecolor="white", linewidth=0.8)
+            label = action_label(event.action)
+            if width * points_per_unit >= 5.5 * len(label) + 3:  # 8 pt digits are about 5 pt wide
+                axes.text(left + width / 2, row, label, ha="center", va="center", fontsize=8, color="white")
+    axes.set_yticks(range(num_ranks), [f"rank {rank}" for rank in reversed(range(num_ranks))])
+    axes.set_ylim(-0.6, num_ranks - 0.4)
+    axes.grid(axis="x", alpha=0.3)
+    axes.set_axisbelow(True)
 
 
 def _micro_batches(action: Action) -> list[int] | str:

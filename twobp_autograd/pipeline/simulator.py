@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from .actions import Action
-from .schedules import ScheduleError, validate_schedule
+from .actions import Action, ActionKind, Held, Message, RankMemory, peak_memory
+from .schedules import execution_order, validate_schedule
 from .trace import Event
 
 __all__ = ["StageCosts", "SimulationResult", "simulate"]
@@ -48,12 +48,13 @@ class StageCosts:
             return by_count[count]
         return self.weight_grad if count == 1 else count * self.weight_grad * self.concat_efficiency
 
-    def duration(self, kind: str, count: int = 1) -> float:
-        if kind == "F":
+    def duration(self, kind: ActionKind, count: int = 1) -> float:
+        """How long an action of ``kind`` over ``count`` micro-batches takes."""
+        if kind is ActionKind.FORWARD:
             return self.forward
-        if kind == "I":
+        if kind is ActionKind.BACKWARD_P1:
             return self.input_grad
-        if kind == "B":
+        if kind is ActionKind.BACKWARD:
             return self.backward_time()
         return self.weight_grad_time(count)
 
@@ -62,9 +63,10 @@ class StageCosts:
 class SimulationResult:
     """Per-rank timelines of a replayed step and what they add up to.
 
-    Memory proxies, in micro-batches per rank: ``peak_pending_weight_grads`` counts those whose
-    ``I`` ran and ``W`` has not; ``peak_activations`` those whose ``F`` ran and whose
-    activations are still held (until ``B``, or until the ``W`` that covers them with 2BP).
+    Memory proxies, in micro-batches per rank (see :class:`~.actions.Held`): ``peak_graphs``
+    counts those whose autograd graph is held (from ``F`` until ``B`` or ``I``: backward-p1
+    frees it); ``peak_pending_weight_grads`` those whose ``I`` ran and whose ``W`` has not
+    (what backward-p2 needs stays until then).
     """
 
     timelines: list[list[Event]]
@@ -72,7 +74,7 @@ class SimulationResult:
     step_time: float
     busy_time: list[float]
     peak_pending_weight_grads: list[int]
-    peak_activations: list[int]
+    peak_graphs: list[int]
 
     @property
     def num_ranks(self) -> int:
@@ -111,80 +113,25 @@ def simulate(
     stage_costs = [costs] * num_ranks if isinstance(costs, StageCosts) else list(costs)
     if len(stage_costs) != num_ranks:
         raise ValueError(f"{len(stage_costs)} stage costs for {num_ranks} ranks")
-    if num_micro_batches is None:
-        num_micro_batches = 1 + max(a.micro_batch for rank in ranks for a in rank if a.kind == "F")
 
     timelines: list[list[Event]] = [[] for _ in range(num_ranks)]
-    ended: dict[tuple[int, str, int], float] = {}
-    free_at = [0.0] * num_ranks
-    pending: list[set[int]] = [set() for _ in range(num_ranks)]
-    progressed = True
-    while progressed:
-        progressed = False
-        for rank in range(num_ranks):
-            while len(timelines[rank]) < len(ranks[rank]):
-                action = ranks[rank][len(timelines[rank])]
-                arrival = _arrival(action, rank, num_ranks, ended, p2p_latency)
-                if arrival is None:
-                    break
-                covered = pending[rank] if action.micro_batches is None else set(action.micro_batches)
-                start = max(free_at[rank], arrival)
-                end = start + stage_costs[rank].duration(action.kind, len(covered))
-                if action.kind == "W":
-                    pending[rank] = pending[rank] - covered
-                else:
-                    ended[rank, "F" if action.kind == "F" else "B", action.micro_batch] = end
-                    if action.kind == "I":
-                        pending[rank].add(action.micro_batch)
-                timelines[rank].append(Event(rank, action, start, end))
-                free_at[rank] = end
-                progressed = True
-    if any(len(timelines[rank]) < len(ranks[rank]) for rank in range(num_ranks)):
-        raise ScheduleError("deadlock: " + ", ".join(
-            f"rank {rank} at {ranks[rank][len(timelines[rank])]!r}"
-            for rank in range(num_ranks)
-            if len(timelines[rank]) < len(ranks[rank])
-        ))
+    arrives: dict[Message, float] = {}
+    memory = [RankMemory() for _ in range(num_ranks)]
+    order, _ = execution_order(ranks)  # validated: nothing is stuck
+    for rank, action in order:
+        waits_for = action.receives(rank, num_ranks)
+        start = max(timelines[rank][-1].end if timelines[rank] else 0.0, 0.0 if waits_for is None else arrives[waits_for])
+        end = start + stage_costs[rank].duration(action.kind, len(memory[rank].run(action)))
+        message = action.sends(rank, num_ranks)
+        if message is not None:
+            arrives[message] = end + p2p_latency
+        timelines[rank].append(Event(rank, action, start, end))
 
-    pending_peaks, activation_peaks = zip(*(_memory_peaks(actions) for actions in ranks))
     return SimulationResult(
         timelines=timelines,
-        num_micro_batches=num_micro_batches,
+        num_micro_batches=sum(a.kind is ActionKind.FORWARD for a in ranks[0]),
         step_time=max((events[-1].end for events in timelines if events), default=0.0),
         busy_time=[sum(e.duration for e in events) for events in timelines],
-        peak_pending_weight_grads=list(pending_peaks),
-        peak_activations=list(activation_peaks),
+        peak_pending_weight_grads=[peak_memory(actions, {Held.PENDING_WEIGHT_GRADS: 1}) for actions in ranks],
+        peak_graphs=[peak_memory(actions, {Held.GRAPH: 1}) for actions in ranks],
     )
-
-
-def _arrival(
-    action: Action, rank: int, num_ranks: int, ended: Mapping[tuple[int, str, int], float], latency: float
-) -> float | None:
-    """When what ``action`` receives is there: 0 if it receives nothing, None if not sent yet."""
-    if action.kind == "F" and rank > 0:
-        sender = rank - 1, "F", action.micro_batch
-    elif action.kind in "BI" and rank < num_ranks - 1:
-        sender = rank + 1, "B", action.micro_batch
-    else:
-        return 0.0
-    return ended[sender] + latency if sender in ended else None
-
-
-def _memory_peaks(actions: Sequence[Action]) -> tuple[int, int]:
-    pending: set[int] = set()
-    held: set[int] = set()
-    peak_pending = peak_held = 0
-    for action in actions:
-        if action.kind == "F":
-            held.add(action.micro_batch)
-        elif action.kind == "B":
-            held.discard(action.micro_batch)
-        elif action.kind == "I":
-            pending.add(action.micro_batch)
-        else:
-            covered = set(pending) if action.micro_batches is None else set(action.micro_batches)
-            pending -= covered
-            held -= covered
-        peak_pending = max(peak_pending, len(pending))
-        peak_held = max(peak_held, len(held))
-    return peak_pending, peak_held
