@@ -22,9 +22,8 @@ from torch import Tensor, nn
 
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
-from twobp_autograd.pipeline.runtime import PipelineError, PipelineRuntime, RankMetrics, StepReport
+from twobp_autograd.pipeline import PipelineError, PipelineRuntime, RankMetrics, StepReport, split_model
 from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
-from twobp_autograd.pipeline.stages import split
 
 WORLD = 2
 BATCH_SIZES = (8, 8, 6)  # a repeated step shape (cached shapes), then a new one with uneven micro-batches
@@ -72,7 +71,7 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
     torch.manual_seed(0)
     model = make_model()
     reference = copy.deepcopy(model)
-    stage, reference_stage = split(model, world)[rank], split(reference, world)[rank]
+    stage, reference_stage = split_model(model, world)[rank], split_model(reference, world)[rank]
     m = default_num_micro_batches(schedule_name, world)
     actions = schedule(schedule_name, world, m, twobp)[rank]
     runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, timeout=RUNTIME_TIMEOUT)

@@ -13,9 +13,8 @@ from torch import nn
 
 from tests.test_data_parallel import _assert_same, _grads, launch
 from twobp_autograd import WeightGradQueue
-from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
+from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, split_model
 from twobp_autograd.pipeline.schedules import schedule
-from twobp_autograd.pipeline.stages import split
 
 WORLD, MICRO_BATCHES = 2, 4
 CAP = 1024  # bytes: a few jobs of the model below, half of what a step queues
@@ -31,7 +30,7 @@ def _capped_and_uncapped(rank: int) -> dict:
         torch.manual_seed(0)
         model = _mlp()
         reference = copy.deepcopy(model)
-        stage = split(model, WORLD)[rank]
+        stage = split_model(model, WORLD)[rank]
         runtime = PipelineRuntime(
             stage, schedule("1f1b-2", WORLD, MICRO_BATCHES, True)[rank], num_micro_batches=MICRO_BATCHES,
             loss_fn=F.mse_loss, queue=WeightGradQueue(max_pending_bytes=cap), timeout=30.0,
@@ -46,7 +45,7 @@ def _capped_and_uncapped(rank: int) -> dict:
         result[name] = {
             "peak_pending_bytes": own.peak_pending_bytes,
             "deferred_jobs": own.deferred_jobs,
-            "grads": (_grads(stage), _grads(split(reference, WORLD)[rank])),
+            "grads": (_grads(stage), _grads(split_model(reference, WORLD)[rank])),
         }
     return result
 

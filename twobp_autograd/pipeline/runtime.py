@@ -1,9 +1,10 @@
 """Run one rank's schedule over torch.distributed point-to-point messages.
 
-Each rank holds one stage and executes its action list (see :mod:`.schedules`): ``F`` receives
-activations from the rank before (the first rank takes the micro-batch), runs the stage and
-sends the output on; ``I``/``B`` receives the output gradient from the rank after (the last rank
-takes the loss), runs backward and sends the input gradient back; ``W`` flushes the stage's own
+Each rank holds one stage and executes its action list (see :mod:`.schedules`), each action
+receiving and sending what its kind says (:mod:`.actions`): ``F`` receives activations from
+the rank before (the first rank takes the micro-batch), runs the stage and sends the output
+on; ``I``/``B`` receives the output gradient from the rank after (the last rank takes the
+loss), runs backward and sends the input gradient back; ``W`` flushes the stage's own
 :class:`~twobp_autograd.WeightGradQueue`, for the named micro-batches or everything pending.
 With 2BP on the stage is patched, so backward only computes input gradients and queues the
 weight work under the micro-batch's tag; with 2BP off it is unpatched and ``B`` is plain
@@ -13,15 +14,14 @@ Shapes travel once per step shape (the first rank's batch shape, broadcast at ea
 then come from a cache. Nothing waits forever: every receive and send waits at most
 ``timeout`` seconds and then raises a :class:`PipelineError` naming the peer, so a rank that
 died, raised or disagrees about shapes ends every rank with an error instead of a hang.
+
+What a step reports is measured by :mod:`.metrics` (times) and :mod:`.memory_probe` (peaks).
 """
 
 from __future__ import annotations
 
-import ctypes
 import datetime
-import functools
 import os
-import resource
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -32,15 +32,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import WeightGradQueue, patch, unpatch, use_queue
-from .actions import Action
+from .actions import Action, ActionKind, Message, Payload
+from .memory_probe import MemoryProbe, peak_rss
+from .metrics import RankMetrics, StepReport, StepTimer
 from .schedules import validate_schedule
-from .trace import Event
 
-__all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "RankMetrics", "StepReport", "init_distributed"]
+__all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed"]
 
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
-_META_TAG = 1 << 20  # gloo matches messages by tag; NCCL by order, which the schedules keep equal
+_SHAPE_TAG = 1 << 20  # gloo matches messages by tag; NCCL by order, which the schedules keep equal
 
 
 class GradientSync(Protocol):
@@ -59,41 +60,6 @@ class PipelineError(RuntimeError):
     """A pipeline step could not finish: a peer failed, died, timed out or sent the wrong shape."""
 
 
-@dataclass
-class RankMetrics:
-    """One rank's view of one step. Times in seconds from this rank's step start."""
-
-    rank: int
-    step_time: float
-    receive_wait: float  # time spent blocked on receives (the rank's share of the bubble)
-    events: list[Event]
-    samples: int
-    deferred_jobs: int  # most weight-gradient jobs queued at once (0 with 2BP off)
-    peak_bytes: int  # CUDA: max_memory_allocated; CPU: see PipelineRuntime._account_memory
-    peak_rss: int  # bytes, the process's peak resident set so far
-    loss: "float | None"  # on the last rank
-    peak_pending_bytes: int = 0  # most bytes the weight-gradient queue held after an action
-
-
-@dataclass
-class StepReport:
-    """All ranks' metrics of one step, on rank 0."""
-
-    ranks: list[RankMetrics]
-    step_time: float = field(init=False)
-    idle: list[float] = field(init=False)  # per rank: receive waits plus the time it finished early
-    bubble_ratio: float = field(init=False)
-    throughput: float = field(init=False)  # samples per second
-    loss: "float | None" = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.step_time = max(m.step_time for m in self.ranks)
-        self.idle = [m.receive_wait + (self.step_time - m.step_time) for m in self.ranks]
-        self.bubble_ratio = sum(self.idle) / (len(self.ranks) * self.step_time)
-        self.throughput = self.ranks[0].samples / self.step_time
-        self.loss = self.ranks[-1].loss
-
-
 def init_distributed(*, timeout: float = 120.0, backend: "str | None" = None) -> torch.device:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...):
     NCCL on CUDA, gloo on CPU, with ``timeout`` seconds for every collective. Returns the
@@ -106,6 +72,20 @@ def init_distributed(*, timeout: float = 120.0, backend: "str | None" = None) ->
     if not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if cuda else "gloo"), timeout=datetime.timedelta(seconds=timeout))
     return device
+
+
+@dataclass
+class _Step:
+    """What one step keeps between its actions."""
+
+    inputs: list[Tensor]  # the micro-batches, on the first rank
+    targets: list[Tensor]  # on the last rank
+    shape_key: Hashable  # the step's input shape: activation shapes are exchanged once per key
+    memory: MemoryProbe
+    timer: StepTimer
+    held: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # from F to backward: input, output or loss
+    sends: list[tuple[Any, Tensor, str]] = field(default_factory=list)  # posted, each tensor alive until sent
+    losses: list[Tensor] = field(default_factory=list)
 
 
 class PipelineRuntime:
@@ -149,6 +129,7 @@ class PipelineRuntime:
         self.queue = queue if queue is not None else WeightGradQueue()  # an empty queue is falsy
         self.grad_sync = grad_sync
         self.apply_mode()
+        self._last_backward_position = max((i for i, a in enumerate(self.actions) if a.kind.is_backward), default=-1)
         self._sent_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
 
@@ -173,66 +154,35 @@ class PipelineRuntime:
             raise ValueError("the first rank needs the inputs")
         if self.last and targets is None:
             raise ValueError("the last rank needs the targets")
-        self._micro_inputs = list(inputs.tensor_split(m)) if self.first else []
-        self._micro_targets = list(targets.tensor_split(m)) if self.last else []
         self.apply_mode()
-        self._key = self._agree_on_step_shape(inputs)
-        self._held: dict[int, tuple[Tensor, Tensor]] = {}
-        self._sends: list[tuple[Any, Tensor, str]] = []
-        self._losses: list[Tensor] = []
-        self._receive_wait = 0.0
-        self._peak_bytes = 0
-        self._heap_at_start = _heap_in_use() if self.device.type == "cpu" else None
-        self._peak_pending_bytes = 0
-        self._deferred_jobs = 0
-        self._backwards_left = sum(a.kind in ("I", "B") for a in self.actions)
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        events: list[Event] = []
-        start = time.perf_counter()
+        step = _Step(
+            inputs=list(inputs.tensor_split(m)) if self.first else [],
+            targets=list(targets.tensor_split(m)) if self.last else [],
+            shape_key=self._agree_on_step_shape(inputs),
+            memory=MemoryProbe(self.device, self.queue),
+            timer=StepTimer(self.rank, self.device),
+        )
         try:
-            for action in self.actions:
-                self._received_at = time.perf_counter()
-                self._run(action)
-                if self.device.type == "cuda":
-                    torch.cuda.synchronize(self.device)  # so the event's end is the work's end
-                # The event starts when the action's data arrived: waiting shows as a gap.
-                events.append(Event(rank=self.rank, action=action, start=self._received_at - start, end=time.perf_counter() - start))
-                self._account_memory()
-            if self._held:
-                raise PipelineError(f"rank {self.rank}: the schedule left micro-batches {sorted(self._held)} without a backward")
-            if len(self.queue):
-                raise PipelineError(
-                    f"rank {self.rank}: weight-gradient work of micro-batches {self.queue.tags()} is still "
-                    "queued after the schedule's last W"
-                )
-            for work, _, what in self._sends:
-                self._wait(work, what)
-            if self.grad_sync is not None:
-                self.grad_sync.finish()
+            self._run_schedule(step)
         except BaseException:
             self.queue.clear()
             if self.grad_sync is not None:
                 self.grad_sync.reset()
             raise
         finally:
-            self._sends = []
-            self._held = {}
-        step_time = time.perf_counter() - start
-        loss = float(torch.stack(self._losses).sum()) if self.last else None
-        if self.device.type == "cuda":
-            self._peak_bytes = torch.cuda.max_memory_allocated(self.device)
+            step.sends.clear()
+            step.held.clear()
         metrics = RankMetrics(
             rank=self.rank,
-            step_time=step_time,
-            receive_wait=self._receive_wait,
-            events=events,
+            step_time=step.timer.elapsed(),
+            receive_wait=step.timer.receive_wait,
+            events=step.timer.events,
             samples=0 if inputs is None else len(inputs),
-            deferred_jobs=self._deferred_jobs,
-            peak_bytes=self._peak_bytes,
-            peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            loss=loss,
-            peak_pending_bytes=self._peak_pending_bytes,
+            deferred_jobs=step.memory.deferred_jobs,
+            peak_bytes=step.memory.peak_bytes(),
+            peak_rss=peak_rss(),
+            loss=float(torch.stack(step.losses).sum()) if self.last else None,
+            peak_pending_bytes=step.memory.peak_pending_bytes,
         )
         if not gather:
             return metrics
@@ -240,57 +190,74 @@ class PipelineRuntime:
         dist.gather_object(metrics, gathered, group_dst=0, group=self.group)
         return StepReport(gathered) if gathered is not None else metrics
 
-    def _run(self, action: Action) -> None:
-        if action.kind == "F":
-            self._forward(action.micro_batch)
-        elif action.kind in ("I", "B"):
-            self._backward(action.micro_batch)
-            self._backwards_left -= 1
-            if action.kind == "B" and self.twobp:
-                self._flush([action.micro_batch])
-        else:
-            self._flush(action.micro_batches)
+    def _run_schedule(self, step: _Step) -> None:
+        for position, action in enumerate(self.actions):
+            step.timer.action_starts()
+            self._run(step, action, after_last_backward=position >= self._last_backward_position)
+            step.timer.action_ends(action)
+            step.memory.sample(tensor for pair in step.held.values() for tensor in pair)
+        if len(self.queue):
+            raise PipelineError(
+                f"rank {self.rank}: weight-gradient work of micro-batches {self.queue.tags()} is still "
+                "queued after the schedule's last W"
+            )
+        for work, _, what in step.sends:
+            self._wait(work, what, step.timer)
+        if self.grad_sync is not None:
+            self.grad_sync.finish()
 
-    def _flush(self, tags: "Sequence[Hashable] | None") -> None:
-        if self.grad_sync is not None and self._backwards_left == 0:  # gradients can become final
+    def _run(self, step: _Step, action: Action, *, after_last_backward: bool) -> None:
+        kind = action.kind
+        if kind is ActionKind.FORWARD:
+            self._forward(step, action)
+        elif kind.is_backward:
+            self._backward(step, action)
+            if kind is ActionKind.BACKWARD and self.twobp:  # a patched stage queued B's weight work: run it now
+                self._flush(action.micro_batches, final=after_last_backward)
+        else:
+            self._flush(action.micro_batches, final=after_last_backward)
+
+    def _flush(self, tags: "Sequence[Hashable] | None", *, final: bool) -> None:
+        if self.grad_sync is not None and final:  # gradients can become final
             self.grad_sync.flush(self.queue, tags)
         else:
             self.queue.flush(tags=tags)
 
-    def _forward(self, k: int) -> None:
-        if self.first:
-            x = self._micro_inputs[k].to(self.device)
+    def _forward(self, step: _Step, action: Action) -> None:
+        k = action.micro_batch
+        source = action.receives(self.rank, self.world_size)
+        if source is None:
+            x = step.inputs[k].to(self.device)
         else:
-            x = self._receive_activation(k)
+            x = self._receive_activation(step, source)
             x.requires_grad_(x.is_floating_point())
         with use_queue(self.queue), self.queue.tagged(k):
             out = self.stage(x)
         if not isinstance(out, Tensor):
             raise TypeError(f"rank {self.rank}: a pipeline stage must return one tensor, got {type(out).__name__}")
-        if self.last:
-            loss = self.loss_fn(out, self._micro_targets[k].to(self.device)) / self.num_micro_batches  # type: ignore[misc]
-            self._losses.append(loss.detach())
-            self._held[k] = (x, loss)
+        destination = action.sends(self.rank, self.world_size)
+        if destination is None:  # the last stage: its output goes into the loss
+            loss = self.loss_fn(out, step.targets[k].to(self.device)) / self.num_micro_batches  # type: ignore[misc]
+            step.losses.append(loss.detach())
+            step.held[k] = (x, loss)
         else:
-            self._send_activation(out.detach(), k)
-            self._held[k] = (x, out)
+            self._send_activation(step, out.detach(), destination)
+            step.held[k] = (x, out)
 
-    def _backward(self, k: int) -> None:
+    def _backward(self, step: _Step, action: Action) -> None:
         # With a capped queue, work over the cap is flushed after the input gradient is posted.
         with self.queue.cap_enforced_after():
-            self._backward_and_send(k)
-
-    def _backward_and_send(self, k: int) -> None:
-        x, out = self._held.pop(k)
-        if self.last:
-            out.backward()
-        else:
-            buffer = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-            grad = self._receive(buffer, self.rank + 1, 2 * k + 1, f"the output gradient of micro-batch {k}")
-            out.backward(grad)
-        if not self.first and x.is_floating_point():
-            grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
-            self._send(grad_input, self.rank - 1, 2 * k + 1, f"the input gradient of micro-batch {k}")
+            x, out = step.held.pop(action.micro_batch)
+            source = action.receives(self.rank, self.world_size)
+            if source is None:  # the last stage: ``out`` is the loss
+                out.backward()
+            else:
+                buffer = torch.empty(out.shape, dtype=out.dtype, device=self.device)
+                out.backward(self._receive(step, buffer, source.sender, _tag(source), _what(source)))
+            destination = action.sends(self.rank, self.world_size)
+            if destination is not None and x.is_floating_point():
+                grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
+                self._send(step, grad_input, destination.receiver, _tag(destination), _what(destination))
 
     # -- shapes -------------------------------------------------------------------------
 
@@ -299,33 +266,35 @@ class PipelineRuntime:
         if self.first:
             header.copy_(_meta(inputs))  # type: ignore[arg-type]
         work = dist.broadcast(header, group_src=0, group=self.group, async_op=True)
-        self._wait(work, "the step's input shape from rank 0", idle=False)
+        self._wait(work, "the step's input shape from rank 0", timer=None)
         return tuple(header.tolist())
 
-    def _send_activation(self, out: Tensor, k: int) -> None:
-        known = self._sent_shapes.get((self._key, k))
+    def _send_activation(self, step: _Step, out: Tensor, message: Message) -> None:
+        k = message.micro_batch
+        known = self._sent_shapes.get((step.shape_key, k))
         if known is None:
-            self._sent_shapes[(self._key, k)] = (out.shape, out.dtype)
-            self._send(_meta(out), self.rank + 1, _META_TAG + k, f"the shape of micro-batch {k}")
+            self._sent_shapes[(step.shape_key, k)] = (out.shape, out.dtype)
+            self._send(step, _meta(out), message.receiver, _SHAPE_TAG + k, f"the shape of micro-batch {k}")
         elif known != (out.shape, out.dtype):
             raise PipelineError(
                 f"rank {self.rank}: the stage output of micro-batch {k} is {tuple(out.shape)} {out.dtype}, but "
                 f"{tuple(known[0])} {known[1]} was exchanged for this input shape; a stage's output shape must "
                 "depend only on the batch shape"
             )
-        self._send(out.contiguous(), self.rank + 1, 2 * k, f"the activations of micro-batch {k}")
+        self._send(step, out.contiguous(), message.receiver, _tag(message), _what(message))
 
-    def _receive_activation(self, k: int) -> Tensor:
-        known = self._received_shapes.get((self._key, k))
+    def _receive_activation(self, step: _Step, message: Message) -> Tensor:
+        k = message.micro_batch
+        known = self._received_shapes.get((step.shape_key, k))
         if known is None:
             buffer = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
-            meta = self._receive(buffer, self.rank - 1, _META_TAG + k, f"the shape of micro-batch {k}")
+            meta = self._receive(step, buffer, message.sender, _SHAPE_TAG + k, f"the shape of micro-batch {k}")
             code, ndim, *dims = meta.tolist()
             known = (torch.Size(dims[:ndim]), _DTYPES[code])
-            self._received_shapes[(self._key, k)] = known
+            self._received_shapes[(step.shape_key, k)] = known
         shape, dtype = known
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        return self._receive(buffer, self.rank - 1, 2 * k, f"the activations of micro-batch {k}")
+        return self._receive(step, buffer, message.sender, _tag(message), _what(message))
 
     # -- messages -----------------------------------------------------------------------
 
@@ -333,16 +302,17 @@ class PipelineRuntime:
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")
 
-    def _send(self, tensor: Tensor, peer: int, tag: int, what: str) -> None:
+    def _send(self, step: _Step, tensor: Tensor, peer: int, tag: int, what: str) -> None:
         work = dist.isend(tensor, group_dst=peer, group=self.group, tag=tag)
-        self._sends.append((work, tensor, f"sending {what} to rank {peer}"))  # the tensor lives until sent
+        step.sends.append((work, tensor, f"sending {what} to rank {peer}"))  # the tensor lives until sent
 
-    def _receive(self, buffer: Tensor, peer: int, tag: int, what: str) -> Tensor:
+    def _receive(self, step: _Step, buffer: Tensor, peer: int, tag: int, what: str) -> Tensor:
         work = dist.irecv(buffer, group_src=peer, group=self.group, tag=tag)
-        self._wait(work, f"receiving {what} from rank {peer}")
+        self._wait(work, f"receiving {what} from rank {peer}", step.timer)
         return buffer
 
-    def _wait(self, work: Any, what: str, *, idle: bool = True) -> None:
+    def _wait(self, work: Any, what: str, timer: "StepTimer | None") -> None:
+        """Wait for ``work``; a step's waits count as its idle time on ``timer``."""
         start = time.perf_counter()
         try:
             work.wait(datetime.timedelta(seconds=self.timeout))
@@ -352,26 +322,16 @@ class PipelineRuntime:
                 f"{self.timeout:g} s); that rank probably failed or died, or runs a different "
                 f"schedule or model: {error}"
             ) from error
-        if idle:
-            self._received_at = time.perf_counter()
-            self._receive_wait += self._received_at - start
+        if timer is not None:
+            timer.waited(start)
 
-    def _account_memory(self) -> None:
-        """After each action. On a CPU the peak is the heap in use (glibc's ``mallinfo2``:
-        tensors, autograd's saved activations and queued work alike) over the step's start, so
-        2BP off and on compare; transients inside an action are not seen. Without ``mallinfo2``
-        it falls back to queued work plus the held stage inputs and outputs."""
-        pending = self.queue.pending()
-        self._deferred_jobs = max(self._deferred_jobs, pending.jobs)
-        self._peak_pending_bytes = max(self._peak_pending_bytes, pending.bytes)
-        if self.device.type == "cuda":
-            return
-        heap = _heap_in_use()
-        if heap is not None and self._heap_at_start is not None:
-            self._peak_bytes = max(self._peak_bytes, heap - self._heap_at_start)
-        else:
-            held = sum(t.numel() * t.element_size() for pair in self._held.values() for t in pair)
-            self._peak_bytes = max(self._peak_bytes, pending.bytes + held)
+
+def _tag(message: Message) -> int:
+    return 2 * message.micro_batch + (message.payload is Payload.GRADIENTS)
+
+
+def _what(message: Message) -> str:
+    return f"the {message.payload.value} of micro-batch {message.micro_batch}"
 
 
 def _meta(tensor: Tensor) -> Tensor:
@@ -386,30 +346,3 @@ def _dtype_code(dtype: torch.dtype) -> int:
     if dtype not in _DTYPES:
         raise TypeError(f"cannot send {dtype} between stages")
     return _DTYPES.index(dtype)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
-    ]
-
-
-@functools.lru_cache(maxsize=None)
-def _mallinfo2() -> "Callable[[], _MallInfo2] | None":
-    try:
-        function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33 and later
-    except (OSError, AttributeError):
-        return None
-    function.restype = _MallInfo2
-    return function
-
-
-def _heap_in_use() -> "int | None":
-    """Bytes the process has malloc'ed and not freed (every arena and mmap), or None without
-    glibc's ``mallinfo2``. About 10 µs a call."""
-    mallinfo2 = _mallinfo2()
-    if mallinfo2 is None:
-        return None
-    info = mallinfo2()
-    return info.uordblks + info.hblkhd
