@@ -1,6 +1,37 @@
 """Pipeline parallelism with 2BP: schedules as pure functions, a torch.distributed runtime,
-metrics and traces, and the torch.distributed.pipelining adapter."""
+a simulator, metrics and traces, and the torch.distributed.pipelining adapter.
 
+What a user calls is exported here; the modules hold the rest (:mod:`.actions` for writing a
+schedule by hand, :mod:`.trace` for reading and drawing timelines).
+"""
+
+from .actions import Action, ActionKind
 from .adapter import dw_builder
+from .metrics import RankMetrics, StepReport
+from .split import split_model
+from .runtime import PipelineError, PipelineRuntime, init_distributed
+from .schedules import SCHEDULES, ScheduleError, default_num_micro_batches, schedule, validate_schedule
+from .simulator import SimulationResult, StageCosts, simulate
+from .trace import plot_timeline, write_chrome_trace
 
-__all__ = ["dw_builder"]
+__all__ = [
+    "Action",
+    "ActionKind",
+    "SCHEDULES",
+    "ScheduleError",
+    "schedule",
+    "default_num_micro_batches",
+    "validate_schedule",
+    "split_model",
+    "PipelineRuntime",
+    "PipelineError",
+    "StepReport",
+    "RankMetrics",
+    "init_distributed",
+    "StageCosts",
+    "SimulationResult",
+    "simulate",
+    "write_chrome_trace",
+    "plot_timeline",
+    "dw_builder",
+]
