@@ -396,7 +396,7 @@ def _run(command: Sequence[str], log: Path) -> None:
         raise RuntimeError(f"exit status {completed.returncode}:\n{tail}")
 
 
-def run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedule: str) -> dict[str, Any]:
+def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedule: str) -> dict[str, Any]:
     bench_args = [
         "--model", model, "--schedule", "all", "--twobp", "both", "--steps", str(mode.steps), "--warmup", str(mode.warmup),
         "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
@@ -445,7 +445,7 @@ def run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedu
     }
 
 
-def run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, Any]]:
+def _run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, Any]]:
     results = []
     for name in mode.zb_schedules:
         arguments = ["--schedule", name, *mode.zb_arguments]
@@ -462,7 +462,7 @@ def run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, A
     return results
 
 
-def machine_info() -> dict[str, Any]:
+def _machine_info() -> dict[str, Any]:
     return {
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -481,7 +481,7 @@ def _git_commit() -> "str | None":
         return None
 
 
-def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
+def _parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models, few steps: a ~2 minute smoke run")
     parser.add_argument("--models", nargs="+", default=None, help=f"default: every model bench offers ({', '.join(bench.MODELS)})")
@@ -498,7 +498,7 @@ def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
 
 
 def main(argv: "Sequence[str] | None" = None) -> int:
-    args = parse_args(argv)
+    args = _parse_args(argv)
     mode = MODES["quick" if args.quick else "full"]
     out: Path = args.out or (HERE / "results" / ("quick" if args.quick else ""))
     raw = out / "raw"
@@ -510,7 +510,7 @@ def main(argv: "Sequence[str] | None" = None) -> int:
         "command": "python benchmarks/pipeline_sweep.py " + " ".join(argv if argv is not None else sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": _git_commit(),
-        "machine": machine_info(),
+        "machine": _machine_info(),
         "ranks": WORLD,
         "threads_per_rank": 1,
         "mode": {"name": mode.name, "steps": mode.steps, "warmup": mode.warmup, "cost_repeats": mode.cost_repeats, "weight_grad_counts": list(mode.counts)},
@@ -519,13 +519,13 @@ def main(argv: "Sequence[str] | None" = None) -> int:
     for model in models:
         print(f"{model}:", flush=True)
         try:
-            document["models"].append(run_model(model, mode, raw, force=args.force, timeline_schedule=args.timeline_schedule))
+            document["models"].append(_run_model(model, mode, raw, force=args.force, timeline_schedule=args.timeline_schedule))
         except Exception as error:
             print(f"  {model} failed: {error}", file=sys.stderr)
             document["models"].append({"model": model, "error": str(error)})
     if not args.no_pipelining_zb:
         print("pipelining_zb:", flush=True)
-        document["pipelining_zb"] = run_pipelining_zb(mode, raw, force=args.force)
+        document["pipelining_zb"] = _run_pipelining_zb(mode, raw, force=args.force)
     document["machine"]["load_average_at_end"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     document["wall_seconds"] = time.perf_counter() - started
     # Trace paths are kept relative to the output directory, so the results can move.

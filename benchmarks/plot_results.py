@@ -18,7 +18,7 @@ from typing import Any
 
 from twobp_autograd.pipeline.trace import plot_timelines, read_chrome_trace
 
-__all__ = ["PAPER", "README", "README_MARKERS", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios"]
+__all__ = ["PAPER", "README", "README_MARKERS", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios", "main"]
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_MARKERS = ("<!-- pipeline-table: written by benchmarks/plot_results.py -->", "<!-- /pipeline-table -->")
