@@ -202,7 +202,18 @@ def defer_weight_grads(
     # The leaf parameters are inputs of the tap so that its node has an edge to each one's
     # gradient accumulator: that is what the engine is asked about in backward. (The others,
     # as `detached` leaves them, keep their graph through the op itself.)
-    return _WeightGradTap.apply(spec, tuple(saved), *outs, *param_inputs(deferral.params))
+    saved_tensors = tuple(saved)
+    output_versions = [t._version for t in outs]
+    saved_versions = [t._version for t in saved_tensors]
+    tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))
+    # mark_dirty bumped the outputs' version counters, yet no value changed: put them back, so
+    # that whatever recorded them before stays valid (the op's own saved output, as sigmoid or
+    # relu keep theirs; selective activation checkpointing's cache, which refuses a "mutated"
+    # entry). Unless a saved tensor shares a counter with an output (its version moved too):
+    # the tap's own record of it would then no longer see a later in-place change.
+    if [t._version for t in saved_tensors] == saved_versions:
+        torch._C._autograd._unsafe_set_version_counter(outs, tuple(output_versions))
+    return tapped
 
 
 def param_inputs(params: Sequence["Tensor | None"]) -> tuple[Tensor, ...]:

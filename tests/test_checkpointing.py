@@ -1,0 +1,285 @@
+"""Activation checkpointing and saved-tensor hooks around patched modules: selective (SAC) with
+the policies people train with, plain non-reentrant and reentrant, nested; save_on_cpu and
+custom saved_tensors_hooks. Each run keeps the weight work deferred (jobs queued after every
+backward, .grad untouched until the flush) and ends with plain autograd's gradients and
+buffers (a deep copy run the same way), parameter by parameter, with no work left queued."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import twobp_autograd as twobp
+from tests.utils import TOLERANCES, assert_grads_match, assert_no_grads, patched_and_reference
+
+aten = torch.ops.aten
+PRODUCTS = {aten.mm.default, aten.addmm.default, aten.convolution.default}
+ATTENTION = {
+    getattr(aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+    )
+    if hasattr(aten, name)
+}
+
+
+def save_products(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """Keep the matmuls' and convolutions' outputs, recompute the cheap rest."""
+    return CheckpointPolicy.MUST_SAVE if op in PRODUCTS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_nothing(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_all_but_attention(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    return CheckpointPolicy.PREFER_RECOMPUTE if op in ATTENTION else CheckpointPolicy.MUST_SAVE
+
+
+Wrap = Callable[[nn.Module, Tensor], Tensor]
+
+
+def selective(policy: Callable[..., CheckpointPolicy], allow_cache_entry_mutation: bool = False) -> Wrap:
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy, allow_cache_entry_mutation)
+    return functools.partial(_checkpointed, use_reentrant=False, context_fn=context_fn)
+
+
+def _checkpointed(block: nn.Module, x: Tensor, **options: object) -> Tensor:
+    return checkpoint(block, x, **options)  # type: ignore[arg-type]
+
+
+def _nested(block: nn.Module, x: Tensor) -> Tensor:
+    """A checkpoint whose region holds a checkpoint (of each half of the block's children)."""
+    children = list(block.children())
+    half = len(children) // 2
+
+    def outer(y: Tensor) -> Tensor:
+        y = checkpoint(nn.Sequential(*children[:half]), y, use_reentrant=False)
+        return checkpoint(nn.Sequential(*children[half:]), y, use_reentrant=False)
+
+    return checkpoint(outer, x, use_reentrant=False)
+
+
+WRAPS: dict[str, Wrap] = {
+    "sac-save-products": selective(save_products),
+    "sac-save-nothing": selective(save_nothing),
+    # Caching every op needs the cache's mutation check off in plain PyTorch too: RMSNorm's CPU
+    # composite adds eps in place to a mean it caches, BatchNorm updates cached buffers.
+    "sac-save-all-but-attention": selective(save_all_but_attention, allow_cache_entry_mutation=True),
+    "non-reentrant": functools.partial(_checkpointed, use_reentrant=False),
+    "reentrant": functools.partial(_checkpointed, use_reentrant=True),
+}
+
+
+class Attention(nn.Module):
+    """Self-attention on F.scaled_dot_product_attention, projections by nn.Linear."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.heads, dim // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(batch, length, dim))
+
+
+class SelfAttention(nn.Module):
+    """nn.MultiheadAttention as self-attention (its SDPA path)."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attention(x, x, x, need_weights=False)[0]
+
+
+class Residual(nn.Module):
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__()
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.body(x)
+
+
+def transformer_block(dim: int = 8, heads: int = 2) -> nn.Sequential:
+    """Pre-norm: LayerNorm + MultiheadAttention, RMSNorm + SDPA attention, LayerNorm + MLP."""
+    return nn.Sequential(
+        Residual(nn.LayerNorm(dim), SelfAttention(dim, heads)),
+        Residual(nn.RMSNorm(dim), Attention(dim, heads)),
+        Residual(nn.LayerNorm(dim), nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim)),
+    )
+
+
+def conv_block(channels: int = 4, inplace: bool = False) -> nn.Sequential:
+    return nn.Sequential(
+        nn.Conv2d(channels, channels, 3, padding=1),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(inplace=inplace),
+        nn.Conv2d(channels, channels, 3, padding=1, bias=False),
+        nn.BatchNorm2d(channels),
+        nn.ReLU(inplace=inplace),
+    )
+
+
+class Net(nn.Module):
+    """Layers outside the checkpointed blocks on both sides, so a reentrant checkpoint gets an
+    input that requires grad (as it needs) and the blocks' output gradients come from autograd."""
+
+    def __init__(self, stem: nn.Module, blocks: list[nn.Module], head: nn.Module, wrap: Wrap) -> None:
+        super().__init__()
+        self.stem, self.blocks, self.head = stem, nn.ModuleList(blocks), head
+        self.wrap = wrap
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = self.wrap(block, x)
+        return self.head(x)
+
+
+def transformer(wrap: Wrap) -> tuple[Net, Callable[[], Tensor]]:
+    net = Net(nn.Embedding(16, 8), [transformer_block(), transformer_block()], nn.Linear(8, 16), wrap)
+    return net, lambda: torch.randint(0, 16, (2, 5))
+
+
+def convnet(wrap: Wrap, inplace: bool = False) -> tuple[Net, Callable[[], Tensor]]:
+    head = nn.Sequential(nn.Flatten(), nn.Linear(4 * 5 * 5, 3))
+    net = Net(nn.Conv2d(3, 4, 3, padding=1), [conv_block(inplace=inplace), conv_block(inplace=inplace)], head, wrap)
+    return net, lambda: torch.randn(3, 3, 5, 5)
+
+
+def loss_of(output: Tensor) -> Tensor:
+    return output.pow(2).mean()
+
+
+def jobs_per_micro_batch(patched: nn.Module, make_input: Callable[[], Tensor]) -> int:
+    """What one backward of the model without checkpointing queues (on a copy)."""
+    unwrapped = copy.deepcopy(patched)
+    unwrapped.wrap = lambda block, x: block(x)
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue):
+        loss_of(unwrapped(make_input())).backward()
+    jobs = twobp.pending(queue).jobs
+    twobp.discard_weight_grads(queue)
+    return jobs
+
+
+def check_deferred_like_autograd(
+    net: nn.Module,
+    make_input: Callable[[], Tensor],
+    micro_batches: int = 3,
+    around: "Callable[[], contextlib.AbstractContextManager] | None" = None,
+) -> None:
+    """``micro_batches`` backward calls on the patched model and on a plain deep copy, one
+    flush; after each backward the patched one has queued one call's jobs per micro-batch and
+    written no .grad; at the end gradients and buffers are plain autograd's, nothing queued."""
+    patched, reference = patched_and_reference(net)
+    per_micro_batch = jobs_per_micro_batch(patched, make_input)
+    assert per_micro_batch > 0
+    for done in range(1, micro_batches + 1):
+        x = make_input()
+        for model in (patched, reference):
+            with around() if around is not None else contextlib.nullcontext():
+                output = model(x)
+            loss_of(output).backward()
+        assert twobp.pending().jobs == done * per_micro_batch
+        assert_no_grads(patched)
+    twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(patched, reference)
+    rtol, atol = TOLERANCES[torch.float32]
+    for (name, b), (_, c) in zip(patched.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+
+
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+@pytest.mark.parametrize("wrap", list(WRAPS))
+@pytest.mark.parametrize("model", [transformer, convnet], ids=["transformer", "conv-batchnorm"])
+def test_checkpointed_blocks_defer_and_match_autograd(model, wrap):
+    net, make_input = model(WRAPS[wrap])
+    check_deferred_like_autograd(net, make_input)
+
+
+def test_nested_checkpoints():
+    net, make_input = transformer(_nested)
+    check_deferred_like_autograd(net, make_input)
+
+
+@pytest.mark.parametrize("wrap", ["sac-save-nothing", "non-reentrant", "reentrant"])
+def test_in_place_consumer_inside_checkpoint(wrap):
+    """ReLU(inplace=True) on a patched op's output inside the region: the tap re-parents the
+    output without copying it, so the in-place op stays an in-place op. (A policy that caches
+    that output refuses it in plain PyTorch too: "has been mutated".)"""
+    net, make_input = convnet(WRAPS[wrap], inplace=True)
+    check_deferred_like_autograd(net, make_input)
+
+
+def test_sac_cache_mutation_is_refused_as_in_plain_pytorch():
+    """An in-place op on an output that the policy caches is PyTorch's own error, raised on
+    the plain model as on the patched one: the tap itself leaves the cached output unchanged."""
+    for patch in (False, True):
+        mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 2))
+        if patch:
+            twobp.patch(mlp)
+        x = torch.randn(3, 4, requires_grad=True)
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            loss_of(selective(save_products)(mlp, x)).backward()
+    twobp.discard_weight_grads()
+
+
+def test_save_on_cpu_around_patched_forward():
+    net, make_input = transformer(lambda block, x: block(x))
+    check_deferred_like_autograd(net, make_input, around=torch.autograd.graph.save_on_cpu)
+
+
+def test_saved_tensors_hooks_see_what_the_tap_saves():
+    """The tensors queued for the weight kernels pass through the user's pack/unpack hooks like
+    any saved tensor: hooks that keep a copy and hand it back keep the gradients exact, every
+    packed tensor is unpacked once, and the queued jobs hold the unpacked copies."""
+    packed: list[Tensor] = []
+    unpacked: list[int] = []
+
+    def pack(t: Tensor) -> int:
+        packed.append(t.clone())
+        return len(packed) - 1
+
+    def unpack(index: int) -> Tensor:
+        unpacked.append(index)
+        return packed[index]
+
+    def hooks() -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+    net, make_input = convnet(lambda block, x: block(x))
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue), hooks():
+        output = twobp.patch(copy.deepcopy(net))(make_input())
+    loss_of(output).backward()
+    copies = {t.untyped_storage().data_ptr() for t in packed}
+    # BatchNorm's jobs hold finished gradients (no output gradient), the others kernel inputs.
+    kernel_inputs = [t for job in queue.take() if job.grad_outputs for t in job.saved]
+    assert kernel_inputs and all(t.untyped_storage().data_ptr() in copies for t in kernel_inputs)
+    packed.clear(), unpacked.clear()
+
+    check_deferred_like_autograd(net, make_input, around=hooks)
+    assert sorted(unpacked) == list(range(len(packed)))
