@@ -1,18 +1,18 @@
-"""Spawned local ranks for the distributed tests: start, wait with a deadline, and fail (never
-hang) if a rank is still running; then read what each rank wrote."""
+"""Spawned local ranks for the distributed tests (the package's own spawner): wait with a
+deadline and fail (never hang) if a rank is still running; then read what each rank wrote."""
 
 from __future__ import annotations
 
 import datetime
 import os
-import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from twobp_autograd.pipeline.launch import spawn_ranks
 
 
 def gloo_rank_main(rank: int, world: int, scenario: Callable[[int], Any], store_path: str, result_path: str) -> None:
@@ -32,20 +32,12 @@ def gloo_rank_main(rank: int, world: int, scenario: Callable[[int], Any], store_
 
 
 def run_ranks(target: Callable[..., None], world: int, args: tuple, deadline: float, what: str = "") -> None:
-    """``target(rank, *args)`` in ``world`` spawned processes; kills and fails on a hang."""
-    context = mp.get_context("spawn")
-    ranks = [context.Process(target=target, args=(rank, *args)) for rank in range(world)]
-    for process in ranks:
-        process.start()
-    end = time.monotonic() + deadline
-    for process in ranks:
-        process.join(max(0.0, end - time.monotonic()))
-    hung = [rank for rank, process in enumerate(ranks) if process.is_alive()]
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-            process.join()
-    assert not hung, f"ranks {hung} still running after {deadline} s{what}"
+    """``target(rank, *args)`` in ``world`` spawned processes, all waited for (a rank that
+    dies is for the test to notice); kills them and fails on a hang."""
+    try:
+        spawn_ranks(target, world, args, deadline=deadline, stop_on_failure=False)
+    except TimeoutError as error:
+        raise AssertionError(f"{error}{what}") from None
 
 
 def read_results(prefix: str, world: int, *, required: bool = True) -> list[Any]:

@@ -9,7 +9,6 @@ import json
 import math
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -17,19 +16,15 @@ from pathlib import Path
 
 import pytest
 
+from twobp_autograd.pipeline.launch import free_port
+
 DEADLINE = 120.0
 TINY = ["--width", "16", "--depth", "2", "--seq-len", "4", "--batch-size", "4", "--balance", "params", "--threads", "1"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_two_nodes(program: list[str], tmp_path: Path) -> str:
     """``torchrun --nnodes 2 ... -m <program>`` as two agents; their combined output."""
-    port = _free_port()
+    port = free_port()
     logs = [tmp_path / f"node{rank}.log" for rank in range(2)]
     agents = [_agent(program, rank, port, logs[rank]) for rank in range(2)]
     end = time.monotonic() + DEADLINE
