@@ -29,12 +29,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from twobp_autograd.data_parallel import GradientSynchroniser
-from twobp_autograd.pipeline.bench import build_model
+from twobp_autograd.pipeline.zoo import build_model
 
 from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
@@ -54,9 +53,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def _benchmark(rank: int, args: argparse.Namespace) -> None:
-    torch.manual_seed(0)
     model, make_batch, loss_fn = build_model(args.model, args)
-    model.train()
     plain = copy.deepcopy(model)
     twobp.patch(model)
     sync = GradientSynchroniser(model, bucket_bytes=int(args.bucket_mib * 2**20))
@@ -124,10 +121,5 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     write_results(args.json, WORLD, document)
 
 
-def main() -> None:
-    args = parse_args()
-    run_on_local_ranks(_benchmark, args, WORLD, args.threads)
-
-
 if __name__ == "__main__":
-    main()
+    run_on_local_ranks(_benchmark, parse_args(), WORLD)

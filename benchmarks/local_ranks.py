@@ -1,59 +1,42 @@
-"""What the two-rank benchmarks here have in common: running a benchmark function on a few
-local gloo ranks (spawned processes on 127.0.0.1), each with its share of the cores, and
-writing its results with the environment they were measured in."""
+"""What the benchmarks here have in common: the models of ``bench pipeline`` and their
+options, a benchmark function run on a few local gloo ranks (the package's own launcher),
+each with its share of the cores, and its results written with the environment they were
+measured in."""
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import json
 import os
 import platform
-import socket
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from twobp_autograd.pipeline import zoo
+from twobp_autograd.pipeline.launch import process_group, run_as_ranks
 
 __all__ = ["add_model_arguments", "run_on_local_ranks", "write_results"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, threads: "int | None", benchmark: Callable[..., Any], args: Any) -> None:
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=600)
-    )
-    try:
-        benchmark(rank, args)
-    finally:
-        dist.destroy_process_group()
-
-
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: "str | None" = None) -> None:
-    """The model options of ``bench pipeline``'s ``build_model`` (an MLP by default)."""
-    from twobp_autograd.pipeline.bench import MODELS
-
-    parser.add_argument("--model", choices=MODELS, default="mlp")
-    parser.add_argument("--width", type=int, default=None)
-    parser.add_argument("--depth", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
+    """The model options of ``bench pipeline``'s zoo (an MLP by default), and threads per rank."""
+    zoo.add_model_arguments(parser, batch_size=batch_size, batch_help=batch_help)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
 
 
-def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: int, threads: "int | None" = None) -> None:
-    """``benchmark(rank, args)`` on ``world`` spawned gloo ranks; ``threads`` each (default:
-    the cores divided among the ranks)."""
-    mp.spawn(_rank_main, args=(world, _free_port(), threads, benchmark, args), nprocs=world, join=True)
+def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: int) -> None:
+    """``benchmark(rank, args)`` on ``world`` spawned gloo ranks, ``args.threads`` each
+    (default: the cores divided among the ranks)."""
+    run_as_ranks(functools.partial(_rank_main, benchmark), args, world)
+
+
+def _rank_main(benchmark: Callable[[int, Any], Any], args: Any) -> None:
+    with process_group(timeout=600.0, backend="gloo", threads=args.threads):
+        benchmark(dist.get_rank(), args)
 
 
 def write_results(path: str, world: int, document: dict[str, Any]) -> None:

@@ -28,10 +28,8 @@ import torch
 import torch.distributed as dist
 
 from twobp_autograd import WeightGradQueue
-from twobp_autograd.pipeline.bench import build_model
-from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
-from twobp_autograd.pipeline.schedules import schedule
-from twobp_autograd.pipeline.stages import split
+from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, schedule, split_model
+from twobp_autograd.pipeline.zoo import build_model
 
 from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
@@ -52,10 +50,8 @@ def parse_args() -> argparse.Namespace:
 
 
 def _benchmark(rank: int, args: argparse.Namespace) -> None:
-    torch.manual_seed(0)
     model, make_batch, loss_fn = build_model(args.model, args)
-    model.train()
-    stage = split(model, WORLD, costs=None)[rank]
+    stage = split_model(model, WORLD)[rank]
     del model
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1))
     m = 2 * WORLD  # 1F1B-2: twice as many micro-batches as stages
@@ -143,10 +139,5 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
     write_results(args.json, WORLD, document)
 
 
-def main() -> None:
-    args = parse_args()
-    run_on_local_ranks(_benchmark, args, WORLD, args.threads)
-
-
 if __name__ == "__main__":
-    main()
+    run_on_local_ranks(_benchmark, parse_args(), WORLD)

@@ -14,11 +14,9 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime
 import json
 import os
 import platform
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -26,13 +24,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 import twobp_autograd as twobp
 from twobp_autograd.pipeline import dw_builder
+from twobp_autograd.pipeline.launch import process_group, run_as_ranks
 
 WORLD = 2
 STAGES = 4
@@ -98,11 +96,17 @@ def worst_relative_difference(a: dict[int, nn.Module], b: dict[int, nn.Module]) 
     return worst
 
 
-def worker(rank: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=5)
-    )
+def worker(args: argparse.Namespace) -> None:
+    with process_group(timeout=300.0, backend="gloo", threads=args.threads):
+        rank = dist.get_rank()
+        times, difference, deferred_jobs = measure(args, rank)
+    if rank == 0:
+        report(args, times, difference, deferred_jobs)
+
+
+def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, list[float]], float, int]:
+    """Each variant's step times (interleaved rounds after a warm-up), the worst relative
+    gradient difference between them, and the jobs 2BP deferred in the warm-up."""
     generator = torch.Generator().manual_seed(1)
     inputs = torch.randn(args.batch, args.seq, args.width, generator=generator)
     targets = torch.randn(args.batch, args.seq, args.width, generator=generator)
@@ -124,38 +128,39 @@ def worker(rank: int, port: int, args: argparse.Namespace) -> None:
         order = VARIANTS if round_index % 2 == 0 else VARIANTS[::-1]
         for variant in order:
             times[variant].append(timed_step(*built[variant], inputs, targets))
-    dist.destroy_process_group()
+    return times, difference.item(), int(deferred_jobs.item())
 
-    if rank == 0:
-        medians = {variant: statistics.median(ts) for variant, ts in times.items()}
-        # Per round, the two variants ran back to back: their ratio is robust to slow drifts in load.
-        paired = statistics.median(t / o for t, o in zip(times["torch"], times["twobp"], strict=True))
-        result = {
-            "benchmark": "pipelining_zb",
-            "schedule": SCHEDULES[args.schedule].__name__,
-            "config": {k: v for k, v in vars(args).items() if k != "out"},
-            "ranks": WORLD,
-            "stages": STAGES,
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "cpus": os.cpu_count(),
-            "step_seconds": times,
-            "median_step_seconds": medians,
-            "speedup_twobp_over_torch_split": medians["torch"] / medians["twobp"],
-            "median_paired_speedup": paired,
-            "worst_relative_grad_difference": difference.item(),
-            "deferred_jobs_in_warmup": deferred_jobs.item(),
-        }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=2) + "\n")
-        print(
-            f"{result['schedule']}, m={args.micro_batches}, {args.rounds} interleaved rounds: "
-            f"median step {medians['twobp']:.3f} s with 2BP's deferred W, {medians['torch']:.3f} s with "
-            f"PyTorch's split W -> speedup {result['speedup_twobp_over_torch_split']:.3f}x "
-            f"(median of per-round ratios {paired:.3f}x) "
-            f"(gradients agree to {difference.item():.1e} relative); wrote {out}"
-        )
+
+def report(args: argparse.Namespace, times: dict[str, list[float]], difference: float, deferred_jobs: int) -> None:
+    medians = {variant: statistics.median(ts) for variant, ts in times.items()}
+    # Per round, the two variants ran back to back: their ratio is robust to slow drifts in load.
+    paired = statistics.median(t / o for t, o in zip(times["torch"], times["twobp"], strict=True))
+    result = {
+        "benchmark": "pipelining_zb",
+        "schedule": SCHEDULES[args.schedule].__name__,
+        "config": {k: v for k, v in vars(args).items() if k != "out"},
+        "ranks": WORLD,
+        "stages": STAGES,
+        "torch": torch.__version__,
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "step_seconds": times,
+        "median_step_seconds": medians,
+        "speedup_twobp_over_torch_split": medians["torch"] / medians["twobp"],
+        "median_paired_speedup": paired,
+        "worst_relative_grad_difference": difference,
+        "deferred_jobs_in_warmup": deferred_jobs,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(
+        f"{result['schedule']}, m={args.micro_batches}, {args.rounds} interleaved rounds: "
+        f"median step {medians['twobp']:.3f} s with 2BP's deferred W, {medians['torch']:.3f} s with "
+        f"PyTorch's split W -> speedup {result['speedup_twobp_over_torch_split']:.3f}x "
+        f"(median of per-round ratios {paired:.3f}x) "
+        f"(gradients agree to {difference:.1e} relative); wrote {out}"
+    )
 
 
 def parse_args() -> argparse.Namespace:
@@ -177,12 +182,5 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 if __name__ == "__main__":
-    arguments = parse_args()
-    mp.spawn(worker, args=(free_port(), arguments), nprocs=WORLD, join=True)
+    run_as_ranks(worker, parse_args(), WORLD)

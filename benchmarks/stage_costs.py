@@ -19,26 +19,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
-import socket
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
-from twobp_autograd.pipeline.bench import build_model
-from twobp_autograd.pipeline.models import blocks_of, defer_norms
-from twobp_autograd.pipeline.stages import partition
+from twobp_autograd.pipeline.launch import process_group, run_as_ranks
+from twobp_autograd.pipeline.split import blocks_of, defer_norms, partition
+from twobp_autograd.pipeline.zoo import build_model
 
 __all__ = ["measure_stage", "micro_batch_sizes", "saved_bytes", "main"]
 
@@ -261,25 +258,16 @@ def _ping_pong(num_bytes: int, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _rank_main(rank: int, port: int, args: argparse.Namespace) -> None:
-    torch.set_num_threads(args.threads)
-    world = 2
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10)
-    )
-    try:
-        _measure(rank, world, args)
-    finally:
-        dist.destroy_process_group()
+def _rank_main(args: argparse.Namespace) -> None:
+    with process_group(timeout=600.0, backend="gloo", threads=args.threads):
+        _measure(dist.get_rank(), dist.get_world_size(), args)
 
 
 def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     bench = json.loads(Path(args.bench_json).read_text())
     options = argparse.Namespace(**bench["arguments"])
-    torch.manual_seed(options.seed)
-    model, make_batch, loss_fn = build_model(options.model, options)
-    model.train()
-    defer_norms(model)  # as the benchmark's split does: the model's own norm classes defer too
+    model, make_batch, loss_fn = build_model(options.model, options, seed=options.seed)
+    defer_norms(model)  # as bench pipeline does: the model's own norm classes defer too
     blocks = blocks_of(model)
     parts = partition(bench["block_costs"], world)
     mine = [blocks[i] for i in parts[rank]]
@@ -350,15 +338,9 @@ def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
     return args
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: "Sequence[str] | None" = None) -> int:
     args = parse_args(argv)
-    mp.spawn(_rank_main, args=(_free_port(), args), nprocs=2, join=True)
+    run_as_ranks(_rank_main, args, 2)
     return 0
 
 

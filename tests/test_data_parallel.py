@@ -25,7 +25,7 @@ from tests.utils import TOLERANCES
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
-from twobp_autograd.pipeline.stages import split
+from twobp_autograd.pipeline.split import split_model as split
 
 VOCAB, WIDTH, STEPS, MICRO_BATCHES = 11, 8, 2, 2
 

@@ -12,20 +12,37 @@ from pathlib import Path
 import pytest
 import torch
 
-from twobp_autograd.__main__ import build_parser, main
+from twobp_autograd import demo
+from twobp_autograd.__main__ import SUBCOMMANDS, main
+from twobp_autograd.pipeline import SCHEDULES
 
 
 def test_demo_options_parse() -> None:
-    args = build_parser().parse_args(
-        ["demo", "--epochs", "3", "--micro-batches", "2", "--batch-size", "8", "--seed", "1", "--no-compare"]
-    )
-    assert (args.command, args.epochs, args.micro_batches, args.batch_size, args.seed) == ("demo", 3, 2, 8, 1)
+    args = demo.build_parser().parse_args(["--epochs", "3", "--micro-batches", "2", "--batch-size", "8", "--seed", "1", "--no-compare"])
+    assert (args.epochs, args.micro_batches, args.batch_size, args.seed) == (3, 2, 8, 1)
     assert args.no_compare and args.device == "cpu"
 
 
 def test_demo_rejects_unknown_device() -> None:
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["demo", "--device", "tpu"])
+        demo.build_parser().parse_args(["--device", "tpu"])
+
+
+def test_demo_offers_every_schedule() -> None:
+    schedule = next(a for a in demo.build_parser()._actions if a.dest == "schedule")
+    assert tuple(schedule.choices) == SCHEDULES
+
+
+def test_the_command_line_lists_its_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as help_exit:
+        main(["--help"])
+    assert help_exit.value.code == 0
+    listed = capsys.readouterr().out
+    assert all(" ".join(command.words) in listed for command in SUBCOMMANDS)
+    for unknown in ([], ["bench"], ["train"]):
+        with pytest.raises(SystemExit) as error:
+            main(unknown)
+        assert error.value.code == 2
 
 
 def test_bench_pipeline_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -44,7 +61,7 @@ def test_bench_pipeline_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch
 
 def test_digits_become_normalised_three_channel_32x32_images() -> None:
     pytest.importorskip("sklearn")
-    from twobp_autograd.demo import load_digits_32
+    from twobp_autograd.demo.data import load_digits_32
 
     data = load_digits_32(seed=0)
     assert data.train_x.shape[1:] == (3, 32, 32) and data.test_x.shape[1:] == (3, 32, 32)
@@ -55,9 +72,9 @@ def test_digits_become_normalised_three_channel_32x32_images() -> None:
 
 
 def test_demo_options_default_to_a_two_stage_resnet152_pipeline() -> None:
-    args = build_parser().parse_args(["demo"])
+    args = demo.build_parser().parse_args([])
     assert (args.stages, args.model, args.schedule, args.max_steps) == (2, "resnet152", "gpipe", None)
-    quick = build_parser().parse_args(["demo", "--stages", "1", "--model", "resnet18", "--schedule", "1f1b-2", "--max-steps", "3"])
+    quick = demo.build_parser().parse_args(["--stages", "1", "--model", "resnet18", "--schedule", "1f1b-2", "--max-steps", "3"])
     assert (quick.stages, quick.model, quick.schedule, quick.max_steps) == (1, "resnet18", "1f1b-2", 3)
 
 

@@ -1,71 +1,81 @@
 """Command line: ``python -m twobp_autograd demo`` and ``python -m twobp_autograd bench pipeline``.
 
-The subcommands import their modules lazily, so ``demo`` needs neither ``torch.distributed``
-nor the pipeline code, and ``bench`` needs neither torchvision nor scikit-learn.
+Each subcommand is a module with ``main(argv) -> int`` that parses its own arguments; it is
+imported only when named, so one subcommand never needs what another imports (``bench``
+neither torchvision nor scikit-learn).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-__all__ = ["main", "build_parser"]
+__all__ = ["SUBCOMMANDS", "Subcommand", "build_parser", "main"]
+
+
+@dataclass(frozen=True)
+class Subcommand:
+    words: tuple[str, ...]
+    module: str
+    what: str  # for the error when the module is missing
+    help: str
+
+    def run(self, argv: list[str]) -> int:
+        try:
+            module = importlib.import_module(self.module)
+        except ImportError as error:
+            # Only the absence of the module (or of its package) is reported this way; a broken
+            # import inside it keeps its traceback.
+            parts = self.module.split(".")
+            if error.name not in {".".join(parts[:end]) for end in range(2, len(parts) + 1)}:
+                raise
+            print(f"error: {self.what} ({self.module}) is not available in this installation.", file=sys.stderr)
+            return 2
+        return int(module.main(argv) or 0)
+
+
+SUBCOMMANDS = (
+    Subcommand(
+        ("demo",),
+        "twobp_autograd.demo",
+        "the demo",
+        "train ResNet-152 on scikit-learn's digits as a 2BP pipeline, against the same pipeline without 2BP",
+    ),
+    Subcommand(
+        ("bench", "pipeline"),
+        "twobp_autograd.pipeline.bench",
+        "the pipeline benchmark",
+        "throughput, bubble and memory of each pipeline schedule, 2BP on and off",
+    ),
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The top level only, for ``--help`` and for what names no subcommand."""
     parser = argparse.ArgumentParser(
         prog="python -m twobp_autograd",
         description="2-stage backpropagation (2BP) for unchanged PyTorch models.",
+        epilog="Each subcommand takes --help.",
     )
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{demo,bench}")
-
-    from .demo import add_arguments  # light: only argparse and the defaults
-
-    demo = commands.add_parser(
-        "demo",
-        help="train ResNet-152 on scikit-learn's digits as a 2BP pipeline, against the same pipeline without 2BP",
-        description="Train torchvision's ResNet-152, unchanged, on scikit-learn's bundled 8x8 digits "
-        "as a 2-stage pipeline (two local ranks, or the ranks torchrun gives) with 2BP, against the "
-        "same pipeline without it; --stages 1 trains it in this process against plain autograd.",
-    )
-    add_arguments(demo)
-
-    bench = commands.add_parser("bench", help="benchmarks (bench pipeline --help)", add_help=False)
-    bench.add_argument("target", choices=["pipeline"], help="what to benchmark")
-    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments of that benchmark")
+    names = [" ".join(command.words) for command in SUBCOMMANDS]
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
+    for name, command in zip(names, SUBCOMMANDS):
+        commands.add_parser(name, help=command.help, add_help=False)
     return parser
 
 
 def main(argv: "Sequence[str] | None" = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    # `bench pipeline ...` hands everything after the target to the benchmark's own parser.
-    if len(argv) >= 2 and argv[0] == "bench" and argv[1] == "pipeline":
-        return _bench_pipeline(argv[2:])
-    args = build_parser().parse_args(argv)
-    if args.command == "demo":
-        from .demo import main as demo_main
-
-        demo_main(args)
-        return 0
-    return _bench_pipeline(args.rest)  # unreachable: argparse only accepts `pipeline`
-
-
-def _bench_pipeline(argv: list[str]) -> int:
-    try:
-        from .pipeline.bench import main as bench_main
-    except ImportError as error:
-        # Only the benchmark module's own absence is reported this way; a broken import
-        # inside it keeps its traceback.
-        if getattr(error, "name", None) not in ("twobp_autograd.pipeline.bench", "twobp_autograd.pipeline"):
-            raise
-        print(
-            "error: the pipeline benchmark (twobp_autograd.pipeline.bench) is not available in "
-            "this installation.",
-            file=sys.stderr,
-        )
-        return 2
-    return int(bench_main(argv) or 0)
+    for command in SUBCOMMANDS:
+        if argv[: len(command.words)] == list(command.words):
+            return command.run(argv[len(command.words) :])
+    parser = build_parser()
+    parser.parse_args(argv)  # --help, or the error that names the subcommands
+    parser.error(f"unknown command: {' '.join(argv)}")
+    return 2
 
 
 if __name__ == "__main__":

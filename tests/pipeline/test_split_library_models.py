@@ -1,7 +1,9 @@
-"""Real libraries' models cut into pipeline stages, unchanged.
+"""Real libraries' models (torchvision's ResNet, VGG and ViT, Hugging Face's Llama, BERT and
+Mamba) cut into pipeline stages by split_model, unchanged.
 
 In one process: the stages compose to the model's own forward (logits and loss), hold its
-parameters (no copies), and report the parameters that two stages share. On two gloo ranks:
+parameters (no copies), report the parameters that two stages share, and splitting registers
+nothing (the models' own norms are deferred only once registered). On two gloo ranks:
 a pipelined step with 2BP (GPipe, 1F1B-1) and without (GPipe) gives every parameter the
 gradient, and every buffer the value, of the model itself run in one process on the same
 micro-batches, tied embeddings included once :class:`TiedGradients` has summed them.
@@ -10,24 +12,19 @@ micro-batches, tied embeddings included once :class:`TiedGradients` has summed t
 from __future__ import annotations
 
 import copy
-import datetime
-import os
-import traceback
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
-from tests.ranks import read_results, run_ranks
+from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import close_to_reference
 from twobp_autograd import registry
-from twobp_autograd.pipeline.models import PipelineModel, TiedGradients, blocks_of, defer_norms, split_model
-from twobp_autograd.pipeline.runtime import PipelineRuntime, StepReport
-from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
+from twobp_autograd.pipeline import PipelineRuntime, StepReport, default_num_micro_batches, schedule
+from twobp_autograd.pipeline.split import PipelineModel, TiedGradients, blocks_of, defer_norms, split_model
 
 torchvision = pytest.importorskip("torchvision")
 transformers = pytest.importorskip("transformers")
@@ -56,7 +53,7 @@ def tiny_mamba() -> nn.Module:
 
 def small_resnet() -> nn.Module:
     # zero_init_residual: every block starts as the identity, which keeps tiny-batch
-    # BatchNorm gradients tame (see tests/test_models.py).
+    # BatchNorm gradients tame (see tests/test_patch_whole_models.py).
     return torchvision.models.resnet18(num_classes=5, zero_init_residual=True)
 
 
@@ -130,8 +127,7 @@ def vit() -> nn.Module:
     )
 
 
-#: (ResNets are cut by stages.blocks_of, tested with the runtime in tests/pipeline/test_stages.py
-#: and below on two ranks.)
+#: (ResNets: tests/pipeline/split/test_split_model.py, and below on two ranks.)
 COMPOSE_CASES = [
     ("vgg-bn", vgg, image_batch, classifier_loss, 3),
     ("vit", vit, image_batch, classifier_loss, 3),
@@ -144,14 +140,14 @@ COMPOSE_CASES = [
 
 
 @pytest.mark.parametrize("make_model, make_batch, loss, num_stages", [c[1:] for c in COMPOSE_CASES], ids=[c[0] for c in COMPOSE_CASES])
-def test_stages_compose_to_the_models_forward(
-    isolated_registry: None, make_model: Callable, make_batch: Callable, loss: Callable, num_stages: int
-) -> None:
+def test_stages_compose_to_the_models_forward(make_model: Callable, make_batch: Callable, loss: Callable, num_stages: int) -> None:
     model = make_model().train()
     reference = copy.deepcopy(model)
     inputs, targets = make_batch(torch.Generator().manual_seed(0))
+    rules = dict(registry._rules)
     pipeline = split_model(model, num_stages)
     assert len(pipeline.stages) == num_stages
+    assert registry._rules == rules, "splitting registered a rule"
 
     x = inputs
     for stage in pipeline.stages:
@@ -182,20 +178,20 @@ def test_stages_compose_to_the_models_forward(
 )
 def test_tied_embeddings_are_reported_across_first_and_last_stage(make_model: Callable, tied_name: str) -> None:
     model = make_model()
-    pipeline = split_model(model, 2, norms=False)
+    pipeline = split_model(model, 2)
     assert [(t.name, t.stages) for t in pipeline.ties] == [(tied_name, (0, 1))]
     assert pipeline.ties[0].parameter is model.get_input_embeddings().weight
-    assert split_model(model, 1, norms=False).ties == []  # one stage: autograd sums the two uses
+    assert split_model(model, 1).ties == []  # one stage: autograd sums the two uses
 
 
 def test_blocks_are_embedding_layers_head_and_costs_cut_between_them() -> None:
     model = tiny_llama()
     assert len(blocks_of(model)) == LAYERS + 2
-    first, last = split_model(model, 2, costs=[1.0, 1.0, 1.0, 100.0], norms=False).stages
+    first, last = split_model(model, 2, costs=[1.0, 1.0, 1.0, 100.0]).stages
     assert first.embed is not None and len(first.layers) == LAYERS and first.head is None
     assert last.embed is None and len(last.layers) == 0 and last.head is not None
     with pytest.raises(ValueError, match="3 costs for 4 blocks"):
-        split_model(model, 2, costs=[1.0, 1.0, 1.0], norms=False)
+        split_model(model, 2, costs=[1.0, 1.0, 1.0])
 
 
 def test_unknown_models_are_refused() -> None:
@@ -210,7 +206,7 @@ def test_unknown_models_are_refused() -> None:
 @pytest.mark.parametrize("make_model, norm", [(tiny_llama, "LlamaRMSNorm"), (tiny_mamba, "MambaRMSNorm")], ids=["llama", "mamba"])
 def test_the_models_own_norms_are_deferred(isolated_registry: None, make_model: Callable, norm: str) -> None:
     model = make_model()
-    stages = split_model(model, 2, norms=False).stages
+    stages = split_model(model, 2).stages
     assert any(norm in why for why in twobp.patch(copy.deepcopy(stages[1]), report=True).skipped.values())
     assert [t.__name__ for t in defer_norms(model)] == [norm]
     report = twobp.patch(stages[1], report=True)
@@ -230,6 +226,7 @@ def _check_model(rank: int, model_name: str) -> dict:
     torch.manual_seed(0)
     model = make_model().train()
     reference = copy.deepcopy(model)
+    defer_norms(model)  # Llama's and Mamba's own RMSNorms too (in this spawned rank only)
     pipeline: PipelineModel = split_model(model, WORLD)
     stage = pipeline.stages[rank]
     tied = TiedGradients(pipeline)
@@ -281,19 +278,11 @@ def _check_model(rank: int, model_name: str) -> dict:
     return results
 
 
-def _rank_main(rank: int, store_path: str, result_path: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, WORLD), rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
-    )
-    try:
-        result: dict = {}
-        for model_name in MODELS:
-            result.update(_check_model(rank, model_name))
-    except BaseException:  # noqa: BLE001 - reported to the test process
-        result = {"crash": traceback.format_exc()}
-    torch.save(result, f"{result_path}.{rank}")
-    os._exit(0)  # no destroy_process_group: after a failure it could wait on the dead peer
+def _all_models(rank: int) -> dict:
+    results: dict = {}
+    for model_name in MODELS:
+        results.update(_check_model(rank, model_name))
+    return results
 
 
 #: Over 20 s on two loaded cores, once for all the settings below: two processes start and
@@ -303,7 +292,7 @@ def _rank_main(rank: int, store_path: str, result_path: str) -> None:
 def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     directory = tmp_path_factory.mktemp("models")
     store, results = str(directory / "store"), str(directory / "result")
-    run_ranks(_rank_main, WORLD, (store, results), 150.0, ": the pipeline hung")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _all_models, store, results), 150.0, ": the pipeline hung")
     return read_results(results, WORLD)
 
 

@@ -1,0 +1,45 @@
+"""Block costs: parameter counts, measured times that leave the model as it was, and measured
+times every rank agrees on."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tests.ranks import gloo_rank_main, read_results, run_ranks
+from twobp_autograd.pipeline.split import agreed_block_costs, measure_block_costs, parameter_costs
+
+
+def small_net() -> nn.Sequential:
+    return nn.Sequential(
+        nn.Linear(4, 32), nn.BatchNorm1d(32), nn.ReLU(),
+        nn.Linear(32, 8), nn.ReLU(), nn.Linear(8, 2),
+    )  # fmt: skip
+
+
+def test_parameter_costs_count_parameters() -> None:
+    assert parameter_costs(small_net()) == [4 * 32 + 32 + 1, 64 + 1, 1, 32 * 8 + 8 + 1, 1, 8 * 2 + 2 + 1]
+
+
+def test_measuring_leaves_grads_and_buffers_as_they_were() -> None:
+    model = small_net().train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    costs = measure_block_costs(list(model), torch.randn(6, 4), repeats=1)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert all(p.grad is None for p in model.parameters())
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, before[name], rtol=0, atol=0, msg=name)
+
+
+def _agree(rank: int) -> list[float]:
+    # Rank 1 measures on a batch 64 times larger: its own times would cut elsewhere.
+    return agreed_block_costs(list(small_net()), torch.randn(6 * (1 + 63 * rank), 4))
+
+
+def test_ranks_agree_on_the_mean_of_their_measured_costs(tmp_path) -> None:
+    store, results = os.path.join(tmp_path, "store"), os.path.join(tmp_path, "result")
+    run_ranks(gloo_rank_main, 2, (2, _agree, store, results), 60.0)
+    first, second = read_results(results, 2)
+    assert first == second and len(first) == 6 and all(c > 0 for c in first)

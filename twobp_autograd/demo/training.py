@@ -1,0 +1,64 @@
+"""The training loop both ways of running the demo share: the same batches in the same
+order for both sides of the comparison, their steps taking turns (and which goes first), so a
+slow patch of a shared machine lands on both alike, and both scored after every epoch."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .data import DigitsSplit
+from .summary import epoch_line
+
+__all__ = ["Side", "steps_per_epoch", "train"]
+
+
+class Side:
+    """One side of the comparison (2BP, or the same without it) and what its steps measured."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.step_seconds: list[float] = []
+        self.losses: list[float] = []
+        self.accuracies: list[float] = []
+
+    def step(self, x: Tensor, y: Tensor) -> None:
+        """One optimizer step on the batch; its time and mean loss are appended where this
+        process measures them."""
+        raise NotImplementedError
+
+    def test_accuracy(self, x: Tensor, y: Tensor) -> float:
+        raise NotImplementedError
+
+
+def steps_per_epoch(args: argparse.Namespace, num_samples: int) -> int:
+    steps = num_samples // args.batch_size
+    return steps if args.max_steps is None else min(steps, args.max_steps)
+
+
+def train(sides: Sequence[Side], data: DigitsSplit, args: argparse.Namespace, *, reporting: bool) -> None:
+    """``args.epochs`` passes over the training split; with ``reporting``, a progress bar and
+    one line per epoch."""
+    from tqdm import tqdm
+
+    steps = steps_per_epoch(args, len(data.train_y))
+    shuffle = torch.Generator().manual_seed(args.seed)  # the same order on every rank
+    step_index = 0
+    for epoch in range(1, args.epochs + 1):
+        order = torch.randperm(len(data.train_y), generator=shuffle).to(data.train_y.device)
+        bar = tqdm(range(steps), desc=f"epoch {epoch}/{args.epochs}", leave=False, dynamic_ncols=True, disable=not reporting)
+        for i in bar:
+            batch = order[i * args.batch_size : (i + 1) * args.batch_size]
+            for side in sides if step_index % 2 == 0 else sides[::-1]:
+                side.step(data.train_x[batch], data.train_y[batch])
+            step_index += 1
+            if reporting:
+                bar.set_postfix(loss=f"{sides[0].losses[-1]:.3f}", s_per_step=f"{sides[0].step_seconds[-1]:.2f}")
+        bar.close()
+        for side in sides:
+            side.accuracies.append(side.test_accuracy(data.test_x, data.test_y))
+        if reporting:
+            print(epoch_line(epoch, sides, steps, args.batch_size), flush=True)

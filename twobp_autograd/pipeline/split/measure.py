@@ -1,0 +1,66 @@
+"""What a block costs: its parameter count, or its forward plus backward time measured on a
+sample, averaged over the ranks when every rank measures its own.
+
+Measured times differ from process to process, and ranks that cut the same model from
+different costs would hold stages that do not fit together: :func:`agreed_block_costs` is the
+one each rank of a pipeline calls.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = ["parameter_costs", "measure_block_costs", "agreed_block_costs"]
+
+
+def parameter_costs(blocks: Sequence[nn.Module]) -> list[float]:
+    """Parameter count per block, plus one so that blocks without parameters still count."""
+    return [float(sum(p.numel() for p in block.parameters()) + 1) for block in blocks]
+
+
+def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats: int = 2) -> list[float]:
+    """Seconds of forward plus backward of each block on ``sample`` (the model's input), the
+    fastest of ``repeats`` after one warm-up. Leaves gradients and buffers (BatchNorm running
+    statistics) as they were."""
+    buffers = {id(b): b.detach().clone() for block in blocks for b in block.buffers()}
+    grads = {id(p): p.grad for block in blocks for p in block.parameters()}
+    costs: list[float] = []
+    x = sample
+    try:
+        for block in blocks:
+            best = float("inf")
+            for attempt in range(repeats + 1):
+                inp = x.detach().requires_grad_(x.is_floating_point())
+                start = time.perf_counter()
+                out = block(inp)
+                if out.requires_grad:
+                    out.backward(torch.ones_like(out))
+                if out.is_cuda:
+                    torch.cuda.synchronize(out.device)
+                if attempt > 0:
+                    best = min(best, time.perf_counter() - start)
+            costs.append(best)
+            x = out.detach()
+    finally:
+        with torch.no_grad():
+            for block in blocks:
+                for b in block.buffers():
+                    b.copy_(buffers[id(b)])
+                for p in block.parameters():
+                    p.grad = grads[id(p)]
+    return costs
+
+
+def agreed_block_costs(
+    blocks: Sequence[nn.Module], sample: Tensor, *, group: "dist.ProcessGroup | None" = None
+) -> list[float]:
+    """:func:`measure_block_costs` on every rank of ``group``, averaged over them: the same
+    costs on every rank (a collective: every rank calls it)."""
+    measured = torch.tensor(measure_block_costs(blocks, sample), dtype=torch.float64, device=sample.device)
+    dist.all_reduce(measured, group=group)
+    return (measured / dist.get_world_size(group)).tolist()

@@ -1,0 +1,67 @@
+"""Parameters that several stages hold (tied input and output embeddings, on the first and
+the last rank): each holding rank gets only its own use's part of the gradient, so the parts
+are summed over those ranks before the optimizer step, and every copy takes the same step."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:
+    from .pipeline_model import PipelineModel
+
+__all__ = ["Tie", "TiedGradients", "ties_of"]
+
+
+@dataclass(frozen=True)
+class Tie:
+    """A parameter that several stages hold."""
+
+    name: str  # its qualified name in the model
+    parameter: nn.Parameter
+    stages: tuple[int, ...]
+
+
+def ties_of(model: nn.Module, stages: Sequence[nn.Module]) -> list[Tie]:
+    """The parameters of ``model`` that more than one of ``stages`` holds."""
+    holders: dict[int, list[int]] = {}
+    for index, stage in enumerate(stages):
+        for p in stage.parameters():
+            holders.setdefault(id(p), []).append(index)
+    return [
+        Tie(name, p, tuple(holders[id(p)]))
+        for name, p in model.named_parameters()
+        if len(holders.get(id(p), ())) > 1
+    ]
+
+
+class TiedGradients:
+    """Sums the gradients of tied parameters over the ranks whose stages hold them.
+
+    Build it on every rank, in the same order as any other process groups (it creates one
+    group per set of owning ranks, which every rank must take part in), with the
+    :class:`PipelineModel` that rank split; stage ``i`` runs on rank ``i`` of ``group``. Call
+    :meth:`all_reduce` after each step's last weight-gradient flush, before the optimizer step.
+    """
+
+    def __init__(self, pipeline: "PipelineModel", *, group: "dist.ProcessGroup | None" = None) -> None:
+        rank = dist.get_rank(group)
+        groups: dict[tuple[int, ...], Any] = {}
+        self.reductions: list[tuple[nn.Parameter, Any]] = []
+        for tie in pipeline.ties:
+            if tie.stages not in groups:
+                ranks = [s if group is None else dist.get_global_rank(group, s) for s in tie.stages]
+                groups[tie.stages] = dist.new_group(ranks)
+            if rank in tie.stages:
+                self.reductions.append((tie.parameter, groups[tie.stages]))
+
+    def all_reduce(self) -> None:
+        for parameter, group in self.reductions:
+            if parameter.grad is None:  # this rank's use of it got no gradient; the sum still needs it
+                parameter.grad = torch.zeros_like(parameter)
+            dist.all_reduce(parameter.grad, group=group)
