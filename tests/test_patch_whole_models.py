@@ -9,7 +9,7 @@ are reported as skipped and keep plain autograd).
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from torch import nn
 
 import twobp_autograd as twobp
-from twobp_autograd import registry
 from tests.utils import assert_grads_match
 
 torchvision = pytest.importorskip("torchvision")
@@ -112,13 +111,6 @@ from transformers.models.mamba.modeling_mamba import MambaRMSNorm  # noqa: E402
 VOCAB, HIDDEN, LAYERS, SEQUENCE, BATCH, MICRO_BATCHES = 96, 32, 2, 12, 2, 3
 
 
-@pytest.fixture
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Registrations made by a test vanish after it, so other tests see the built-ins only."""
-    monkeypatch.setattr(registry, "_rules", dict(registry._rules))
-    yield
-
-
 def tiny_llama() -> nn.Module:
     return tiny_models.llama(VOCAB, HIDDEN, LAYERS, SEQUENCE, "sdpa")
 
@@ -157,7 +149,6 @@ def _immediate(name: str, suffixes: tuple[str, ...]) -> bool:
 
 @pytest.mark.parametrize("make_model, norms, skipped, immediate", [c[1:] for c in HF_CASES], ids=[c[0] for c in HF_CASES])
 def test_hugging_face_model_matches_plain_autograd(
-    isolated_registry: None,
     make_model: Callable[[], nn.Module],
     norms: tuple[type, ...],
     skipped: set[str],

@@ -12,7 +12,7 @@ micro-batches, tied embeddings included once :class:`TiedGradients` has summed t
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -98,13 +98,6 @@ TIED = {"llama", "bert", "mamba"}
 #: (schedule, 2BP on)
 SCHEDULE_SETTINGS = [("gpipe", True), ("1f1b-1", True), ("gpipe", False)]
 SETTING_IDS = [f"{model}-{name}-{'2bp' if on else 'plain'}" for model in MODELS for name, on in SCHEDULE_SETTINGS]
-
-
-@pytest.fixture
-def isolated_registry(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Registrations made by a test vanish after it, so other tests see the built-ins only."""
-    monkeypatch.setattr(registry, "_rules", dict(registry._rules))
-    yield
 
 
 # -- in one process ----------------------------------------------------------------------------
@@ -204,7 +197,7 @@ def test_unknown_models_are_refused() -> None:
 
 
 @pytest.mark.parametrize("make_model, norm", [(tiny_llama, "LlamaRMSNorm"), (tiny_mamba, "MambaRMSNorm")], ids=["llama", "mamba"])
-def test_the_models_own_norms_are_deferred(isolated_registry: None, make_model: Callable, norm: str) -> None:
+def test_the_models_own_norms_are_deferred(make_model: Callable, norm: str) -> None:
     model = make_model()
     stages = split_model(model, 2).stages
     assert any(norm in why for why in twobp.patch(copy.deepcopy(stages[1]), report=True).skipped.values())
