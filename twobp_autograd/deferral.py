@@ -16,6 +16,11 @@ second-order term through a weight would silently be missing.
 An op whose own backward already produces its weight gradients on the way to the input gradient
 (BatchNorm's reductions) skips the tap: its custom Function takes the parameters as inputs and
 routes the finished gradients with :class:`ParamDeferral`, under the same rules.
+
+The tap changes no value, so it hides from autograd's other machinery: it restores the version
+counters that re-parenting bumps (selective activation checkpointing caches op outputs and
+refuses "mutated" ones), and in forward-mode AD it is the identity on tangents. A tangent's own
+graph lacks the detached weights, so a backward through it to them is refused (:func:`guard_tangent`).
 """
 
 from __future__ import annotations
@@ -26,11 +31,20 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 
 from .job import WeightGradJob, WeightGradKernel
 from .queue import WeightGradQueue, current_queue
 
-__all__ = ["ParamDeferral", "defer_weight_grads", "detached", "kernel_group", "param_inputs", "param_from_input"]
+__all__ = [
+    "ParamDeferral",
+    "defer_weight_grads",
+    "detached",
+    "guard_tangent",
+    "kernel_group",
+    "param_inputs",
+    "param_from_input",
+]
 
 
 def detached(param: "Tensor | None") -> "Tensor | None":
@@ -127,10 +141,40 @@ class _WeightGradTap(torch.autograd.Function):
         return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
+    def jvp(ctx: Any, _spec: None, _saved: None, *tangents: Tensor) -> Any:
+        """Forward-mode AD: the identity on the outputs' tangents (each given its own guard, see
+        :func:`guard_tangent`). Autograd wants a dirty output's tangent modified in place as
+        well, and the guard's own re-parenting is that modification."""
+        spec: _TapSpec = ctx.spec
+        params = spec.deferral.params
+        with forward_ad._set_fwd_grad_enabled(True):  # off in a jvp, where tangents read as None
+            param_tangents = [p is not None and forward_ad.unpack_dual(p).tangent is not None for p in params]
+        if any(param_tangents):
+            raise RuntimeError(
+                "twobp: a forward-mode AD tangent on a parameter of a patched module (a dual "
+                "tensor as its weight or bias) is not supported: the op runs on the detached "
+                "parameter, so that tangent would be dropped. Use torch.func.jvp over "
+                "torch.func.functional_call (patched modules take their plain forward inside "
+                "torch.func), or twobp.unpatch(model) for this computation."
+            )
+        ctx.saw_tangents = True
+        guarded = tuple(guard_tangent(t, params, bump_version=True) for t in tangents[: spec.num_outputs])
+        return guarded if len(guarded) > 1 else guarded[0]
+
+    @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple["Tensor | None", ...]:
         spec: _TapSpec = ctx.spec
         deferral = spec.deferral
         decisions = deferral.decide(ctx)
+        if "now" in decisions and _carries_tangents(ctx, grad_outputs):
+            raise RuntimeError(
+                "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
+                "tensors with forward-mode tangents) is not supported: the weight gradient's "
+                "tangent would miss the terms through the saved activations. Take the weight "
+                "gradients with backward() and flush (their tangents are dropped there, as autograd "
+                "drops them in .grad), ask autograd.grad for input gradients only, or "
+                "twobp.unpatch(model) for this computation."
+            )
         saved = ctx.saved_tensors
         param_grads: list["Tensor | None"] = [None] * len(decisions)
         if "now" in decisions:
@@ -157,9 +201,57 @@ def _refuse_create_graph() -> None:
         raise RuntimeError(
             "twobp: create_graph=True (higher-order gradients) through a patched module is not "
             "supported: its weight gradients are taken out of autograd's graph (deferred or "
-            "computed outside it), so second-order terms through the weights would be missing. Run this step on the unpatched model "
-            "(twobp.unpatch(model), or patch(model, exclude=[...]) for the modules involved)."
+            "computed outside it), so second-order terms through the weights would be missing "
+            "(torch.autograd.functional's jvp, hvp, vhp and hessian use it inside; for a "
+            "Jacobian-vector product use torch.func.jvp or torch.autograd.forward_ad). Run this "
+            "step on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]) "
+            "for the modules involved)."
         )
+
+
+def _carries_tangents(ctx: Any, grad_outputs: Sequence[Tensor]) -> bool:
+    """Whether this backward differentiates tensors that carry forward-mode AD tangents
+    (forward-over-reverse): the call saw tangents in its forward (its ``jvp`` ran), or its
+    output gradients have some. One lookup when no ``forward_ad.dual_level`` is open."""
+    if forward_ad._current_level < 0:
+        return False
+    return getattr(ctx, "saw_tangents", False) or any(forward_ad.unpack_dual(g).tangent is not None for g in grad_outputs)
+
+
+class _TangentGuard(torch.autograd.Function):
+    """The identity on a forward-mode tangent whose autograd graph lacks its dependence on
+    ``primals`` (it was computed from detached parameters): a backward through the tangent
+    (reverse-over-forward) that would reach one of them is refused, not left without that term."""
+
+    @staticmethod
+    def forward(ctx: Any, tangent: Tensor, *primals: Tensor) -> Tensor:
+        ctx.mark_dirty(tangent)  # in place, as autograd wants a dirty output's tangent changed
+        return tangent
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+        primal_edges = zip(ctx.next_functions[1:], ctx.needs_input_grad[1:])
+        if any(need and _decide(node) != "skip" for (node, _), need in primal_edges):
+            raise RuntimeError(
+                "twobp: backward through a forward-mode AD tangent of a patched module "
+                "(reverse-over-forward, e.g. a loss on a Jacobian-vector product) is not "
+                "supported: the tangent was computed from detached weights, so their gradient "
+                "through it would be missing. Compute such a loss on the unpatched model "
+                "(twobp.unpatch(model), or patch(model, exclude=[...]))."
+            )
+        return (grad, *(None for _ in ctx.needs_input_grad[1:]))
+
+
+def guard_tangent(tangent: Tensor, primals: Sequence["Tensor | None"], *, bump_version: bool = False) -> Tensor:
+    """``tangent``, re-parented in place onto a :class:`_TangentGuard` when autograd records
+    and one of ``primals`` requires grad; else as it is, its version bumped if asked (what
+    the guard's re-parenting does)."""
+    inputs = [p for p in primals if p is not None and p.requires_grad]
+    if inputs and torch.is_grad_enabled():
+        return _TangentGuard.apply(tangent, *inputs)
+    if bump_version:
+        torch.autograd.graph.increment_version(tangent)
+    return tangent
 
 
 def _decide(param_node: Any) -> str:

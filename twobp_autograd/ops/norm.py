@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch._prims_common import suggest_memory_format
 from torch.overrides import has_torch_function_variadic
 
-from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs
+from ..deferral import ParamDeferral, defer_weight_grads, detached, guard_tangent, param_from_input, param_inputs
 from ..registry import register
 from .precision import accumulation_dtype
 
@@ -124,7 +125,21 @@ class _TrainingBatchNorm(torch.autograd.Function):
         )
         ctx.eps, ctx.deferral = eps, deferral
         ctx.save_for_backward(input, weight, save_mean, save_invstd)
+        if forward_ad._current_level >= 0:  # a dual level is open: jvp may be called
+            ctx.save_for_forward(input, weight, bias)
         return output
+
+    @staticmethod
+    def jvp(ctx: Any, _eps: None, _momentum: None, _stats: None, _deferral: None, *tangents: Tensor) -> Tensor:
+        """native_batch_norm's own forward derivative in training, taken on detached copies of
+        the inputs at the open dual level (this Function's forward ran without forward AD)."""
+        primals = ctx.saved_tensors  # input, weight, bias as the op saw them
+        with forward_ad._set_fwd_grad_enabled(True):
+            duals = [
+                None if p is None else forward_ad.make_dual(p.detach(), t.to(p.dtype)) for p, t in zip(primals, tangents)
+            ]
+            tangent = forward_ad.unpack_dual(torch.native_batch_norm(*duals, None, None, True, 0.0, ctx.eps)[0]).tangent
+        return guard_tangent(tangent, primals)
 
     @staticmethod
     def backward(ctx: Any, grad_output: Tensor) -> tuple["Tensor | None", ...]:
