@@ -268,6 +268,22 @@ def test_batch_norm_keeps_its_errors() -> None:
     assert twobp.pending().jobs == 0
 
 
+@pytest.mark.parametrize(
+    "track_running_stats, refused", [(True, "running_mean"), (False, "weight")], ids=["running-stats", "batch-stats"]
+)
+def test_batch_norm_refuses_the_wrong_number_of_channels(track_running_stats: bool, refused: str) -> None:
+    """As plain does: the native op the patched forward calls checks nothing, and read (and
+    wrote) past the end of the statistics, or returned a silently wrong output."""
+    plain = nn.BatchNorm1d(3, track_running_stats=track_running_stats)
+    patched = twobp.patch(copy.deepcopy(plain))
+    x = torch.randn(4, 5, requires_grad=True)
+    message = f"{refused} should contain 5 elements not 3"
+    for module in (plain, patched):
+        with pytest.raises(RuntimeError, match=message):
+            module(x)
+    assert twobp.pending().jobs == 0
+
+
 UNPATCH = [BATCH_NORM[2], LAYER_NORM[0], GROUP_NORM[2], RMS_NORM[0]]
 
 

@@ -159,6 +159,15 @@ class _TrainingBatchNorm(torch.autograd.Function):
         return (None, None, None, None, grads[0], *deferral.defer_finished(decisions, grads[1:]))
 
 
+def _check_num_features(input: Tensor, **tensors: "Tensor | None") -> None:
+    """torch.batch_norm's own checks, which native_batch_norm lacks: called directly with the
+    wrong number of channels, it reads and writes past the end of the statistics."""
+    channels = input.shape[1]
+    for name, tensor in tensors.items():
+        if tensor is not None and tensor.numel() != channels:
+            raise RuntimeError(f"{name} should contain {channels} elements not {tensor.numel()}")
+
+
 def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
     """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward)."""
     if _is_plain_call(input, module.weight, module.bias):
@@ -176,6 +185,7 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
     running_var = module.running_var if module.track_running_stats else None
     (x,) = _as_autocast_casts("batch_norm", input)
     params = (module.weight, module.bias)
+    _check_num_features(x, running_mean=running_mean, running_var=running_var, weight=params[0], bias=params[1])
     deferral = ParamDeferral.at_forward(params)
     # The running statistics go in a tuple: buffers updated in place, not inputs to differentiate.
     return _TrainingBatchNorm.apply(module.eps, factor, (running_mean, running_var), deferral, x, *param_inputs(params))
