@@ -283,3 +283,53 @@ def test_saved_tensors_hooks_see_what_the_tap_saves():
 
     check_deferred_like_autograd(net, make_input, around=hooks)
     assert sorted(unpacked) == list(range(len(packed)))
+
+
+def test_backward_twice_through_a_checkpoint_then_one_flush():
+    """retain_graph=True under a non-reentrant checkpoint: each backward recomputes the region
+    and queues its own work; one flush sums both, as plain accumulates both."""
+    net, make_input = transformer(WRAPS["non-reentrant"])
+    patched, reference = patched_and_reference(net)
+    per_micro_batch = jobs_per_micro_batch(patched, make_input)
+    x = make_input()
+    for model in (patched, reference):
+        loss = loss_of(model(x))
+        loss.backward(retain_graph=True)
+        loss.backward()
+    assert twobp.pending().jobs == 2 * per_micro_batch
+    assert_no_grads(patched)
+    twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(patched, reference)
+
+
+@pytest.mark.parametrize("wrap", ["sac-save-products", "non-reentrant"])
+def test_input_only_backward_through_a_checkpoint_queues_nothing(wrap):
+    """The recomputed taps keep autograd's scoping: backward(inputs=[x]) wants no weight."""
+    block = transformer_block()
+    patched, reference = patched_and_reference(block)
+    x = torch.randn(2, 5, 8)
+    gradients = []
+    for model in (patched, reference):
+        leaf = x.clone().requires_grad_()
+        loss_of(WRAPS[wrap](model, leaf)).backward(inputs=[leaf])
+        gradients.append(leaf.grad)
+    torch.testing.assert_close(gradients[0], gradients[1])
+    assert twobp.pending().jobs == 0
+    assert_no_grads(patched)
+
+
+@pytest.mark.parametrize("wrap", ["non-reentrant", "reentrant"])
+def test_dropout_inside_a_checkpoint_replays_the_same_masks(wrap):
+    """The recomputation restores the RNG state: attention dropout and nn.Dropout draw the
+    masks of the forward again, in the patched model as in plain."""
+    block = nn.Sequential(SelfAttention(8, 2), nn.Dropout(0.3))
+    block[0].attention.dropout = 0.5
+    patched, reference = patched_and_reference(block)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    for model in (patched, reference):
+        torch.manual_seed(1)
+        loss_of(WRAPS[wrap](model, x)).backward()
+    assert twobp.pending().jobs == 2
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
