@@ -287,23 +287,104 @@ def test_create_graph_through_a_patched_conv_is_refused() -> None:
         torch.autograd.grad((model(x) ** 2).sum(), [x], create_graph=True)
 
 
-@pytest.mark.parametrize("patch_first", [False, True], ids=["norm-then-patch", "patch-then-norm"])
-def test_weight_computed_by_a_hook_stays_on_autograd(patch_first: bool) -> None:
-    def weight_normed(conv: nn.Module) -> nn.Module:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # deprecated, still in use
-            return torch.nn.utils.weight_norm(conv)
+#: One of each convolution type, with the input shape of a micro-batch.
+EACH_TYPE = {
+    "conv1d": (lambda: nn.Conv1d(3, 4, 3, padding=1), (2, 3, 7)),
+    "conv2d": (lambda: nn.Conv2d(3, 4, 3), (2, 3, 5, 5)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2), (2, 2, 3, 4, 3)),
+    "conv-transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, stride=2), (2, 3, 5)),
+    "conv-transpose2d": (lambda: nn.ConvTranspose2d(3, 4, 3, padding=1), (2, 3, 4, 5)),
+    "conv-transpose3d": (lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), (2, 2, 2, 3, 2)),
+}
+each_type = pytest.mark.parametrize("make, shape", EACH_TYPE.values(), ids=EACH_TYPE.keys())
 
-    model = nn.Conv2d(3, 4, 3)
-    reference = weight_normed(copy.deepcopy(model))
-    model = weight_normed(twobp.patch(model)) if patch_first else twobp.patch(weight_normed(model))
-    x = torch.randn(2, 3, 5, 5)
-    (model(x) ** 2).sum().backward()
-    (reference(x) ** 2).sum().backward()
+
+def _run_twins(model: nn.Module, reference: nn.Module, shape: tuple[int, ...], calls: int = 2) -> None:
+    for _ in range(calls):
+        x = torch.randn(shape)
+        out, ref_out = model(x), reference(x.clone())
+        torch.testing.assert_close(out, ref_out)
+        (out**2).sum().backward()
+        (ref_out**2).sum().backward()
+
+
+def _weight_normed_by_hook(conv: nn.Module) -> nn.Module:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # deprecated, still in use
+        return torch.nn.utils.weight_norm(conv)
+
+
+@pytest.mark.parametrize("patch_first", [False, True], ids=["norm-then-patch", "patch-then-norm"])
+@each_type
+def test_weight_computed_by_a_hook_stays_on_autograd(make, shape, patch_first: bool) -> None:
+    model = make()
+    reference = _weight_normed_by_hook(copy.deepcopy(model))  # no deepcopy after it
+    model = _weight_normed_by_hook(twobp.patch(model)) if patch_first else twobp.patch(_weight_normed_by_hook(model))
+    _run_twins(model, reference, shape)
     # weight_g / weight_v get their gradients from autograd at once; the bias is deferred.
     assert model.weight_g.grad is not None and model.bias.grad is None
-    assert twobp.pending().jobs == 1
+    assert twobp.pending().jobs == 2
     twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(model, reference)
+
+
+class LearnedScale(nn.Module):
+    """A parametrization with a parameter of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(1.5))
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight * self.scale
+
+
+PARAMETRIZATIONS = {
+    "weight-norm": nn.utils.parametrizations.weight_norm,
+    "spectral-norm": nn.utils.parametrizations.spectral_norm,  # power iteration on buffers, per read
+    "custom": lambda conv: nn.utils.parametrize.register_parametrization(conv, "weight", LearnedScale()),
+}
+parametrizations = pytest.mark.parametrize("parametrize", PARAMETRIZATIONS.values(), ids=PARAMETRIZATIONS.keys())
+
+
+def _parametrized(conv: nn.Module, parametrize: Callable[[nn.Module], object]) -> nn.Module:
+    torch.manual_seed(7)  # spectral_norm draws its starting vectors: the same for both twins
+    parametrize(conv)
+    return conv
+
+
+@parametrizations
+@each_type
+def test_parametrization_registered_after_patch(make, shape, parametrize) -> None:
+    """The class becomes a generated subclass (ParametrizedConv2d...) under the patched forward:
+    the weight, rebuilt at each call, differentiates at once; the bias is still deferred."""
+    model = make()
+    reference = copy.deepcopy(model)
+    model = _parametrized(twobp.patch(model), parametrize)
+    reference = _parametrized(reference, parametrize)
+    _run_twins(model, reference, shape)
+    originals = list(model.parametrizations.weight.parameters())
+    assert originals and all(p.grad is not None for p in originals)
+    assert model.bias.grad is None and twobp.pending().jobs == 2
+    twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(model, reference)
+    for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
+        torch.testing.assert_close(b, c, msg=lambda m: f"buffer {name}: {m}")
+
+
+@parametrizations
+@each_type
+def test_parametrized_before_patch_stays_plain_and_is_reported(make, shape, parametrize) -> None:
+    model = make()
+    reference = _parametrized(copy.deepcopy(model), parametrize)
+    model = _parametrized(model, parametrize)
+    report = twobp.patch(nn.Sequential(model), report=True)
+    assert report.patched == []
+    assert "is not registered" in report.skipped["0"] and type(model).__name__ in report.skipped["0"]
+    _run_twins(model, reference, shape)
+    assert twobp.pending().jobs == 0
     assert_grads_match(model, reference)
 
 

@@ -92,15 +92,19 @@ def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, "IntTuple 
 
 
 def _deferred_conv(
-    functional: Callable[..., Tensor],
     module: nn.modules.conv._ConvNd,
     input: Tensor,
+    weight: Tensor,
+    bias: "Tensor | None",
     functional_args: Sequence[Any],
     kernel_config: dict[str, Any],
 ) -> Tensor:
-    """Run ``functional(input, weight, bias, *functional_args)`` with the leaf parameters
-    detached and defer their gradients; ``input`` is what the convolution itself receives."""
-    weight, bias = module.weight, module.bias
+    """Run the module's functional ``F.conv*(input, weight, bias, *functional_args)`` with the
+    leaf parameters detached and defer their gradients; ``input`` is what the convolution itself
+    receives."""
+    # Found by what the module is, not by its exact type: registering a parametrization swaps
+    # the class of an already patched module for a generated subclass (ParametrizedConv2d).
+    functional = _CONV_FUNCTIONALS[module.transposed, len(module.kernel_size)]
     output = functional(input, detached(weight), detached(bias), *functional_args)
     unbatched = input.dim() == len(module.kernel_size) + 1
     if unbatched:
@@ -126,7 +130,7 @@ def _deferred_conv(
 
 def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     """The forward of ``nn.Conv1d/2d/3d`` (``_conv_forward``) with deferred weight gradients."""
-    functional = _CONV_FUNCTIONALS[type(module)]
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     zeros = (0,) * len(module.kernel_size)
     conv_padding: "str | IntTuple" = module.padding  # what the module passes to F.convNd
     kernel_padding: IntTuple = zeros  # the same, as symmetric numbers for the weight kernel
@@ -146,7 +150,7 @@ def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
         extra_right_padding=extra,
     )
     args = (module.stride, conv_padding, module.dilation, module.groups)
-    return _deferred_conv(functional, module, input, args, config)
+    return _deferred_conv(module, input, weight, bias, args, config)
 
 
 def conv_transpose_forward(
@@ -157,7 +161,7 @@ def conv_transpose_forward(
         raise ValueError(f"Only `zeros` padding mode is supported for {type(module).__name__}")
     if not isinstance(module.padding, tuple):
         raise AssertionError("self.padding must be a tuple")
-    functional = _CONV_FUNCTIONALS[type(module)]
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     num_spatial_dims = len(module.kernel_size)
     output_padding = module._output_padding(
         input,
@@ -175,16 +179,17 @@ def conv_transpose_forward(
         output_padding=tuple(output_padding),
     )
     args = (module.stride, module.padding, output_padding, module.groups, module.dilation)
-    return _deferred_conv(functional, module, input, args, config)
+    return _deferred_conv(module, input, weight, bias, args, config)
 
 
-_CONV_FUNCTIONALS: dict[type, Callable[..., Tensor]] = {
-    nn.Conv1d: F.conv1d,
-    nn.Conv2d: F.conv2d,
-    nn.Conv3d: F.conv3d,
-    nn.ConvTranspose1d: F.conv_transpose1d,
-    nn.ConvTranspose2d: F.conv_transpose2d,
-    nn.ConvTranspose3d: F.conv_transpose3d,
+#: (transposed, spatial dims) -> the functional the module's forward calls.
+_CONV_FUNCTIONALS: dict[tuple[bool, int], Callable[..., Tensor]] = {
+    (False, 1): F.conv1d,
+    (False, 2): F.conv2d,
+    (False, 3): F.conv3d,
+    (True, 1): F.conv_transpose1d,
+    (True, 2): F.conv_transpose2d,
+    (True, 3): F.conv_transpose3d,
 }
 
 
