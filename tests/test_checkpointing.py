@@ -333,3 +333,28 @@ def test_dropout_inside_a_checkpoint_replays_the_same_masks(wrap):
     assert twobp.pending().jobs == 2
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+def test_reentrant_checkpoint_binds_its_work_at_backward():
+    """A reentrant checkpoint runs its region's forward under no_grad (plain) and again inside
+    backward, where its patched calls bind to the queue current then. Backward inside the
+    forward's use_queue block: all the work reaches that queue. Outside it: the region's work
+    reaches the default queue, and optimizer.step() refuses to run over it, not without it."""
+    net, make_input = transformer(WRAPS["reentrant"])
+    patched = twobp.patch(net)
+    per_micro_batch = jobs_per_micro_batch(patched, make_input)
+    region_jobs = per_micro_batch - 2  # all but the embedding and the head
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue):
+        loss_of(patched(make_input())).backward()
+    assert (queue.pending().jobs, twobp.pending().jobs) == (per_micro_batch, 0)
+    queue.flush()
+
+    with twobp.use_queue(queue):
+        loss = loss_of(patched(make_input()))
+    loss.backward()
+    assert (queue.pending().jobs, twobp.pending().jobs) == (2, region_jobs)
+    queue.flush()
+    with pytest.raises(RuntimeError, match="twobp: optimizer.step"):
+        torch.optim.SGD(patched.parameters(), lr=0.1).step()
+    twobp.discard_weight_grads()

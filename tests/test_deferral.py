@@ -462,3 +462,23 @@ def test_recompute_rule_on_a_module_whose_last_op_saves_its_result(last):
         for model in (patched, reference):
             model(x).pow(2).sum().backward()
     finish_and_compare(patched, reference, jobs=6)
+
+
+def test_gradient_edges_as_inputs():
+    """autograd.grad / backward(inputs=...) given GradientEdges (as torch.distributed.pipelining
+    passes them) scope the work like the tensors themselves."""
+    from torch.autograd.graph import get_gradient_edge
+
+    patched, reference = patched_and_reference(mlp())
+    x = torch.randn(4, 6)
+    returned = []
+    for model in (patched, reference):
+        hidden = model[0](x)
+        loss = model[1:](hidden).pow(2).sum()
+        returned.append(torch.autograd.grad(loss, [get_gradient_edge(hidden), get_gradient_edge(model[4].weight)]))
+    for got, want in zip(*returned, strict=True):
+        torch.testing.assert_close(got, want)
+    assert twobp.pending().jobs == 0
+    for model in (patched, reference):
+        loss_of(model, x).backward(inputs=[get_gradient_edge(model[2].weight)])
+    finish_and_compare(patched, reference, jobs=1)
