@@ -28,7 +28,8 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..deferral import defer_weight_grads, detached
 from ..registry import register
-from .linear import linear_forward, linear_weight_grad
+from .fallback import plain_forward, unsupported_tensors
+from .linear import linear, linear_forward, linear_weight_grad
 
 __all__ = ["multihead_attention", "in_projection_weight_grad", "kv_bias_grad"]
 
@@ -136,10 +137,14 @@ def multihead_attention(
     average_attn_weights: bool = True,
     is_causal: bool = False,
 ) -> tuple[Tensor, "Tensor | None"]:
-    if query.is_nested or key.is_nested or value.is_nested:
-        # Outside its inference fast path PyTorch refuses nested tensors: let it say so.
-        return type(module).forward(
-            module, query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal
+    # (Outside its inference fast path PyTorch refuses nested tensors, and softmax complex ones:
+    # the plain forward says so.) The parameters need no look: they meet the inputs in a GEMM,
+    # which refuses mixed dtypes.
+    reason = unsupported_tensors(query, key, value)
+    if reason is not None:
+        return plain_forward(
+            module, reason, query, key, value,
+            key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal,
         )
     # MultiheadAttention.forward
     key_padding_mask = F._canonical_mask(
@@ -286,4 +291,4 @@ def multihead_attention(
 def out_projection(module: NonDynamicallyQuantizableLinear, input: Tensor) -> Tensor:
     """MHA's ``out_proj`` is only reached through its owner's rule above; called directly, it is
     an nn.Linear."""
-    return linear_forward(input, module.weight, module.bias)
+    return linear(module, input)

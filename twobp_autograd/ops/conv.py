@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from ..deferral import defer_weight_grads, detached
 from ..registry import register
+from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
 __all__ = ["conv_weight_grad", "conv_forward", "conv_transpose_forward"]
@@ -131,6 +132,9 @@ def _deferred_conv(
 def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     """The forward of ``nn.Conv1d/2d/3d`` (``_conv_forward``) with deferred weight gradients."""
     weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, weight)
+    if reason is not None:
+        return plain_forward(module, reason, input)
     zeros = (0,) * len(module.kernel_size)
     conv_padding: "str | IntTuple" = module.padding  # what the module passes to F.convNd
     kernel_padding: IntTuple = zeros  # the same, as symmetric numbers for the weight kernel
@@ -162,6 +166,9 @@ def conv_transpose_forward(
     if not isinstance(module.padding, tuple):
         raise AssertionError("self.padding must be a tuple")
     weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, weight)
+    if reason is not None:
+        return plain_forward(module, reason, input, output_size)
     num_spatial_dims = len(module.kernel_size)
     output_padding = module._output_padding(
         input,

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 
 from ..deferral import defer_weight_grads, detached
 from ..registry import register
+from .fallback import plain_forward, unsupported_tensors
 
 __all__ = ["embedding_weight_grad"]
 
@@ -30,13 +31,16 @@ def embedding_weight_grad(
     needs: Sequence[bool],
     *,
     num_weights: int,
+    embedding_dim: int,
     padding_idx: int,
     scale_grad_by_freq: bool,
 ) -> list["Tensor | None"]:
     if not needs[0]:
         return [None]
     (indices,) = saved
-    grad = grad_outputs[0].reshape(indices.numel(), -1)
+    # One row per index (scalar lookups join into a flat gradient); the width spelled out, as
+    # with no indices -1 would be ambiguous.
+    grad = grad_outputs[0].reshape(indices.numel(), embedding_dim)
     return [torch.ops.aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)]
 
 
@@ -50,7 +54,10 @@ def _unsupported(module: nn.Embedding) -> "str | None":
 
 @register(nn.Embedding, unsupported=_unsupported)
 def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
-    weight = module.weight
+    weight = module.weight  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, weight)
+    if reason is not None:
+        return plain_forward(module, reason, input)
     output = F.embedding(
         input, detached(weight), module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
     )
@@ -62,6 +69,7 @@ def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     kernel = functools.partial(
         embedding_weight_grad,
         num_weights=weight.shape[0],
+        embedding_dim=weight.shape[1],
         padding_idx=padding_idx,
         scale_grad_by_freq=module.scale_grad_by_freq,
     )

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from ..deferral import defer_weight_grads, detached
 from ..registry import register
+from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
 __all__ = ["linear_forward", "linear_weight_grad"]
@@ -19,7 +20,7 @@ __all__ = ["linear_forward", "linear_weight_grad"]
 def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
     """Summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
     (rows,) = saved
-    grad = grad_outputs[0].reshape(-1, grad_outputs[0].shape[-1])
+    (grad,) = grad_outputs  # rows already, as the forward computed them
     accumulate = accumulation_dtype(grad.dtype)
     weight_grad = None
     if needs[0]:
@@ -38,7 +39,8 @@ def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tens
     # On rows, as aten::linear itself computes a >2-D product with a bias (addmm, then a view):
     # tapping that view instead would make autograd rebase its history onto the base, and
     # backward would then copy every output gradient (CopySlices).
-    rows = input.reshape(-1, input.shape[-1])
+    # flatten, not reshape(-1, features): that is ambiguous for a batch of 0 with 0 features.
+    rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
     output = F.linear(rows, detached(weight), detached(bias))
     # Saved in the dtype the product ran in (autocast's), as plain autograd would.
     saved = rows.detach().to(output.dtype)
@@ -48,4 +50,8 @@ def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tens
 
 @register(nn.Linear)
 def linear(module: nn.Linear, input: Tensor) -> Tensor:
-    return linear_forward(input, module.weight, module.bias)
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, weight)
+    if reason is not None:
+        return plain_forward(module, reason, input)
+    return linear_forward(input, weight, bias)

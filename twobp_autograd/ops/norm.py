@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch._prims_common import suggest_memory_format
-from torch.overrides import has_torch_function_variadic
 
 from ..deferral import ParamDeferral, defer_weight_grads, detached, guard_tangent, param_from_input, param_inputs
 from ..registry import register
+from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
 __all__ = [
@@ -86,12 +86,6 @@ def _as_autocast_casts(op: str, *tensors: "Tensor | None") -> tuple["Tensor | No
         t.to(target) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
         for t in tensors
     )
-
-
-def _is_plain_call(*tensors: "Tensor | None") -> bool:
-    """Tensor subclasses and nested tensors reroute the functional op: leave them to it."""
-    present = [t for t in tensors if t is not None]
-    return has_torch_function_variadic(*present) or any(t.is_nested for t in present)
 
 
 # -- BatchNorm -------------------------------------------------------------------------------
@@ -159,6 +153,17 @@ class _TrainingBatchNorm(torch.autograd.Function):
         return (None, None, None, None, grads[0], *deferral.defer_finished(decisions, grads[1:]))
 
 
+def _zero_grads(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    shapes: tuple["torch.Size | None", ...],
+) -> Grads:
+    """The weight kernel of a call on an empty batch: what plain autograd gives, zeros."""
+    return [grad_outputs[0].new_zeros(shape) if need else None for shape, need in zip(shapes, needs)]
+
+
 def _check_num_features(input: Tensor, **tensors: "Tensor | None") -> None:
     """torch.batch_norm's own checks, which native_batch_norm lacks: called directly with the
     wrong number of channels, it reads and writes past the end of the statistics."""
@@ -170,8 +175,10 @@ def _check_num_features(input: Tensor, **tensors: "Tensor | None") -> None:
 
 def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
     """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward)."""
-    if _is_plain_call(input, module.weight, module.bias):
-        return type(module).forward(module, input)
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, weight, bias)
+    if reason is not None:
+        return plain_forward(module, reason, input)
     module._check_input_dim(input)
     factor = 0.0 if module.momentum is None else module.momentum
     if module.track_running_stats and module.num_batches_tracked is not None:
@@ -184,8 +191,17 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
     running_mean = module.running_mean if module.track_running_stats else None
     running_var = module.running_var if module.track_running_stats else None
     (x,) = _as_autocast_casts("batch_norm", input)
-    params = (module.weight, module.bias)
-    _check_num_features(x, running_mean=running_mean, running_var=running_var, weight=params[0], bias=params[1])
+    params = (weight, bias)
+    if x.numel() == 0:
+        # native_batch_norm refuses an empty batch; torch.batch_norm returns the input scaled by
+        # weight[0] plus bias[0], running statistics untouched, and zero parameter gradients.
+        output = torch.batch_norm(
+            x, detached(weight), detached(bias), running_mean, running_var,
+            True, factor, module.eps, torch.backends.cudnn.enabled,
+        )
+        kernel = functools.partial(_zero_grads, shapes=tuple(None if p is None else p.shape for p in params))
+        return defer_weight_grads(output, params, (), kernel)
+    _check_num_features(x, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
     deferral = ParamDeferral.at_forward(params)
     # The running statistics go in a tuple: buffers updated in place, not inputs to differentiate.
     return _TrainingBatchNorm.apply(module.eps, factor, (running_mean, running_var), deferral, x, *param_inputs(params))
@@ -219,10 +235,12 @@ def layer_norm_weight_grad(
 
 @register(nn.LayerNorm)
 def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
-    if _is_plain_call(input, module.weight, module.bias):
-        return type(module).forward(module, input)
+    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, *params)
+    if reason is not None:
+        return plain_forward(module, reason, input)
     shape = tuple(module.normalized_shape)
-    x, weight, bias = _as_autocast_casts("layer_norm", input, detached(module.weight), detached(module.bias))
+    x, weight, bias = _as_autocast_casts("layer_norm", input, *map(detached, params))
     # torch.layer_norm is this op and nothing else.
     output, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, module.eps)
     # Any leading dims flatten to rows: the statistics are per row.
@@ -231,7 +249,7 @@ def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
     kernel = functools.partial(
         layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None  # type: ignore[union-attr]
     )
-    return defer_weight_grads(output, (module.weight, module.bias), saved, kernel)
+    return defer_weight_grads(output, params, saved, kernel)
 
 
 # -- GroupNorm -------------------------------------------------------------------------------
@@ -257,14 +275,16 @@ def group_norm_weight_grad(
 
 @register(nn.GroupNorm)
 def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
-    if _is_plain_call(input, module.weight, module.bias):
-        return type(module).forward(module, input)
+    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, *params)
+    if reason is not None:
+        return plain_forward(module, reason, input)
     groups = module.num_groups
     # F.group_norm's own checks.
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
     F._verify_batch_size([input.size(0) * input.size(1) // groups, groups] + list(input.size()[2:]))
-    x, weight, bias = _as_autocast_casts("group_norm", input, detached(module.weight), detached(module.bias))
+    x, weight, bias = _as_autocast_casts("group_norm", input, *map(detached, params))
     batch, channels = x.shape[:2]
     # What torch.group_norm hands the native op: CPU keeps channels_last, other devices do not.
     x = x.contiguous(memory_format=suggest_memory_format(x)) if x.device.type == "cpu" else x.contiguous()
@@ -279,7 +299,7 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
         module.eps,
     )
     kernel = functools.partial(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    return defer_weight_grads(output, (module.weight, module.bias), (x, mean, rstd), kernel)
+    return defer_weight_grads(output, params, (x, mean, rstd), kernel)
 
 
 # -- RMSNorm ---------------------------------------------------------------------------------
@@ -310,12 +330,15 @@ def rms_norm_weight_grad(
 
 
 @register(nn.RMSNorm)
-def rms_norm(module: nn.RMSNorm, input: Tensor) -> Tensor:
-    if _is_plain_call(input, module.weight):
-        return type(module).forward(module, input)
+def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
+    """Its argument is ``x``, as in ``nn.RMSNorm.forward``: callers may pass it by name."""
+    param = module.weight  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(x, param)
+    if reason is not None:
+        return plain_forward(module, reason, x)
     shape = tuple(module.normalized_shape)
-    x, weight = _as_autocast_casts("rms_norm", input, detached(module.weight))
+    x, weight = _as_autocast_casts("rms_norm", x, detached(param))
     # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
     output = F.rms_norm(x, shape, weight, module.eps)
     kernel = functools.partial(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    return defer_weight_grads(output, (module.weight,), (x.reshape(-1, *shape),), kernel)
+    return defer_weight_grads(output, (param,), (x.reshape(-1, *shape),), kernel)

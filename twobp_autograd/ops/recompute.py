@@ -10,7 +10,6 @@ It costs one extra forward of the module per flush, and is wrong for modules tha
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..deferral import defer_weight_grads
+from .fallback import plain_forward, unsupported_tensors
 
 __all__ = ["recompute"]
 
@@ -44,14 +44,14 @@ def recompute_weight_grad(
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
-    the batch on dim 0. Other calls keep plain autograd (with one warning)."""
-    if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
-        warnings.warn(
-            f"twobp: {type(module).__name__} called with keyword or non-tensor arguments; the "
-            "recompute rule needs positional batched tensors, so this call keeps plain autograd."
-        )
-        return type(module).forward(module, *inputs, **kwargs)
+    the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
     params = dict(module.named_parameters())
+    if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
+        reason: "str | None" = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
+    else:
+        reason = unsupported_tensors(*inputs, *params.values())
+    if reason is not None:
+        return plain_forward(module, reason, *inputs, **kwargs)
     outputs = _plain_forward(module, inputs, {n: p.detach() for n, p in params.items()})
     kernel = functools.partial(recompute_weight_grad, module=module)
     tapped = defer_weight_grads(outputs, tuple(params.values()), inputs, kernel)
