@@ -220,7 +220,7 @@ def _carries_tangents(ctx: Any, grad_outputs: Sequence[Tensor]) -> bool:
 
 class _TangentGuard(torch.autograd.Function):
     """The identity on a forward-mode tangent whose autograd graph lacks its dependence on
-    ``primals`` (it was computed from detached parameters): a backward through the tangent
+    ``primals`` (it was computed from detached tensors): a backward through the tangent
     (reverse-over-forward) that would reach one of them is refused, not left without that term."""
 
     @staticmethod
@@ -235,9 +235,9 @@ class _TangentGuard(torch.autograd.Function):
             raise RuntimeError(
                 "twobp: backward through a forward-mode AD tangent of a patched module "
                 "(reverse-over-forward, e.g. a loss on a Jacobian-vector product) is not "
-                "supported: the tangent was computed from detached weights, so their gradient "
-                "through it would be missing. Compute such a loss on the unpatched model "
-                "(twobp.unpatch(model), or patch(model, exclude=[...]))."
+                "supported: the tangent was computed from detached weights (BatchNorm's from a "
+                "detached input too), so their gradients through it would be missing. Compute such "
+                "a loss on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]))."
             )
         return (grad, *(None for _ in ctx.needs_input_grad[1:]))
 
