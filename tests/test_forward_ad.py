@@ -265,6 +265,16 @@ def test_backward_through_a_tangent_to_the_input_only_matches_plain():
     assert twobp.pending().jobs == 0
 
 
+def test_backward_through_a_batch_norm_tangent_to_the_input_is_refused():
+    """BatchNorm's tangent is taken on detached copies of its input as well: the input's share
+    of a gradient through it would be missing too."""
+    model = twobp.patch(nn.BatchNorm1d(3).to(DTYPE))
+    leaf = torch.randn(5, 3, dtype=DTYPE, requires_grad=True)
+    _, output_tangent = dual_output(model, leaf, torch.randn(5, 3, dtype=DTYPE))
+    with pytest.raises(RuntimeError, match="twobp: backward through a forward-mode AD tangent"):
+        torch.autograd.grad(output_tangent.pow(2).sum(), leaf)
+
+
 def test_tangent_on_a_deferred_parameter_is_refused():
     """A dual tensor as a parameter (functional_call outside torch.func): the op runs on the
     detached parameter, which would drop its tangent."""
