@@ -484,6 +484,10 @@ def test_batch_norm_jobs_go_to_the_queue_and_tag_of_their_forward() -> None:
     queue.flush(tags=[1])
     cubic_loss(reference(xs[1].detach().clone())).backward()
     assert_grads_match(patched, reference, torch.float64)
+    queue.flush(tags=[0])
+    cubic_loss(reference(xs[0].detach().clone())).backward()
+    assert_grads_match(patched, reference, torch.float64)
+    assert queue.pending() == (0, 0)
 
 
 @pytest.mark.parametrize("strategy", ["loop", "concat"])

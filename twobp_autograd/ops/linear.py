@@ -45,7 +45,13 @@ def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tens
     # Saved in the dtype the product ran in (autocast's), as plain autograd would.
     saved = rows.detach().to(output.dtype)
     output = defer_weight_grads(output, (weight, bias), (saved,), linear_weight_grad)
-    return output.view(*input.shape[:-1], output.shape[-1])
+    if input.dim() == 2:
+        return output
+    # Shaped as aten::linear returns it: with a bias a view of the 2-D product (addmm, then view),
+    # without one no view (matmul's _unsafe_view). Autograd treats the two apart: an in-place op
+    # on a view rebases its history, and a hook registered on the view before is never called.
+    shape = (*input.shape[:-1], output.shape[-1])
+    return output.view(shape) if bias is not None else torch.ops.aten._unsafe_view(output, shape)
 
 
 @register(nn.Linear)

@@ -341,4 +341,7 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
     output = F.rms_norm(x, shape, weight, module.eps)
     kernel = functools.partial(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    return defer_weight_grads(output, (param,), (x.reshape(-1, *shape),), kernel)
+    rows = x.reshape(-1, *shape)
+    if rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
+        rows = rows.clone()
+    return defer_weight_grads(output, (param,), (rows,), kernel)
