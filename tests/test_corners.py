@@ -124,8 +124,8 @@ class Side:
 def _run(
     model: nn.Module, leaves: list[Tensor], prepare: Prepare, forward: Forward, queue: "twobp.WeightGradQueue"
 ) -> Side:
-    """Every micro-batch's forward and backward; the error type if one raised (the flush
-    included), else the outputs and the gradients of the leaves and of retained inputs."""
+    """Every micro-batch's forward and backward (no flush); the kind of error if one raised,
+    else the outputs and the gradients of the leaves and of retained inputs."""
     side = Side([], [])
     try:
         with twobp.use_queue(queue):
