@@ -102,6 +102,10 @@ def patch(
             continue
         if _selected(name, module, exclude):
             continue
+        if isinstance(module.__dict__.get("forward"), DeferredForwardCall):
+            # Patched before (its class may have changed since: a parametrization's subclass).
+            result.patched.append(name)
+            continue
         rule = rule_for(module)
         if rule is None:
             if any(True for _ in module.parameters(recurse=False)):

@@ -363,6 +363,8 @@ def test_parametrization_registered_after_patch(make, shape, parametrize) -> Non
     reference = copy.deepcopy(model)
     model = _parametrized(twobp.patch(model), parametrize)
     reference = _parametrized(reference, parametrize)
+    report = twobp.patch(nn.Sequential(model), report=True)  # patching again reports it patched
+    assert report.patched == ["0"] and "0" not in report.skipped
     _run_twins(model, reference, shape)
     originals = list(model.parametrizations.weight.parameters())
     assert originals and all(p.grad is not None for p in originals)
