@@ -5,6 +5,7 @@ weight-gradient work; ``flush_weight_grads()`` runs it (backward-p2), one concat
 call per layer over all queued micro-batches.
 """
 
+from . import fsdp  # noqa: F401  (flushes reduce-scatter FSDP2-sharded gradients)
 from .patching import patch, unpatch
 from .queue import WeightGradQueue, discard_weight_grads, flush_weight_grads, pending, use_queue
 from .registry import register

@@ -12,9 +12,9 @@ how to run them: one entry point, :func:`run_jobs`, so a new option is added onc
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
@@ -22,7 +22,7 @@ from torch import Tensor
 from .job import WeightGradJob
 from .streams import LaunchedGroups
 
-__all__ = ["FlushStrategy", "FlushOptions", "run_jobs"]
+__all__ = ["FlushStrategy", "FlushOptions", "run_jobs", "DeliveryWatch", "FlushWatcher", "watch_flushes"]
 
 FlushStrategy = Literal["concat", "loop", "auto"]
 
@@ -43,6 +43,29 @@ class FlushOptions:
             raise ValueError(f"weight_grad_streams must be >= 1, not {self.weight_grad_streams}")
 
 
+class DeliveryWatch(Protocol):
+    """Told by one flush which gradients are final (in ``.grad``), and when it has ended."""
+
+    def delivered(self, params: Sequence[Tensor]) -> None: ...
+
+    def finished(self) -> None: ...
+
+
+#: ``watcher(params)``, asked as each flush starts with the parameters it will deliver: a
+#: :class:`DeliveryWatch` to follow that flush, or None.
+FlushWatcher = Callable[[Sequence[Tensor]], "DeliveryWatch | None"]
+
+_watchers: list[FlushWatcher] = []
+
+
+def watch_flushes(watcher: FlushWatcher) -> Callable[[], None]:
+    """Ask ``watcher`` at the start of every flush (e.g. FSDP2's reduction, which must follow
+    each parameter group's gradients as they become final). A flush with a watch hands each
+    gradient over as soon as it is final instead of in buckets. Returns what stops it."""
+    _watchers.append(watcher)
+    return lambda: _watchers.remove(watcher)
+
+
 def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions()) -> None:
     """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd.
 
@@ -60,6 +83,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions
         grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
+    watches = _watches_for(groups) if _watchers else []
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
     ready: list[tuple[Tensor, Tensor]] = []
@@ -83,10 +107,17 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions
                     ready.append((done, total.tensor))
                     del total
                     ready_bytes += param.numel() * param.element_size()
-            if options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes:
-                _deliver(ready)
+            if ready and (watches or (options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes)):
+                _deliver(ready, watches)
                 ready_bytes = 0
-    _deliver(ready)
+    _deliver(ready, watches)
+    for watch in watches:
+        watch.finished()
+
+
+def _watches_for(groups: list[list[WeightGradJob]]) -> list[DeliveryWatch]:
+    delivering = list({id(p): p for group in groups for p in group[0].params if p is not None}.values())
+    return [watch for watch in (watcher(delivering) for watcher in _watchers) if watch is not None]
 
 
 def _add_group_grads(
@@ -101,8 +132,8 @@ def _add_group_grads(
         summing[id(param)] = (param, _sum(entry[1] if entry else None, grad.to(param.dtype)))  # type: ignore[arg-type]
 
 
-def _deliver(ready: list[tuple[Tensor, Tensor]]) -> None:
-    """Hand ``ready``'s gradients to their parameters and empty it."""
+def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
+    """Hand ``ready``'s gradients to their parameters, tell ``watches``, and empty ``ready``."""
     if not ready:
         return
     params = [param for param, _ in ready]
@@ -119,6 +150,8 @@ def _deliver(ready: list[tuple[Tensor, Tensor]]) -> None:
     finally:
         for param in frozen:
             param.requires_grad_(False)
+    for watch in watches:
+        watch.delivered(params)
 
 
 class _HandOver(torch.autograd.Function):

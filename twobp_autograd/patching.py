@@ -7,7 +7,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -16,8 +16,9 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import ops  # noqa: F401  (registers the built-in op families)
-from .queue import queues_with_work
-from .registry import DeferredForward, rule_for
+from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
+from .queue import WeightGradQueue, queues_with_work
+from .registry import DeferredForward, module_class, rule_for
 
 __all__ = ["patch", "unpatch", "PatchReport"]
 
@@ -70,7 +71,7 @@ one differentiating (inside a ``torch.func`` transform), else the rule's."""
 
 def _selected(name: str, module: nn.Module, selectors: Iterable[Selector]) -> bool:
     return any(
-        (isinstance(s, type) and type(module) is s) or (isinstance(s, str) and fnmatch.fnmatchcase(name, s))
+        (isinstance(s, type) and module_class(module) is s) or (isinstance(s, str) and fnmatch.fnmatchcase(name, s))
         for s in selectors
     )
 
@@ -95,6 +96,7 @@ def patch(
         raise TypeError(f"patch expects an nn.Module, got {type(model).__name__}")
     include = list(include) if include is not None else None
     exclude = list(exclude or ())
+    check_not_inside_ddp(model)
     _install_optimizer_guard()
     result = PatchReport(model)
     for name, module in model.named_modules():
@@ -143,11 +145,17 @@ def unpatch(model: nn.Module) -> nn.Module:
 
 _guard_installed = False
 
+#: Further ways the step guard finds work queued for an optimizer's parameters,
+#: ``finder(params, queues_with_work) -> bool`` (twobp_autograd.fsdp: work queued on the
+#: unsharded stand-ins of FSDP2-sharded parameters).
+queued_work_finders: list[Callable[[list[torch.Tensor], list[WeightGradQueue]], bool]] = []
+
 
 def _install_optimizer_guard() -> None:
     global _guard_installed
     if not _guard_installed:
         register_optimizer_step_pre_hook(_refuse_step_with_queued_work)
+        refuse_ddp_over_patched_models(lambda m: isinstance(m.__dict__.get("forward"), DeferredForwardCall))
         _guard_installed = True
 
 
@@ -178,7 +186,7 @@ def _refuse_if_queued(optimizer: torch.optim.Optimizer) -> None:
     if not queues:
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(q.has_work_for(params) for q in queues):
+    if any(q.has_work_for(params) for q in queues) or any(finds(params, queues) for finds in queued_work_finders):
         raise RuntimeError(
             "twobp: optimizer.step() over parameters whose weight gradients are still queued; "
             "call twobp.flush_weight_grads() (or queue.flush()) after backward and before step() "

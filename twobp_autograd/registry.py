@@ -1,5 +1,6 @@
 """Module type -> deferred forward. Keyed by the *exact* type: a subclass may change what its
-forward computes, so it keeps plain autograd until it is registered itself."""
+forward computes, so it keeps plain autograd until it is registered itself. The one exception is
+the class ``fully_shard`` generates from a registered one: it only adds FSDP2's hooks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from typing import Any, Union
 
 from torch import nn
 
-__all__ = ["DeferredForward", "Rule", "register", "unregister", "rules_restored_after", "rule_for"]
+from .fsdp_hooks import class_before_fully_shard
+
+__all__ = ["DeferredForward", "Rule", "register", "unregister", "rules_restored_after", "rule_for", "module_class"]
 
 #: ``forward(module, *args, **kwargs)``: the module's forward, computing the output with the
 #: parameters detached and handing them to :func:`twobp_autograd.deferral.defer_weight_grads`.
@@ -82,5 +85,11 @@ def rules_restored_after() -> Iterator[None]:
         _rules.update(saved)
 
 
+def module_class(module: nn.Module) -> type:
+    """The type a module is registered under: its own, or for a module ``fully_shard`` has
+    wrapped, the class it was (FSDP2 swaps in a generated subclass that only adds hooks)."""
+    return class_before_fully_shard(type(module))
+
+
 def rule_for(module: nn.Module) -> "Rule | None":
-    return _rules.get(type(module))
+    return _rules.get(type(module)) or _rules.get(module_class(module))

@@ -1,0 +1,339 @@
+"""FSDP2 (``fully_shard``) on patched models, two gloo ranks: each rank's sharded ``.grad`` after
+the flush against FSDP2 on the unpatched model and against one process, over the ways users
+shard (per block and root, patch before or after ``fully_shard``), ``reshard_after_forward``,
+gradient accumulation with and without ``set_requires_gradient_sync``, bf16 mixed precision
+and activation checkpointing; and the refusals.
+
+All settings run in one spawn of two ranks (starting processes is the slow part); the tests
+below read what each rank returned.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+import twobp_autograd as twobp
+from twobp_autograd import fsdp_hooks
+from twobp_autograd.flush import watch_flushes
+from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.utils import close_to_reference
+
+WORLD = 2
+MICRO_BATCHES = 3
+ROWS = 4  # per micro-batch and rank
+VOCAB, WIDTH = 13, 8
+
+
+class Scale(nn.Module):
+    """Not registered: its weight gets its gradient from plain autograd in backward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 3 * WIDTH)
+        self.scale = Scale(3 * WIDTH)
+        self.down = nn.Linear(3 * WIDTH, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.down(F.gelu(self.scale(self.up(self.norm(x)))))
+
+
+class Net(nn.Module):
+    """Embedding, three blocks, a final norm and head: patched and unpatched parameters in
+    every FSDP2 group, odd sizes so that sharding pads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+@dataclass(frozen=True)
+class Setting:
+    order: str = "patch_then_shard"  # or "shard_then_patch"
+    reshard_after_forward: bool = True
+    accumulate: str = "sync_each"  # or "sync_last": set_requires_gradient_sync(False) but for the last
+    mixed_precision: bool = False  # bf16 parameters, fp32 reduction
+    checkpoint: bool = False  # non-reentrant checkpoint_wrapper around each block
+    shard_head: bool = False  # fully_shard on the head Linear itself: its class becomes FSDPLinear
+
+    @property
+    def id(self) -> str:
+        parts = [self.order, f"reshard_{self.reshard_after_forward}", self.accumulate]
+        parts += ["bf16"] * self.mixed_precision + ["checkpoint"] * self.checkpoint + ["head_sharded"] * self.shard_head
+        return "-".join(parts)
+
+
+SETTINGS = [
+    Setting(),
+    Setting(order="shard_then_patch", shard_head=True),
+    Setting(shard_head=True),
+    Setting(reshard_after_forward=False),
+    Setting(accumulate="sync_last"),
+    Setting(order="shard_then_patch", reshard_after_forward=False, accumulate="sync_last"),
+    Setting(mixed_precision=True),
+    Setting(checkpoint=True),
+    Setting(order="shard_then_patch", checkpoint=True, accumulate="sync_last"),
+]
+
+
+def _data(rank: int, micro: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + micro)
+    return torch.randint(0, VOCAB, (ROWS, 5), generator=g), torch.randint(0, VOCAB, (ROWS * 5,), generator=g)
+
+
+def _loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
+    return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets) / MICRO_BATCHES
+
+
+def _build(setting: Setting, patched: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net()
+    if setting.checkpoint:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    if patched and setting.order == "patch_then_shard":
+        twobp.patch(model)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if setting.mixed_precision else MixedPrecisionPolicy()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=setting.reshard_after_forward, mp_policy=policy)
+    if setting.shard_head:
+        fully_shard(model.head, mesh=mesh, reshard_after_forward=setting.reshard_after_forward, mp_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=setting.reshard_after_forward, mp_policy=policy)
+    if patched and setting.order == "shard_then_patch":
+        report = twobp.patch(model, report=True)
+        assert "blocks.0.up" in report.patched or "blocks.0._checkpoint_wrapped_module.up" in report.patched, report
+        assert "head" in report.patched, report  # found as nn.Linear although its class is FSDPLinear
+    return model
+
+
+def _train_step(model: nn.Module, setting: Setting, rank: int) -> None:
+    for micro in range(MICRO_BATCHES):
+        if setting.accumulate == "sync_last":
+            model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
+        _loss(model, *_data(rank, micro)).backward()
+
+
+def _sharded_grads(model: nn.Module) -> dict[str, "Tensor | None"]:
+    grads: dict[str, "Tensor | None"] = {}
+    for name, p in model.named_parameters():
+        assert isinstance(p, DTensor), f"{name} is not sharded"
+        grads[name] = None if p.grad is None else p.grad.to_local().clone()
+    return grads
+
+
+def _full_grads(model: nn.Module) -> dict[str, "Tensor | None"]:
+    return {name: None if p.grad is None else p.grad.full_tensor() for name, p in model.named_parameters()}
+
+
+def _run_setting(setting: Setting, rank: int) -> dict:
+    ours, plain = _build(setting, patched=True), _build(setting, patched=False)
+    _train_step(plain, setting, rank)
+    _train_step(ours, setting, rank)
+    queued = twobp.pending().jobs
+    deferred_untouched = all(p.grad is None for name, p in ours.named_parameters() if name.endswith("up.weight"))
+    events: list[str] = []
+    stop_logging = watch_flushes(functools.partial(_EventLog, events))
+    twobp.flush_weight_grads()
+    stop_logging()
+    result = {
+        "queued": queued,
+        "deferred_untouched": deferred_untouched,
+        "ours": _sharded_grads(ours),
+        "plain": _sharded_grads(plain),
+        "ours_full": _full_grads(ours),
+        "plain_full": _full_grads(plain),
+        "events": events,
+        "unsharded_freed": _unsharded_storage_freed(ours) if setting.reshard_after_forward else None,
+    }
+    # A second step, after an optimizer step on both: parameters equal, so the step used .grad.
+    for model in (ours, plain):
+        torch.optim.SGD(model.parameters(), lr=0.5).step()
+        model.zero_grad()
+    _train_step(plain, setting, rank)
+    _train_step(ours, setting, rank)
+    twobp.flush_weight_grads()
+    result["second_ours"], result["second_plain"] = _sharded_grads(ours), _sharded_grads(plain)
+    return result
+
+
+class _EventLog:
+    """A flush watch (asked after the FSDP2 one) recording the order of reductions and
+    deliveries: a reduction logged before a later delivery overlapped the rest of the flush."""
+
+    def __init__(self, events: list[str], params: object) -> None:
+        self.events = events
+        self._reduce_group = fsdp_hooks.reduce_group
+        fsdp_hooks.reduce_group = self._logged_reduce  # type: ignore[assignment]
+
+    def _logged_reduce(self, group: object) -> None:
+        self.events.append("reduce")
+        self._reduce_group(group)
+
+    def delivered(self, params: object) -> None:
+        self.events.append("delivered")
+
+    def finished(self) -> None:
+        fsdp_hooks.reduce_group = self._reduce_group  # type: ignore[assignment]
+
+
+def _unsharded_storage_freed(model: nn.Module) -> bool:
+    """After backward and flush, every unsharded parameter's storage is freed again."""
+    return all(
+        fsdp_param._unsharded_param.untyped_storage().size() == 0
+        for group in fsdp_hooks.groups_of(model)
+        for fsdp_param in group.fsdp_params
+        if hasattr(fsdp_param, "_unsharded_param")
+    )
+
+
+def _misuse(rank: int) -> dict:
+    setting = Setting()
+    model = _build(setting, patched=True)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    _loss(model, *_data(rank, 0)).backward()
+    refusals: dict[str, str] = {}
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        refusals["step"] = str(error)
+    twobp.flush_weight_grads()
+    optimizer.step()  # allowed once flushed
+
+    torch.manual_seed(0)
+    late = twobp.patch(Net())
+    _loss(late, *_data(rank, 0)).backward()  # work queued on the parameters fully_shard replaces
+    mesh = init_device_mesh("cpu", (WORLD,))
+    fully_shard(late, mesh=mesh)
+    try:
+        twobp.flush_weight_grads()
+    except RuntimeError as error:
+        refusals["shard_after_queue"] = str(error)
+    twobp.discard_weight_grads()
+    return refusals
+
+
+def _one_process_grads(setting: Setting) -> dict[str, Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    if setting.checkpoint:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    for rank in range(WORLD):
+        for micro in range(MICRO_BATCHES):
+            (_loss(model, *_data(rank, micro)) / WORLD).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def _scenario(rank: int) -> dict:
+    results = {setting.id: _run_setting(setting, rank) for setting in SETTINGS}
+    results["misuse"] = _misuse(rank)
+    return results
+
+
+# -- the tests ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    directory = str(tmp_path_factory.mktemp("fsdp"))
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _scenario, store, results), deadline=300.0)
+    return read_results(results, WORLD)
+
+
+def _assert_all_close(ours: dict, theirs: dict, what: str, check: Callable[[Tensor, Tensor], bool]) -> None:
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        a, b = ours[name], theirs[name]
+        assert (a is None) == (b is None), f"{what} {name}: one .grad is None, the other is not"
+        if a is not None:
+            assert a.dtype == b.dtype and a.shape == b.shape, f"{what} {name}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
+            assert check(a, b), f"{what} {name}: largest difference {(a - b).abs().max().item():.3g}"
+
+
+FP32_SETTINGS = [s for s in SETTINGS if not s.mixed_precision]
+
+
+@pytest.mark.parametrize("setting", FP32_SETTINGS, ids=[s.id for s in FP32_SETTINGS])
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_sharded_grads_equal_fsdp2_on_the_unpatched_model(ranks: list[dict], setting: Setting, rank: int) -> None:
+    result = ranks[rank][setting.id]
+    assert result["queued"] > 0, "nothing was deferred: the patch did not reach the sharded modules"
+    assert result["deferred_untouched"], "a deferred weight had a gradient before the flush"
+    _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
+    _assert_all_close(result["second_ours"], result["second_plain"], f"rank {rank} second step", close_to_reference)
+
+
+@pytest.mark.parametrize("setting", FP32_SETTINGS, ids=[s.id for s in FP32_SETTINGS])
+def test_gathered_grads_equal_one_process(ranks: list[dict], setting: Setting) -> None:
+    reference = _one_process_grads(setting)
+    _assert_all_close(ranks[0][setting.id]["ours_full"], reference, "gathered", close_to_reference)
+
+
+def test_bf16_mixed_precision_within_plain_fsdp2s_own_error(ranks: list[dict]) -> None:
+    setting = next(s for s in SETTINGS if s.mixed_precision)
+    reference = _one_process_grads(setting)
+    result = ranks[0][setting.id]
+    assert result["queued"] > 0
+    for name, expected in reference.items():
+        ours, plain = result["ours_full"][name], result["plain_full"][name]
+        assert ours.dtype == plain.dtype == torch.float32, name  # reduced in fp32, kept in the sharded dtype
+        plain_error = (plain - expected).abs().max().item()
+        our_error = (ours - expected).abs().max().item()
+        assert close_to_reference(ours, expected, torch.bfloat16), f"{name}: error {our_error:.3g}"
+        assert our_error <= 2 * plain_error + 1e-6, f"{name}: error {our_error:.3g}, plain FSDP2's {plain_error:.3g}"
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_groups_are_reduced_while_the_flush_goes_on(ranks: list[dict], rank: int) -> None:
+    events = ranks[rank][Setting().id]["events"]
+    assert events.count("reduce") == 4, events  # three blocks and the root
+    assert events.index("reduce") < len(events) - 1 - events[::-1].index("delivered"), events
+
+
+def test_unsharded_parameters_are_freed_after_backward_and_flush(ranks: list[dict]) -> None:
+    freed = [r[s.id]["unsharded_freed"] for r in ranks for s in SETTINGS if s.reshard_after_forward]
+    assert all(freed)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_optimizer_step_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
+    message = ranks[rank]["misuse"].get("step", "")
+    assert message.startswith("twobp: ") and "flush_weight_grads()" in message, message
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fully_shard_over_queued_work_is_refused_at_the_flush(ranks: list[dict], rank: int) -> None:
+    message = ranks[rank]["misuse"].get("shard_after_queue", "")
+    assert message.startswith("twobp: ") and "before calling fully_shard" in message, message

@@ -1,0 +1,144 @@
+"""Fully sharded data parallel (FSDP2, ``torch.distributed.fsdp.fully_shard``) on patched models.
+
+FSDP2 reduce-scatters each parameter group's gradients in the group's post-backward hook and
+frees the unsharded parameters after backward. On a patched model the deferred weight
+gradients do not exist then: the flush makes them, on the *unsharded* parameters the layers
+computed with (the kernels need each layer's input and output gradient, not its weight, so
+resharding after backward goes on as usual). This module, imported with the package, follows
+every flush: once the flush has made the last of a group's gradients, it runs the group's own
+post-backward again, which reduce-scatters them into the sharded ``.grad`` (or accumulates them
+unsharded under ``set_requires_gradient_sync(False)``) in FSDP2's reduce dtype, while the flush
+goes on with the next layers. The training loop is FSDP2's, with a flush before the step::
+
+    twobp.patch(model)                   # before or after fully_shard
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    for x, y in micro_batches:
+        loss_fn(model(x), y).backward()  # input gradients; weight work queued
+    twobp.flush_weight_grads()           # weight gradients, reduce-scattered group by group
+    optimizer.step()
+
+:class:`ShardedGradientSync` plugs this into :class:`~twobp_autograd.pipeline.PipelineRuntime`
+(``grad_sync=``): gradients accumulate unsharded during the step and each group is
+reduce-scattered once, at the step's last flush.
+
+Misuse is refused: ``optimizer.step()`` over sharded parameters whose work is still queued on
+their unsharded stand-ins, and a flush of work queued before ``fully_shard`` replaced the
+parameters it was queued for (its gradients would land on parameters no longer in the model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from . import fsdp_hooks
+from .flush import watch_flushes
+from .patching import queued_work_finders
+from .queue import WeightGradQueue
+
+__all__ = ["ShardedGradientSync"]
+
+
+class _GroupReductions:
+    """One flush's watch: reduces each FSDP2 parameter group once the flush has delivered all
+    of that group's gradients it makes (a group inside its own backward is left to FSDP2's
+    post-backward, which is still to come)."""
+
+    def __init__(self, sharded: dict[int, fsdp_hooks.ShardedParam]) -> None:
+        self._group_of = {key: entry.group for key, entry in sharded.items()}
+        self._awaited: dict[int, int] = {}
+        self._groups: dict[int, Any] = {}
+        for group in self._group_of.values():
+            self._awaited[id(group)] = self._awaited.get(id(group), 0) + 1
+            self._groups[id(group)] = group
+        self._reduced: list[Any] = []
+
+    def delivered(self, params: Sequence[Tensor]) -> None:
+        for param in params:
+            group = self._group_of.get(id(param))
+            if group is not None:
+                self._awaited[id(group)] -= 1
+                if self._awaited[id(group)] == 0:
+                    self._reduce(group)
+
+    def finished(self) -> None:
+        # A kernel may return no gradient for a parameter (never delivered): its group goes now.
+        for key, left in self._awaited.items():
+            if left > 0:
+                self._reduce(self._groups[key])
+        fsdp_hooks.wait_for_reductions(self._reduced)
+
+    def _reduce(self, group: Any) -> None:
+        self._awaited[id(group)] = 0
+        if not fsdp_hooks.in_backward(group):
+            fsdp_hooks.reduce_group(group)
+            self._reduced.append(group)
+
+
+def _watch(params: Sequence[Tensor]) -> "_GroupReductions | None":
+    if not fsdp_hooks.fsdp_in_use():
+        return None
+    sharded = fsdp_hooks.sharded_params_of(list(params))
+    orphans = [p for p in params if id(p) not in sharded and fsdp_hooks.replaced_by_fully_shard(p)]
+    if orphans:
+        raise RuntimeError(
+            f"twobp: this flush holds weight-gradient work for {len(orphans)} parameters that "
+            "fully_shard has since replaced by sharded ones: their gradients would land on "
+            "parameters no longer in the model. Flush (twobp.flush_weight_grads()) before calling "
+            "fully_shard, or drop that work with twobp.discard_weight_grads()."
+        )
+    return _GroupReductions(sharded) if sharded else None
+
+
+def _queued_for_sharded(params: list[Tensor], queues: list[WeightGradQueue]) -> bool:
+    """Whether ``queues`` hold work for the unsharded stand-ins of any of ``params``."""
+    stand_ins = fsdp_hooks.unsharded_params_of(params)
+    return bool(stand_ins) and any(queue.has_work_for(stand_ins) for queue in queues)
+
+
+watch_flushes(_watch)
+queued_work_finders.append(_queued_for_sharded)
+
+
+class ShardedGradientSync:
+    """The ``grad_sync`` of a :class:`~twobp_autograd.pipeline.PipelineRuntime` whose stage is
+    sharded with ``fully_shard`` over its data-parallel group: during a step the gradients
+    accumulate unsharded (``set_requires_gradient_sync(False)``); the flushes after the step's
+    last backward reduce-scatter each group as its gradients become final, and :meth:`finish`
+    reduces the groups no flush touched (gradients that backward computed itself)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(module, FSDPModule):
+            raise TypeError(
+                "twobp: ShardedGradientSync needs the stage after fully_shard(stage, mesh=...); "
+                f"got a {type(module).__name__}. For unsharded replicas use "
+                "twobp_autograd.data_parallel.GradientSynchroniser."
+            )
+        self.module = module
+        self._set_sync(False)
+
+    def flush(self, queue: WeightGradQueue, tags: "Sequence[Hashable] | None") -> None:
+        self._set_sync(True)
+        queue.flush(tags)
+
+    def finish(self) -> None:
+        self._set_sync(True)
+        try:
+            groups = fsdp_hooks.groups_of(self.module)
+            for group in groups:
+                fsdp_hooks.reduce_group(group)
+            fsdp_hooks.wait_for_reductions(groups)
+        finally:
+            self._set_sync(False)
+
+    def reset(self) -> None:
+        self._set_sync(False)
+
+    def _set_sync(self, sync: bool) -> None:
+        self.module.set_requires_gradient_sync(sync)  # type: ignore[operator]

@@ -1,0 +1,157 @@
+"""Every use of FSDP2's private internals, in one place, so that a PyTorch upgrade breaks here
+(and in tests/test_fsdp_hooks.py) rather than silently elsewhere.
+
+FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters a parameter group's gradients
+in the group's post-backward hook, which runs before any deferred weight gradient exists.
+Its public API has no "reduce this group now": the flush therefore calls the group's own
+post-backward itself (:func:`reduce_group`), so the reduction is FSDP2's in every respect
+(reduce dtype, divide factor, ``set_requires_gradient_sync``, HSDP, CPU offload). What that
+needs: the live FSDP2 states (to find the group owning an unsharded parameter), each group's
+training state, and the events and buffers FSDP2 itself waits on at the end of a backward.
+
+Nothing here imports FSDP2 before the program does: a process that never shards pays nothing.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+from torch import Tensor, nn
+
+__all__ = [
+    "ShardedParam",
+    "class_before_fully_shard",
+    "fsdp_in_use",
+    "groups_of",
+    "in_backward",
+    "reduce_group",
+    "replaced_by_fully_shard",
+    "sharded_params_of",
+    "unsharded_params_of",
+    "wait_for_reductions",
+]
+
+_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+
+class ShardedParam(NamedTuple):
+    """An unsharded parameter as FSDP2 knows it: its group and its sharded parameter."""
+
+    group: Any  # FSDPParamGroup
+    sharded: nn.Parameter
+
+
+def fsdp_in_use() -> bool:
+    """Whether FSDP2 is loaded at all (then sharded modules may exist)."""
+    return _STATE_MODULE in sys.modules
+
+
+def class_before_fully_shard(cls: type) -> type:
+    """The class ``fully_shard`` generated ``cls`` from (it builds ``FSDP<Name>`` with bases
+    ``(FSDPModule, Name)`` and swaps the module's class), else ``cls`` itself."""
+    if not fsdp_in_use():
+        return cls
+    from torch.distributed.fsdp import FSDPModule
+
+    bases = cls.__bases__
+    if len(bases) == 2 and bases[0] is FSDPModule:
+        return bases[1]
+    return cls
+
+
+def _states() -> Iterator[Any]:
+    """Every live FSDP2 state, once each (grouped ``fully_shard([a, b])`` shares one)."""
+    from torch.distributed._composable_state import _module_state_mapping
+
+    state_class = sys.modules[_STATE_MODULE].FSDPState
+    seen: set[int] = set()
+    for reference in list(_module_state_mapping.values()):
+        state = reference()
+        if isinstance(state, state_class) and id(state) not in seen:
+            seen.add(id(state))
+            yield state
+
+
+def _fsdp_params() -> Iterator[tuple[Any, Any]]:
+    """``(group, FSDPParam)`` of every live FSDP2 parameter group."""
+    for state in _states():
+        for group in state._fsdp_param_groups:
+            for fsdp_param in group.fsdp_params:
+                yield group, fsdp_param
+
+
+def sharded_params_of(params: "list[Tensor]") -> dict[int, ShardedParam]:
+    """``id(param) -> ShardedParam`` for those of ``params`` that are FSDP2 unsharded
+    parameters (the tensors a sharded module computes with between unshard and reshard)."""
+    if not fsdp_in_use():
+        return {}
+    wanted = {id(p) for p in params}
+    found: dict[int, ShardedParam] = {}
+    for group, fsdp_param in _fsdp_params():
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)  # absent before the first unshard
+        if unsharded is not None and id(unsharded) in wanted:
+            found[id(unsharded)] = ShardedParam(group, fsdp_param.sharded_param)
+    return found
+
+
+def unsharded_params_of(params: "list[Tensor]") -> list[Tensor]:
+    """The unsharded parameters standing in for those of ``params`` that are FSDP2-sharded."""
+    if not fsdp_in_use():
+        return []
+    wanted = {id(p) for p in params}
+    return [
+        fsdp_param._unsharded_param
+        for _, fsdp_param in _fsdp_params()
+        if id(fsdp_param.sharded_param) in wanted and hasattr(fsdp_param, "_unsharded_param")
+    ]
+
+
+def replaced_by_fully_shard(param: Tensor) -> bool:
+    """Whether ``fully_shard`` took ``param`` over (and put a sharded parameter in its place):
+    it marks each original parameter with a uid."""
+    return hasattr(param, "_fsdp_orig_uid")
+
+
+def groups_of(module: nn.Module) -> list[Any]:
+    """The FSDP2 parameter groups of ``module`` and its submodules, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    groups: list[Any] = []
+    for submodule in module.modules():
+        if isinstance(submodule, FSDPModule):
+            groups.extend(g for g in submodule._get_fsdp_state()._fsdp_param_groups if g not in groups)
+    return groups
+
+
+def in_backward(group: Any) -> bool:
+    """Whether ``group`` is between its pre-backward and post-backward: FSDP2's own
+    post-backward will reduce whatever gradient its unsharded parameters hold then."""
+    state = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"].TrainingState
+    return group._training_state in (state.FORWARD, state.PRE_BACKWARD)
+
+
+def reduce_group(group: Any) -> None:
+    """Run ``group``'s post-backward now: it accumulates or reduce-scatters (as
+    ``set_requires_gradient_sync`` says) the gradients its unsharded parameters hold into the
+    sharded ``.grad``, and reshards if ``reshard_after_backward``. The group's training state
+    is left as it was (it sets POST_BACKWARD)."""
+    with group.use_training_state(group._training_state):
+        group.post_backward()
+
+
+def wait_for_reductions(groups: "list[Any]") -> None:
+    """Make the current stream wait for the reductions ``groups`` launched, and release their
+    reduce-scatter input buffers, as FSDP2 does at the end of a backward (no-ops on a CPU)."""
+    if not groups:
+        return
+    stream = groups[0].device_handle.current_stream()
+    for context in {id(g.comm_ctx): g.comm_ctx for g in groups}.values():
+        for event in context._last_post_reduce_events.values():
+            stream.wait_event(event)
+        context._last_post_reduce_events = {}
+        for reduce_scatter in context.reduce_scatter_states:
+            if reduce_scatter.event is not None:
+                stream.wait_event(reduce_scatter.event)
+        context.reduce_scatter_states.clear()
