@@ -1,0 +1,53 @@
+"""DistributedDataParallel over a patched model gives silently wrong gradients: DDP all-reduces
+in backward, before the deferred weight gradients exist, and its hooks then see them arrive at
+the flush, outside any reduction it planned (measured on 2 ranks: the deferred parameters'
+`.grad` stays each rank's own, not the mean). So wrapping a patched model in DDP, or patching a
+model inside DDP, is refused with the replacement named: ``GradientSynchroniser``.
+
+PyTorch has no hook on DDP's construction, so its ``__init__`` is wrapped once, the first time
+a model is patched."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+__all__ = ["refuse_ddp_over_patched_models", "check_not_inside_ddp"]
+
+_ADVICE = (
+    "DistributedDataParallel all-reduces during backward, before a patched model's weight "
+    "gradients exist, so its ranks would step on unreduced gradients. Use "
+    "twobp_autograd.data_parallel.GradientSynchroniser(model) instead of the DDP wrapper (it "
+    "flushes and all-reduces), or twobp.unpatch(model) to keep DDP."
+)
+_installed = False
+
+
+def refuse_ddp_over_patched_models(is_patched: Callable[[nn.Module], bool]) -> None:
+    """Make ``DistributedDataParallel(model)`` raise when ``model`` holds a patched module."""
+    global _installed
+    if _installed:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = DistributedDataParallel.__init__
+
+    @functools.wraps(original)
+    def checked_init(self: DistributedDataParallel, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if any(is_patched(m) for m in module.modules()):
+            raise RuntimeError(f"twobp: DistributedDataParallel over a patched model. {_ADVICE}")
+        original(self, module, *args, **kwargs)
+
+    DistributedDataParallel.__init__ = checked_init  # type: ignore[method-assign]
+    _installed = True
+
+
+def check_not_inside_ddp(model: nn.Module) -> None:
+    """``patch`` refuses a model that is, or holds, a DDP wrapper."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
+        raise RuntimeError(f"twobp: patch() on a model wrapped in DistributedDataParallel. {_ADVICE}")
