@@ -18,6 +18,11 @@ stage module make its forwards (and nothing else) feed that queue. PyTorch's sha
 which queues nothing: the weight-gradient taps only queue for a backward that reaches the
 parameters.
 
+On stages sharded with ``fully_shard`` nothing changes: PyTorch's schedule runs every backward
+without gradient sync, a runner's gradients land on the unsharded parameters the stage computed
+with (accumulated there, :mod:`twobp_autograd.fsdp`), and the schedule's final reduction
+reduce-scatters them with the rest.
+
 PyTorch asks for one runner per micro-batch, so each W runs one micro-batch's work: this path
 does not concatenate micro-batches (the runtime in this package does). Layers that are not
 patched keep plain autograd: their weight gradients are computed in the I step.
