@@ -1,4 +1,5 @@
-"""The runtime against one process: every schedule, 2BP on and off, two gloo ranks.
+"""The runtime against one process: every schedule, 2BP on and off, two gloo ranks (and the
+interleaved and V schedules on the model cut into two stages per rank).
 
 Each scenario runs once in two spawned ranks (starting processes is the slow part) and writes
 one result per setting; the parametrized tests below read them. A pipelined step must give the
@@ -23,7 +24,7 @@ from torch import Tensor, nn
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.pipeline import PipelineError, PipelineRuntime, RankMetrics, StepReport, split_model
-from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
+from twobp_autograd.pipeline.schedules import MULTI_STAGE_SCHEDULES, SCHEDULES, default_num_micro_batches, placement, schedule
 
 WORLD = 2
 BATCH_SIZES = (8, 8, 6)  # a repeated step shape (cached shapes), then a new one with uneven micro-batches
@@ -55,7 +56,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator]
     "mlp": (mlp, lambda b, g: torch.randn(b, 8, generator=g), lambda b, g: torch.randn(b, 4, generator=g), _mse),
     "conv_bn": (conv_bn, lambda b, g: torch.randn(b, 3, 5, 5, generator=g), lambda b, g: torch.randint(0, 3, (b,), generator=g), F.cross_entropy),
 }
-SETTINGS = [(model, name, twobp) for model in MODELS for name in SCHEDULES for twobp in (False, True)]
+SETTINGS = [(model, name, twobp) for model in MODELS for name in SCHEDULES + MULTI_STAGE_SCHEDULES for twobp in (False, True)]
 SETTING_IDS = [f"{model}-{name}-{'2bp' if twobp else 'plain'}" for model, name, twobp in SETTINGS]
 
 
@@ -71,15 +72,21 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
     torch.manual_seed(0)
     model = make_model()
     reference = copy.deepcopy(model)
-    stage, reference_stage = split_model(model, world)[rank], split_model(reference, world)[rank]
+    owners = placement(schedule_name, world)
+    mine = [index for index, owner in enumerate(owners) if owner == rank]
+    stages = {index: split_model(model, len(owners))[index] for index in mine}
+    reference_stages = [split_model(reference, len(owners))[index] for index in mine]
     m = default_num_micro_batches(schedule_name, world)
     actions = schedule(schedule_name, world, m, twobp)[rank]
-    runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, timeout=RUNTIME_TIMEOUT)
+    runtime = PipelineRuntime(
+        stages if len(stages) > 1 else stages[rank], actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp,
+        timeout=RUNTIME_TIMEOUT, placement=owners,
+    )  # fmt: skip
     generator = torch.Generator().manual_seed(1)
     result: dict = {"deferred_jobs": [], "peak_bytes": [], "losses": [], "reference_losses": [], "events": []}
     for batch in BATCH_SIZES:
         inputs, targets = make_inputs(batch, generator), make_targets(batch, generator)
-        report = runtime.step(inputs if rank == 0 else None, targets if rank == world - 1 else None)
+        report = runtime.step(inputs if rank == 0 else None, targets if owners[-1] == rank else None)
         own = _own(report, rank)
         result["deferred_jobs"].append(own.deferred_jobs)
         result["peak_bytes"].append(own.peak_bytes)
@@ -96,7 +103,7 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
             result["throughput"] = report.throughput
             result["ranks_reported"] = [r.rank for r in report.ranks]
     result["actions"] = actions
-    result["mismatches"] = _mismatches(stage, reference_stage)
+    result["mismatches"] = [found for index, reference_stage in zip(mine, reference_stages) for found in _mismatches(stages[index], reference_stage)]
     return result
 
 

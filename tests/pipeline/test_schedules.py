@@ -1,4 +1,5 @@
-"""Every schedule's exact action lists for 2 and 3 stages, and the checker that guards them."""
+"""Every schedule's exact action lists for 2 and 3 stages (2 ranks for those with two stages per
+rank), and the checker that guards them."""
 
 from __future__ import annotations
 
@@ -6,10 +7,14 @@ import pytest
 
 from twobp_autograd.pipeline.actions import Action, B, F, I, W
 from twobp_autograd.pipeline.schedules import (
+    MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     ScheduleError,
     default_num_micro_batches,
+    execution_order,
+    placement,
     schedule,
+    stage_owners,
     validate_schedule,
 )
 
@@ -245,3 +250,89 @@ def test_checker_notices_any_single_dropped_action(name: str) -> None:
             del broken[rank][position]
             with pytest.raises(ScheduleError):
                 validate_schedule(broken, 3)
+
+
+# -- several stages per rank -------------------------------------------------------------------
+
+# (name, 2BP) -> one action list per rank, on 2 ranks and 4 micro-batches.
+EXPECTED_MULTI_STAGE: dict[tuple[str, bool], list[list[Action]]] = {
+    ("interleaved-1f1b", False): [
+        [F(0, 0), F(1, 0), F(0, 2), F(1, 2), F(2, 0), B(0, 2), F(3, 0), B(1, 2), F(2, 2), B(0, 0), F(3, 2), B(1, 0), B(2, 2), B(3, 2), B(2, 0), B(3, 0)],
+        [F(0, 1), F(1, 1), F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 1), B(0, 1), F(3, 1), B(1, 1), F(2, 3), B(2, 3), F(3, 3), B(3, 3), B(2, 1), B(3, 1)],
+    ],
+    ("interleaved-1f1b", True): [
+        [F(0, 0), F(1, 0), F(0, 2), F(1, 2), F(2, 0), I(0, 2), F(3, 0), I(1, 2), F(2, 2), I(0, 0), F(3, 2), I(1, 0), I(2, 2), W(0, stage=2),
+         I(3, 2), W(1, stage=2), I(2, 0), W(0, stage=0), I(3, 0), W(1, stage=0), W(2, 3, stage=2), W(2, 3, stage=0)],
+        [F(0, 1), F(1, 1), F(0, 3), I(0, 3), F(1, 3), I(1, 3), F(2, 1), I(0, 1), F(3, 1), I(1, 1), F(2, 3), I(2, 3), F(3, 3), I(3, 3),
+         I(2, 1), W(0, stage=3), I(3, 1), W(1, stage=3), W(0, 1, 2, 3, stage=1), W(2, 3, stage=3)],
+    ],
+    ("zbv", False): [
+        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), B(0, 3), F(1, 3), B(1, 3), B(0, 0), F(3, 0), B(1, 0), F(2, 3), B(2, 3), F(3, 3), B(3, 3), B(2, 0), B(3, 0)],
+        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), B(0, 2), B(0, 1), B(1, 2), B(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2), B(2, 2), B(3, 2), B(2, 1), B(3, 1)],
+    ],
+    ("zbv", True): [
+        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), I(0, 3), F(1, 3), I(1, 3), I(0, 0), F(3, 0), I(1, 0), W(0, stage=3), F(2, 3), I(2, 3), F(3, 3),
+         W(1, stage=3), I(3, 3), W(2, stage=3), W(3, stage=3), W(0, stage=0), I(2, 0), W(1, stage=0), I(3, 0), W(2, 3, stage=0)],
+        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), I(0, 2), I(0, 1), I(1, 2), I(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2), W(0, stage=2), I(2, 2),
+         W(0, stage=1), W(1, stage=2), I(3, 2), I(2, 1), W(1, stage=1), I(3, 1), W(2, 3, stage=1), W(2, 3, stage=2)],
+    ],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name,twobp", list(EXPECTED_MULTI_STAGE), ids=[f"{n}-{'2bp' if t else 'plain'}" for n, t in EXPECTED_MULTI_STAGE])
+def test_exact_actions_with_two_stages_per_rank(name: str, twobp: bool) -> None:
+    assert schedule(name, 2, 4, twobp) == EXPECTED_MULTI_STAGE[name, twobp]
+
+
+def test_placements() -> None:
+    assert placement("interleaved-1f1b", 3) == (0, 1, 2, 0, 1, 2)  # the loop
+    assert placement("zbv", 3) == (0, 1, 2, 2, 1, 0)  # the V: first and last stage on rank 0
+    assert placement("zb", 3) == (0, 1, 2)
+    assert stage_owners(schedule("zbv", 3)) == dict(enumerate(placement("zbv", 3)))
+
+
+@pytest.mark.parametrize("name", MULTI_STAGE_SCHEDULES)
+@pytest.mark.parametrize("num_ranks,num_micro_batches", [(1, 2), (2, 2), (2, 6), (3, 3), (3, 9), (4, 8)], ids=str)
+@pytest.mark.parametrize("twobp", [False, True], ids=["plain", "2bp"])
+def test_multi_stage_schedules_are_valid(name: str, num_ranks: int, num_micro_batches: int, twobp: bool) -> None:
+    ranks = schedule(name, num_ranks, num_micro_batches, twobp)
+    validate_schedule(ranks, num_micro_batches)
+    assert {a.stage for actions in ranks for a in actions} == set(range(2 * num_ranks))
+    assert {a.kind for actions in ranks for a in actions} == ({"F", "I", "W"} if twobp else {"F", "B"})
+
+
+def test_the_v_hands_over_at_its_tip_without_a_message() -> None:
+    """Stage p − 1 and stage p are on the last rank: nothing crosses ranks between them."""
+    order, _ = execution_order(schedule("zbv", 2, 2))
+    owners = placement("zbv", 2)
+    crossing = {a.sends(rank, 4) for rank, a in order if a.sends(rank, 4) is not None and owners[a.sends(rank, 4).receiver] != rank}
+    assert all({m.sender, m.receiver} != {1, 2} for m in crossing) and crossing
+
+
+@pytest.mark.parametrize("max_pending", [1, 2])
+def test_zbv_never_holds_more_than_max_pending_weight_grads_per_stage(max_pending: int) -> None:
+    for actions in schedule("zbv", 3, 12, max_pending=max_pending):
+        pending: dict[int, set[int]] = {}
+        for action in actions:
+            held = pending.setdefault(action.stage, set())
+            if action.kind == "I":
+                held.add(action.micro_batch)
+            elif action.kind == "W":
+                held -= set(action.micro_batches or ())
+            assert len(held) <= max_pending
+
+
+def test_zbv_concatenates_what_is_left_once_a_rank_has_no_backward_left() -> None:
+    last_rank = schedule("zbv", 2, 8)[1]
+    assert last_rank[-2:] == [W(6, 7, stage=1), W(7, stage=2)]
+
+
+def test_interleaved_needs_whole_groups_of_micro_batches() -> None:
+    with pytest.raises(ValueError, match="multiple"):
+        schedule("interleaved-1f1b", 2, 3)
+
+
+def test_a_stage_on_two_ranks_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="stage 0 runs on ranks 0 and 1"):
+        validate_schedule([[F(0, 0), B(0, 0)], [F(0, 0), B(0, 0)]])
+    assert repr(W(1, 2, stage=3)) == "W1,2@s3" and F(0, 1) != F(0)

@@ -10,7 +10,15 @@ from .adapter import dw_builder
 from .metrics import RankMetrics, StepReport
 from .split import split_model
 from .runtime import PipelineError, PipelineRuntime, init_distributed
-from .schedules import SCHEDULES, ScheduleError, default_num_micro_batches, schedule, validate_schedule
+from .schedules import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    ScheduleError,
+    default_num_micro_batches,
+    placement,
+    schedule,
+    validate_schedule,
+)
 from .simulator import SimulationResult, StageCosts, simulate
 from .trace import plot_timeline, write_chrome_trace
 
@@ -18,6 +26,8 @@ __all__ = [
     "Action",
     "ActionKind",
     "SCHEDULES",
+    "MULTI_STAGE_SCHEDULES",
+    "placement",
     "ScheduleError",
     "schedule",
     "default_num_micro_batches",

@@ -1,5 +1,10 @@
 """The vocabulary of a schedule, and what each word means.
 
+An action may name the stage it runs: a rank that holds several stages (interleaved and V
+schedules) must say which; in a schedule with one stage per rank the stage is left out and is
+the rank's own, so such schedules read (and compare) as they always did. Messages go from
+stage to stage; whether a stage's neighbour sits on another rank is the placement's business.
+
 An action's kind says, once for the whole package, which message it receives and sends (and
 so which neighbour it waits on) and which memory it keeps alive or releases. The schedule
 checker, the simulator, the runtime, the trace and the benchmarks' memory model all read that
@@ -8,7 +13,7 @@ here, so they cannot disagree about it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Set
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from enum import Enum
 from typing import NamedTuple
@@ -25,6 +30,7 @@ __all__ = [
     "W",
     "RankMemory",
     "peak_memory",
+    "count_stages",
 ]
 
 
@@ -87,7 +93,8 @@ class ActionKind(str, Enum):
 
 
 class Message(NamedTuple):
-    """One message of a step: the sending action's and the receiving action's view agree."""
+    """One message of a step: the sending action's and the receiving action's view agree.
+    ``sender`` and ``receiver`` are stages (the ranks themselves when each rank holds one)."""
 
     sender: int
     receiver: int
@@ -100,10 +107,12 @@ class Action:
     """``F``: forward of a micro-batch; ``B``: its full backward (2BP off); ``I``: backward-p1
     (input gradients only, weight work queued under the micro-batch's tag); ``W``:
     backward-p2 over the listed micro-batches, concatenated, or over everything pending when
-    ``micro_batches`` is None."""
+    ``micro_batches`` is None. ``stage``: which of its rank's stages it runs; None in a
+    schedule with one stage per rank, where it is the rank's own."""
 
     kind: ActionKind
     micro_batches: "tuple[int, ...] | None"
+    stage: "int | None" = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ActionKind(self.kind))
@@ -119,13 +128,19 @@ class Action:
         """The micro-batches this action acts on; ``W()`` acts on all ``pending`` ones."""
         return frozenset(pending if self.micro_batches is None else self.micro_batches)
 
-    def receives(self, rank: int, num_ranks: int) -> "Message | None":
-        """What this action, run on ``rank``, waits for; None on the rank its payload starts at."""
-        return self._message(rank - self._direction, rank, num_ranks)
+    def stage_on(self, rank: int) -> int:
+        """The stage this action runs when ``rank`` runs it."""
+        return rank if self.stage is None else self.stage
 
-    def sends(self, rank: int, num_ranks: int) -> "Message | None":
-        """What this action, run on ``rank``, sends on; None on the rank its payload ends at."""
-        return self._message(rank, rank + self._direction, num_ranks)
+    def receives(self, rank: int, num_stages: int) -> "Message | None":
+        """What this action, run on ``rank``, waits for; None on the stage its payload starts at."""
+        here = self.stage_on(rank)
+        return self._message(here - self._direction, here, num_stages)
+
+    def sends(self, rank: int, num_stages: int) -> "Message | None":
+        """What this action, run on ``rank``, sends on; None on the stage its payload ends at."""
+        here = self.stage_on(rank)
+        return self._message(here, here + self._direction, num_stages)
 
     @property
     def _direction(self) -> int:
@@ -137,30 +152,35 @@ class Action:
         return Message(sender, receiver, self.kind.payload, self.micro_batch)
 
     def __repr__(self) -> str:
-        if self.micro_batches is None:
-            return f"{self.kind}(*)"
-        return f"{self.kind}{','.join(map(str, self.micro_batches))}"
+        work = "(*)" if self.micro_batches is None else ",".join(map(str, self.micro_batches))
+        return f"{self.kind}{work}" + ("" if self.stage is None else f"@s{self.stage}")
 
 
-def F(mb: int) -> Action:
-    return Action(ActionKind.FORWARD, (mb,))
+def F(mb: int, stage: "int | None" = None) -> Action:
+    return Action(ActionKind.FORWARD, (mb,), stage)
 
 
-def B(mb: int) -> Action:
-    return Action(ActionKind.BACKWARD, (mb,))
+def B(mb: int, stage: "int | None" = None) -> Action:
+    return Action(ActionKind.BACKWARD, (mb,), stage)
 
 
-def I(mb: int) -> Action:  # noqa: E741, N802 (the paper's name for backward-p1)
-    return Action(ActionKind.BACKWARD_P1, (mb,))
+def I(mb: int, stage: "int | None" = None) -> Action:  # noqa: E741, N802 (the paper's name for backward-p1)
+    return Action(ActionKind.BACKWARD_P1, (mb,), stage)
 
 
-def W(*mbs: int) -> Action:
+def W(*mbs: int, stage: "int | None" = None) -> Action:
     """``W()`` runs everything pending; ``W(3)`` or ``W(1, 2)`` those micro-batches' work."""
-    return Action(ActionKind.BACKWARD_P2, tuple(mbs) if mbs else None)
+    return Action(ActionKind.BACKWARD_P2, tuple(mbs) if mbs else None, stage)
+
+
+def count_stages(ranks: Sequence[Sequence[Action]]) -> int:
+    """How many stages the schedule ``ranks`` runs (its ranks' count when each holds one)."""
+    stages = [action.stage_on(rank) for rank, actions in enumerate(ranks) for action in actions]
+    return max(len(ranks), 1 + max(stages, default=-1))
 
 
 class RankMemory:
-    """Which micro-batches hold which memory on one rank, as its actions run in order."""
+    """Which micro-batches hold which memory on one stage, as its actions run in order."""
 
     def __init__(self) -> None:
         self.held: dict[Held, set[int]] = {held: set() for held in Held}
@@ -179,11 +199,11 @@ class RankMemory:
 
 
 def peak_memory(actions: Iterable[Action], per_micro_batch: Mapping[Held, int]) -> int:
-    """The most one rank holds at once running ``actions``, each micro-batch weighing
-    ``per_micro_batch[held]`` while it holds ``held`` (bytes, or 1 to count micro-batches)."""
-    memory = RankMemory()
+    """The most one rank holds at once running ``actions``, each micro-batch of each of its
+    stages weighing ``per_micro_batch[held]`` while it holds ``held`` (bytes, or 1 to count)."""
+    memory: dict["int | None", RankMemory] = {}
     peak = 0
     for action in actions:
-        memory.run(action)
-        peak = max(peak, memory.size(per_micro_batch))
+        memory.setdefault(action.stage, RankMemory()).run(action)
+        peak = max(peak, sum(stage.size(per_micro_batch) for stage in memory.values()))
     return peak

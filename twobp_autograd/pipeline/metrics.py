@@ -30,7 +30,7 @@ class RankMetrics:
     deferred_jobs: int  # most weight-gradient jobs queued at once (0 with 2BP off)
     peak_bytes: int  # see memory_probe.MemoryProbe
     peak_rss: int  # bytes, the process's peak resident set so far
-    loss: "float | None"  # on the last rank
+    loss: "float | None"  # on the rank of the last stage
     peak_pending_bytes: int = 0  # most bytes the weight-gradient queue held after an action
 
 
@@ -50,7 +50,7 @@ class StepReport:
         self.idle = [m.receive_wait + (self.step_time - m.step_time) for m in self.ranks]
         self.bubble_ratio = sum(self.idle) / (len(self.ranks) * self.step_time)
         self.throughput = self.ranks[0].samples / self.step_time
-        self.loss = self.ranks[-1].loss
+        self.loss = next((m.loss for m in reversed(self.ranks) if m.loss is not None), None)  # the last stage's rank
 
 
 class StepTimer:

@@ -1,11 +1,13 @@
 """Run one rank's schedule over torch.distributed point-to-point messages.
 
-Each rank holds one stage and executes its action list (see :mod:`.schedules`), each action
-receiving and sending what its kind says (:mod:`.actions`): ``F`` receives activations from
-the rank before (the first rank takes the micro-batch), runs the stage and sends the output
-on; ``I``/``B`` receives the output gradient from the rank after (the last rank takes the
-loss), runs backward and sends the input gradient back; ``W`` flushes the stage's own
+Each rank holds one stage, or several (interleaved and V schedules, placed by
+:func:`.schedules.placement`), and executes its action list (see :mod:`.schedules`), each
+action receiving and sending what its kind says (:mod:`.actions`): ``F`` receives activations
+from the stage before (the first stage takes the micro-batch), runs the stage and sends the
+output on; ``I``/``B`` receives the output gradient from the stage after (the last stage takes
+the loss), runs backward and sends the input gradient back; ``W`` flushes the stage's own
 :class:`~twobp_autograd.WeightGradQueue`, for the named micro-batches or everything pending.
+Between two stages of one rank the tensor is handed over in memory, never sent.
 With 2BP on the stage is patched, so backward only computes input gradients and queues the
 weight work under the micro-batch's tag; with 2BP off it is unpatched and ``B`` is plain
 autograd.
@@ -23,7 +25,7 @@ from __future__ import annotations
 import datetime
 import os
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -35,7 +37,7 @@ from .. import WeightGradQueue, patch, unpatch, use_queue
 from .actions import Action, ActionKind, Message, Payload
 from .memory_probe import MemoryProbe, peak_rss
 from .metrics import RankMetrics, StepReport, StepTimer
-from .schedules import validate_schedule
+from .schedules import validate_rank
 
 __all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed"]
 
@@ -75,6 +77,27 @@ def init_distributed(*, timeout: float = 120.0, backend: "str | None" = None) ->
 
 
 @dataclass
+class _Stage:
+    """One of the rank's stages: its module, its queue, and where its gradients become final."""
+
+    index: int
+    module: nn.Module
+    queue: WeightGradQueue
+    last_backward_position: int = -1
+
+
+class _Queues:
+    """The rank's queues as one, for the memory probe: what they hold together."""
+
+    def __init__(self, queues: Iterable[WeightGradQueue]) -> None:
+        self.queues = list(queues)
+
+    def pending(self) -> Any:
+        work = [queue.pending() for queue in self.queues]
+        return type(work[0])(sum(w.jobs for w in work), sum(w.bytes for w in work))
+
+
+@dataclass
 class _Step:
     """What one step keeps between its actions."""
 
@@ -83,7 +106,8 @@ class _Step:
     shape_key: Hashable  # the step's input shape: activation shapes are exchanged once per key
     memory: MemoryProbe
     timer: StepTimer
-    held: dict[int, tuple[Tensor, Tensor]] = field(default_factory=dict)  # from F to backward: input, output or loss
+    held: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)  # (stage, micro-batch): input, output or loss
+    handed_over: dict[Message, Tensor] = field(default_factory=dict)  # between two stages of this rank
     sends: list[tuple[Any, Tensor, str]] = field(default_factory=list)  # posted, each tensor alive until sent
     losses: list[Tensor] = field(default_factory=list)
 
@@ -91,7 +115,12 @@ class _Step:
 class PipelineRuntime:
     """Executes ``actions`` (this rank's list of a schedule) on ``stage`` at every :meth:`step`.
 
-    ``loss_fn(output, target)`` is used on the last rank; each micro-batch's loss is divided by
+    ``stage`` is this rank's module, or, when the rank holds several stages, a mapping from
+    each stage's index to its module; ``placement`` then gives every stage's rank (see
+    :func:`.schedules.placement`). Each stage has its own queue: ``queue`` is the one stage's,
+    or a mapping like ``stage`` (by default new queues).
+
+    ``loss_fn(output, target)`` is used on the last stage; each micro-batch's loss is divided by
     ``num_micro_batches``, so the step's gradients are those of the mean over micro-batches.
     ``grad_sync`` (e.g. a data-parallel :class:`GradientSync` over this stage's replicas) gets
     the flushes that follow the step's last backward and finishes the step.
@@ -99,7 +128,7 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        stage: nn.Module,
+        stage: "nn.Module | Mapping[int, nn.Module]",
         actions: Sequence[Action],
         *,
         num_micro_batches: int,
@@ -108,38 +137,51 @@ class PipelineRuntime:
         group: "dist.ProcessGroup | None" = None,
         device: "torch.device | None" = None,
         timeout: float = 60.0,
-        queue: "WeightGradQueue | None" = None,
+        queue: "WeightGradQueue | Mapping[int, WeightGradQueue] | None" = None,
         grad_sync: "GradientSync | None" = None,
+        placement: "Sequence[int] | None" = None,
     ) -> None:
-        validate_schedule([list(actions)], num_micro_batches)
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
-        self.first = self.rank == 0
-        self.last = self.rank == self.world_size - 1
+        self.placement = tuple(range(self.world_size) if placement is None else placement)
+        self.stages = _stages_of(stage, queue, self.rank)
+        validate_rank(actions, num_micro_batches, self.rank)
+        self._check_placement(actions)
+        self.first = 0 in self.stages  # takes the inputs
+        self.last = len(self.placement) - 1 in self.stages  # takes the targets, computes the loss
         if self.last and loss_fn is None:
-            raise ValueError("the last rank needs a loss_fn")
-        self.stage = stage
+            raise ValueError("the last stage needs a loss_fn")
+        self.stage = next(iter(self.stages.values())).module  # the first of this rank's stages
+        self.queue = next(iter(self.stages.values())).queue
         self.actions = list(actions)
         self.num_micro_batches = num_micro_batches
         self.loss_fn = loss_fn
         self.twobp = twobp
-        self.device = device or next((p.device for p in stage.parameters()), torch.device("cpu"))
+        self.device = device or next((p.device for s in self.stages.values() for p in s.module.parameters()), torch.device("cpu"))
         self.timeout = timeout
-        self.queue = queue if queue is not None else WeightGradQueue()  # an empty queue is falsy
         self.grad_sync = grad_sync
         self.apply_mode()
-        self._last_backward_position = max((i for i, a in enumerate(self.actions) if a.kind.is_backward), default=-1)
-        self._sent_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
-        self._received_shapes: dict[tuple[Hashable, int], tuple[torch.Size, torch.dtype]] = {}
+        for position, action in enumerate(self.actions):
+            if action.kind.is_backward:
+                self.stages[action.stage_on(self.rank)].last_backward_position = position
+        self._sent_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
+        self._received_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
+
+    def _check_placement(self, actions: Sequence[Action]) -> None:
+        for action in actions:
+            stage = action.stage_on(self.rank)
+            if stage >= len(self.placement) or self.placement[stage] != self.rank or stage not in self.stages:
+                raise ValueError(f"rank {self.rank}: {action!r} runs stage {stage}, which this rank does not hold")
 
     def apply_mode(self) -> None:
-        """Patch the stage (2BP on) or unpatch it (off). Each step does this first, so runtimes
-        with different modes may share one stage and take turns."""
-        if self.twobp:
-            patch(self.stage)
-        else:
-            unpatch(self.stage)
+        """Patch the stages (2BP on) or unpatch them (off). Each step does this first, so
+        runtimes with different modes may share one stage and take turns."""
+        for stage in self.stages.values():
+            if self.twobp:
+                patch(stage.module)
+            else:
+                unpatch(stage.module)
 
     # -- one step -----------------------------------------------------------------------
 
@@ -159,19 +201,21 @@ class PipelineRuntime:
             inputs=list(inputs.tensor_split(m)) if self.first else [],
             targets=list(targets.tensor_split(m)) if self.last else [],
             shape_key=self._agree_on_step_shape(inputs),
-            memory=MemoryProbe(self.device, self.queue),
+            memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),  # type: ignore[arg-type]
             timer=StepTimer(self.rank, self.device),
         )
         try:
             self._run_schedule(step)
         except BaseException:
-            self.queue.clear()
+            for stage in self.stages.values():
+                stage.queue.clear()
             if self.grad_sync is not None:
                 self.grad_sync.reset()
             raise
         finally:
             step.sends.clear()
             step.held.clear()
+            step.handed_over.clear()
         metrics = RankMetrics(
             rank=self.rank,
             step_time=step.timer.elapsed(),
@@ -186,78 +230,103 @@ class PipelineRuntime:
         )
         if not gather:
             return metrics
-        gathered: "list[RankMetrics] | None" = [None] * self.world_size if self.first else None  # type: ignore[list-item]
+        gathered: "list[RankMetrics] | None" = [None] * self.world_size if self.rank == 0 else None  # type: ignore[list-item]
         dist.gather_object(metrics, gathered, group_dst=0, group=self.group)
         return StepReport(gathered) if gathered is not None else metrics
 
     def _run_schedule(self, step: _Step) -> None:
         for position, action in enumerate(self.actions):
             step.timer.action_starts()
-            self._run(step, action, after_last_backward=position >= self._last_backward_position)
+            stage = self.stages[action.stage_on(self.rank)]
+            self._run(step, stage, action, after_last_backward=position >= stage.last_backward_position)
             step.timer.action_ends(action)
             step.memory.sample(tensor for pair in step.held.values() for tensor in pair)
-        if len(self.queue):
-            raise PipelineError(
-                f"rank {self.rank}: weight-gradient work of micro-batches {self.queue.tags()} is still "
-                "queued after the schedule's last W"
-            )
+        for stage in self.stages.values():
+            if len(stage.queue):
+                raise PipelineError(
+                    f"rank {self.rank}: weight-gradient work of micro-batches {stage.queue.tags()} of stage "
+                    f"{stage.index} is still queued after the schedule's last W"
+                )
         for work, _, what in step.sends:
             self._wait(work, what, step.timer)
         if self.grad_sync is not None:
             self.grad_sync.finish()
 
-    def _run(self, step: _Step, action: Action, *, after_last_backward: bool) -> None:
+    def _run(self, step: _Step, stage: _Stage, action: Action, *, after_last_backward: bool) -> None:
         kind = action.kind
         if kind is ActionKind.FORWARD:
-            self._forward(step, action)
+            self._forward(step, stage, action)
         elif kind.is_backward:
-            self._backward(step, action)
+            self._backward(step, stage, action)
             if kind is ActionKind.BACKWARD and self.twobp:  # a patched stage queued B's weight work: run it now
-                self._flush(action.micro_batches, final=after_last_backward)
+                self._flush(stage.queue, action.micro_batches, final=after_last_backward)
         else:
-            self._flush(action.micro_batches, final=after_last_backward)
+            self._flush(stage.queue, action.micro_batches, final=after_last_backward)
 
-    def _flush(self, tags: "Sequence[Hashable] | None", *, final: bool) -> None:
+    def _flush(self, queue: WeightGradQueue, tags: "Sequence[Hashable] | None", *, final: bool) -> None:
         if self.grad_sync is not None and final:  # gradients can become final
-            self.grad_sync.flush(self.queue, tags)
+            self.grad_sync.flush(queue, tags)
         else:
-            self.queue.flush(tags=tags)
+            queue.flush(tags=tags)
 
-    def _forward(self, step: _Step, action: Action) -> None:
+    @property
+    def _num_stages(self) -> int:
+        return len(self.placement)
+
+    def _is_local(self, message: Message) -> bool:
+        return self.placement[message.sender] == self.placement[message.receiver]
+
+    def _forward(self, step: _Step, stage: _Stage, action: Action) -> None:
         k = action.micro_batch
-        source = action.receives(self.rank, self.world_size)
+        source = action.receives(self.rank, self._num_stages)
         if source is None:
             x = step.inputs[k].to(self.device)
         else:
-            x = self._receive_activation(step, source)
+            x = step.handed_over.pop(source) if self._is_local(source) else self._receive_activation(step, source)
             x.requires_grad_(x.is_floating_point())
-        with use_queue(self.queue), self.queue.tagged(k):
-            out = self.stage(x)
+        with use_queue(stage.queue), stage.queue.tagged(k):
+            out = stage.module(x)
         if not isinstance(out, Tensor):
             raise TypeError(f"rank {self.rank}: a pipeline stage must return one tensor, got {type(out).__name__}")
-        destination = action.sends(self.rank, self.world_size)
+        destination = action.sends(self.rank, self._num_stages)
         if destination is None:  # the last stage: its output goes into the loss
             loss = self.loss_fn(out, step.targets[k].to(self.device)) / self.num_micro_batches  # type: ignore[misc]
             step.losses.append(loss.detach())
-            step.held[k] = (x, loss)
+            step.held[stage.index, k] = (x, loss)
         else:
-            self._send_activation(step, out.detach(), destination)
-            step.held[k] = (x, out)
+            if self._is_local(destination):
+                step.handed_over[destination] = out.detach()
+            else:
+                self._send_activation(step, out.detach(), destination)
+            step.held[stage.index, k] = (x, out)
 
-    def _backward(self, step: _Step, action: Action) -> None:
+    def _backward(self, step: _Step, stage: _Stage, action: Action) -> None:
         # With a capped queue, work over the cap is flushed after the input gradient is posted.
-        with self.queue.cap_enforced_after():
-            x, out = step.held.pop(action.micro_batch)
-            source = action.receives(self.rank, self.world_size)
+        with stage.queue.cap_enforced_after():
+            x, out = step.held.pop((stage.index, action.micro_batch))
+            source = action.receives(self.rank, self._num_stages)
             if source is None:  # the last stage: ``out`` is the loss
                 out.backward()
+            elif self._is_local(source):
+                out.backward(step.handed_over.pop(source))
             else:
                 buffer = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-                out.backward(self._receive(step, buffer, source.sender, _tag(source), _what(source)))
-            destination = action.sends(self.rank, self.world_size)
+                out.backward(self._receive(step, buffer, self._rank_of(source.sender), self._tag(source), _what(source)))
+            destination = action.sends(self.rank, self._num_stages)
             if destination is not None and x.is_floating_point():
                 grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
-                self._send(step, grad_input, destination.receiver, _tag(destination), _what(destination))
+                if self._is_local(destination):
+                    step.handed_over[destination] = grad_input
+                else:
+                    peer = self._rank_of(destination.receiver)
+                    self._send(step, grad_input, peer, self._tag(destination), _what(destination))
+
+    def _rank_of(self, stage: int) -> int:
+        return self.placement[stage]
+
+    def _tag(self, message: Message) -> int:
+        """Distinct for every message between two ranks of one step: gloo matches by tag."""
+        return 2 * (message.micro_batch * self._num_stages + message.sender) + (message.payload is Payload.GRADIENTS)
 
     # -- shapes -------------------------------------------------------------------------
 
@@ -270,31 +339,31 @@ class PipelineRuntime:
         return tuple(header.tolist())
 
     def _send_activation(self, step: _Step, out: Tensor, message: Message) -> None:
-        k = message.micro_batch
-        known = self._sent_shapes.get((step.shape_key, k))
+        k, peer = message.micro_batch, self._rank_of(message.receiver)
+        known = self._sent_shapes.get((step.shape_key, message.sender, k))
         if known is None:
-            self._sent_shapes[(step.shape_key, k)] = (out.shape, out.dtype)
-            self._send(step, _meta(out), message.receiver, _SHAPE_TAG + k, f"the shape of micro-batch {k}")
+            self._sent_shapes[(step.shape_key, message.sender, k)] = (out.shape, out.dtype)
+            self._send(step, _meta(out), peer, _SHAPE_TAG + self._tag(message), f"the shape of micro-batch {k}")
         elif known != (out.shape, out.dtype):
             raise PipelineError(
                 f"rank {self.rank}: the stage output of micro-batch {k} is {tuple(out.shape)} {out.dtype}, but "
                 f"{tuple(known[0])} {known[1]} was exchanged for this input shape; a stage's output shape must "
                 "depend only on the batch shape"
             )
-        self._send(step, out.contiguous(), message.receiver, _tag(message), _what(message))
+        self._send(step, out.contiguous(), peer, self._tag(message), _what(message))
 
     def _receive_activation(self, step: _Step, message: Message) -> Tensor:
-        k = message.micro_batch
-        known = self._received_shapes.get((step.shape_key, k))
+        k, peer = message.micro_batch, self._rank_of(message.sender)
+        known = self._received_shapes.get((step.shape_key, message.sender, k))
         if known is None:
             buffer = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
-            meta = self._receive(step, buffer, message.sender, _SHAPE_TAG + k, f"the shape of micro-batch {k}")
+            meta = self._receive(step, buffer, peer, _SHAPE_TAG + self._tag(message), f"the shape of micro-batch {k}")
             code, ndim, *dims = meta.tolist()
             known = (torch.Size(dims[:ndim]), _DTYPES[code])
-            self._received_shapes[(step.shape_key, k)] = known
+            self._received_shapes[(step.shape_key, message.sender, k)] = known
         shape, dtype = known
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        return self._receive(step, buffer, message.sender, _tag(message), _what(message))
+        return self._receive(step, buffer, peer, self._tag(message), _what(message))
 
     # -- messages -----------------------------------------------------------------------
 
@@ -326,8 +395,19 @@ class PipelineRuntime:
             timer.waited(start)
 
 
-def _tag(message: Message) -> int:
-    return 2 * message.micro_batch + (message.payload is Payload.GRADIENTS)
+def _stages_of(
+    stage: "nn.Module | Mapping[int, nn.Module]", queue: "WeightGradQueue | Mapping[int, WeightGradQueue] | None", rank: int
+) -> dict[int, _Stage]:
+    modules = {rank: stage} if isinstance(stage, nn.Module) else dict(stage)
+    if not modules:
+        raise ValueError(f"rank {rank} holds no stage")
+    if isinstance(queue, Mapping):
+        queues = dict(queue)
+    else:
+        if queue is not None and len(modules) > 1:
+            raise ValueError("several stages need one queue each: pass a mapping from stage to queue")
+        queues = {index: queue if queue is not None else WeightGradQueue() for index in modules}
+    return {index: _Stage(index, modules[index], queues[index]) for index in sorted(modules)}
 
 
 def _what(message: Message) -> str:

@@ -21,17 +21,23 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from collections.abc import Iterable, Sequence
 
-from .actions import Action, ActionKind, B, F, Held, I, Message, Payload, W
+from .actions import Action, ActionKind, B, F, Held, I, Message, Payload, W, count_stages
+from .multi_stage import MULTI_STAGE_SCHEDULES, interleaved_one_f_one_b, placement, zero_bubble_v
 
 __all__ = [
     "SCHEDULES",
+    "MULTI_STAGE_SCHEDULES",
+    "placement",
     "ScheduleError",
     "schedule",
     "default_num_micro_batches",
     "validate_schedule",
     "execution_order",
+    "stage_owners",
+    "validate_rank",
 ]
 
+#: The schedules with one stage per rank; :data:`MULTI_STAGE_SCHEDULES` hold several.
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b-1", "1f1b-2", "zb")
 
 RankActions = list[Action]
@@ -63,40 +69,54 @@ def _grid(ranks: Sequence[Sequence[Action]], faulty: frozenset[tuple[int, int]])
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows))
 
 
-def default_num_micro_batches(name: str, num_stages: int) -> int:
+def default_num_micro_batches(name: str, num_ranks: int) -> int:
     """The paper's micro-batch counts: p for GPipe and 1F1B-1, 2p for 1F1B-2 (and for ``zb``,
-    so that it compares with 1F1B-2)."""
+    ``zbv`` and interleaved 1F1B, so that they compare with 1F1B-2)."""
     _check_name(name)
-    return 2 * num_stages if name in ("1f1b-2", "zb") else num_stages
+    return num_ranks if name in ("gpipe", "1f1b-1") else 2 * num_ranks
 
 
 def schedule(
     name: str,
-    num_stages: int,
+    num_ranks: int,
     num_micro_batches: int | None = None,
     twobp: bool = True,
     *,
     max_pending: int | None = None,
 ) -> list[RankActions]:
-    """One action list per rank for schedule ``name`` (one of :data:`SCHEDULES`).
+    """One action list per rank for schedule ``name`` (one of :data:`SCHEDULES`, one stage
+    per rank, or :data:`MULTI_STAGE_SCHEDULES`, whose ranks hold the stages
+    :func:`placement` gives them).
 
     ``num_micro_batches`` defaults to :func:`default_num_micro_batches`. With ``twobp`` False
-    every backward is a full ``B``; ``"zb"`` then degenerates to 1F1B, since without a
-    separate ``W`` there is nothing to move. ``max_pending`` applies to ``"zb"`` only.
+    every backward is a full ``B``; ``"zb"`` then degenerates to 1F1B and ``"zbv"`` to its
+    ``F``/``B`` order, since without a separate ``W`` there is nothing to move.
+    ``max_pending`` applies to ``"zb"`` and ``"zbv"`` only.
     """
     _check_name(name)
     if num_micro_batches is None:
-        num_micro_batches = default_num_micro_batches(name, num_stages)
-    if max_pending is not None and name != "zb":
-        raise ValueError(f"max_pending applies to 'zb' only, not {name!r}")
+        num_micro_batches = default_num_micro_batches(name, num_ranks)
+    if max_pending is not None and name not in ("zb", "zbv"):
+        raise ValueError(f"max_pending applies to 'zb' and 'zbv' only, not {name!r}")
+    _check_sizes(num_ranks, num_micro_batches)
     if name == "gpipe":
-        ranks = _gpipe(num_stages, num_micro_batches, twobp)
+        ranks = _gpipe(num_ranks, num_micro_batches, twobp)
     elif name in ("1f1b-1", "1f1b-2"):
-        ranks = _one_f_one_b(num_stages, num_micro_batches, twobp)
+        ranks = _one_f_one_b(num_ranks, num_micro_batches, twobp)
+    elif name == "zb":
+        ranks = _zero_bubble(num_ranks, num_micro_batches, twobp, max_pending=max_pending)
+    elif name == "interleaved-1f1b":
+        ranks = interleaved_one_f_one_b(num_ranks, num_micro_batches, twobp)
     else:
-        ranks = _zero_bubble(num_stages, num_micro_batches, twobp, max_pending=max_pending)
+        ranks = zero_bubble_v(num_ranks, num_micro_batches, max_pending=max_pending)
+        ranks = ranks if twobp else [_without_split(actions) for actions in ranks]
     validate_schedule(ranks, num_micro_batches)
     return ranks
+
+
+def _without_split(actions: RankActions) -> RankActions:
+    """2BP off: each ``I`` becomes a full ``B``, and no ``W`` is left to run."""
+    return [B(a.micro_batch, a.stage) if a.kind is ActionKind.BACKWARD_P1 else a for a in actions if a.kind is not ActionKind.BACKWARD_P2]
 
 
 def _gpipe(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
@@ -219,9 +239,10 @@ def validate_schedule(ranks: Sequence[Sequence[Action]], num_micro_batches: int 
     if num_micro_batches is None:
         forwards = (a.micro_batch for rank in ranks for a in rank if a.kind is ActionKind.FORWARD)
         num_micro_batches = 1 + max(forwards, default=-1)
-    for rank in range(len(ranks)):
-        _check_rank(ranks, rank, num_micro_batches)
-    _check_message_order(ranks)
+    owners = stage_owners(ranks)
+    for stage, rank in sorted(owners.items()):
+        _check_stage(ranks, rank, stage, num_micro_batches)
+    _check_message_order(ranks, owners)
     _, stuck = execution_order(ranks)
     if stuck:
         waits = ", ".join(f"rank {rank} at {ranks[rank][step]!r}" for rank, step in stuck.items())
@@ -230,41 +251,68 @@ def validate_schedule(ranks: Sequence[Sequence[Action]], num_micro_batches: int 
 
 def execution_order(ranks: Sequence[Sequence[Action]]) -> tuple[list[tuple[int, Action]], dict[int, int]]:
     """Replay the ranks' lists with non-blocking sends: each rank runs its next action once
-    the message it receives has been sent. Returns every action that ran, as (rank, action),
-    each after the action it waited for, and for each rank that could not finish the step
-    it is stuck at."""
-    num_ranks = len(ranks)
+    the message it receives has been sent (by another rank, or by one of its own stages
+    earlier). Returns every action that ran, as (rank, action), each after the action it
+    waited for, and for each rank that could not finish the step it is stuck at."""
+    num_stages = count_stages(ranks)
     sent: set[Message] = set()
     order: list[tuple[int, Action]] = []
-    cursor = [0] * num_ranks
+    cursor = [0] * len(ranks)
     progressed = True
     while progressed:
         progressed = False
         for rank, actions in enumerate(ranks):
             while cursor[rank] < len(actions):
                 action = actions[cursor[rank]]
-                waits_for = action.receives(rank, num_ranks)
+                waits_for = action.receives(rank, num_stages)
                 if waits_for is not None and waits_for not in sent:
                     break
-                message = action.sends(rank, num_ranks)
+                message = action.sends(rank, num_stages)
                 if message is not None:
                     sent.add(message)
                 order.append((rank, action))
                 cursor[rank] += 1
                 progressed = True
-    stuck = {rank: cursor[rank] for rank in range(num_ranks) if cursor[rank] < len(ranks[rank])}
+    stuck = {rank: cursor[rank] for rank in range(len(ranks)) if cursor[rank] < len(ranks[rank])}
     return order, stuck
 
 
-def _check_rank(ranks: Sequence[Sequence[Action]], rank: int, num_micro_batches: int) -> None:
+def stage_owners(ranks: Sequence[Sequence[Action]]) -> dict[int, int]:
+    """Which rank runs each stage; a :class:`ScheduleError` if a stage is on two ranks or on none."""
+    owners: dict[int, int] = {}
+    for rank, actions in enumerate(ranks):
+        for step, action in enumerate(actions):
+            stage = action.stage_on(rank)
+            if owners.setdefault(stage, rank) != rank:
+                raise ScheduleError(f"stage {stage} runs on ranks {owners[stage]} and {rank}", ranks, [(rank, step)])
+    missing = sorted(set(range(count_stages(ranks))) - owners.keys())
+    if missing:
+        raise ScheduleError(f"no rank runs stages {missing}", ranks)
+    return owners
+
+
+def validate_rank(actions: Sequence[Action], num_micro_batches: int, rank: int = 0) -> None:
+    """The checks one rank can make alone: each of its stages does every micro-batch's work
+    once and in order (see :func:`validate_schedule`)."""
+    ranks = [[] for _ in range(rank)] + [list(actions)]
+    for stage in dict.fromkeys(action.stage_on(rank) for action in actions):
+        _check_stage(ranks, rank, stage, num_micro_batches)
+    if not actions:
+        _check_stage(ranks, rank, rank, num_micro_batches)
+
+
+def _check_stage(ranks: Sequence[Sequence[Action]], rank: int, stage: int, num_micro_batches: int) -> None:
     forwarded: set[int] = set()
     backwarded: set[int] = set()
     pending: set[int] = set()
     weight_done: set[int] = set()
+    where = f"rank {rank}" if all(a.stage is None for a in ranks[rank]) else f"rank {rank}, stage {stage}"
     for step, action in enumerate(ranks[rank]):
+        if action.stage_on(rank) != stage:
+            continue
 
         def fault(reason: str) -> ScheduleError:
-            return ScheduleError(f"rank {rank}, action {step} ({action!r}): {reason}", ranks, [(rank, step)])
+            return ScheduleError(f"{where}, action {step} ({action!r}): {reason}", ranks, [(rank, step)])
 
         if action.kind is ActionKind.BACKWARD_P2:
             covered = action.covers(pending)
@@ -299,39 +347,45 @@ def _check_rank(ranks: Sequence[Sequence[Action]], rank: int, num_micro_batches:
     everything = set(range(num_micro_batches))
     for what, done in (("forward", forwarded), ("backward", backwarded), ("weight gradient", weight_done)):
         if done != everything:
-            raise ScheduleError(f"rank {rank}: no {what} for micro-batches {sorted(everything - done)}", ranks)
+            raise ScheduleError(f"{where}: no {what} for micro-batches {sorted(everything - done)}", ranks)
 
 
-def _check_message_order(ranks: Sequence[Sequence[Action]]) -> None:
-    """Neighbours must agree on the order of what one sends and the other receives."""
-    num_ranks = len(ranks)
+def _check_message_order(ranks: Sequence[Sequence[Action]], owners: dict[int, int]) -> None:
+    """Neighbouring stages must agree on the order of what one sends and the other receives."""
+    num_stages = count_stages(ranks)
     # (sender, receiver, payload) -> [(micro-batch, step)], as each side sees it
     sent: defaultdict[tuple[int, int, Payload], list[tuple[int, int]]] = defaultdict(list)
     received: defaultdict[tuple[int, int, Payload], list[tuple[int, int]]] = defaultdict(list)
     for rank, actions in enumerate(ranks):
         for step, action in enumerate(actions):
-            for seen, message in ((sent, action.sends(rank, num_ranks)), (received, action.receives(rank, num_ranks))):
+            for seen, message in ((sent, action.sends(rank, num_stages)), (received, action.receives(rank, num_stages))):
                 if message is not None:
                     seen[message.sender, message.receiver, message.payload].append((message.micro_batch, step))
     payloads = list(Payload)
+    one_stage_each = all(a.stage is None for actions in ranks for a in actions)
     for link in sorted(sent.keys() | received.keys(), key=lambda l: (min(l[:2]), payloads.index(l[2]))):
         sender, receiver, payload = link
         here, there = [k for k, _ in sent[link]], [k for k, _ in received[link]]
         if here == there:
             continue
         first = next((i for i, (a, b) in enumerate(zip(here, there)) if a != b), min(len(here), len(there)))
-        faulty = [(rank, seen[link][first][1]) for rank, seen in ((sender, sent), (receiver, received)) if first < len(seen[link])]
+        faulty = [
+            (owners[stage], seen[link][first][1])
+            for stage, seen in ((sender, sent), (receiver, received))
+            if first < len(seen[link])
+        ]
         (low, low_order), (high, high_order) = sorted([(sender, here), (receiver, there)])
         raise ScheduleError(
-            f"ranks {low} and {high} exchange {payload.value} in different orders: {low_order} vs {high_order}",
+            f"{'ranks' if one_stage_each else 'stages'} {low} and {high} exchange {payload.value} in different "
+            f"orders: {low_order} vs {high_order}",
             ranks,
             faulty,
         )
 
 
 def _check_name(name: str) -> None:
-    if name not in SCHEDULES:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    if name not in SCHEDULES + MULTI_STAGE_SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES + MULTI_STAGE_SCHEDULES)}")
 
 
 def _check_sizes(num_stages: int, num_micro_batches: int) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
-from .actions import Action, ActionKind, Held, Message, RankMemory, peak_memory
-from .schedules import execution_order, validate_schedule
+from .actions import Action, ActionKind, Held, Message, RankMemory, count_stages, peak_memory
+from .schedules import execution_order, stage_owners, validate_schedule
 from .trace import Event
 
 __all__ = ["StageCosts", "SimulationResult", "simulate"]
@@ -104,32 +104,36 @@ def simulate(
     num_micro_batches: int | None = None,
 ) -> SimulationResult:
     """Run each rank's actions in order, each as soon as the rank is free and what it receives
-    has arrived (the neighbour's action ended ``p2p_latency`` ago). ``costs`` is one
-    :class:`StageCosts` for every stage or one per stage. The schedule is checked first
+    has arrived (the neighbour's action ended ``p2p_latency`` ago; a hand-over between two
+    stages of one rank costs nothing). ``costs`` is one :class:`StageCosts` for every stage or
+    one per stage. The schedule is checked first
     (:func:`~twobp_autograd.pipeline.schedules.validate_schedule`); a deadlock raises
     :class:`~twobp_autograd.pipeline.schedules.ScheduleError`."""
     validate_schedule(ranks, num_micro_batches)
-    num_ranks = len(ranks)
-    stage_costs = [costs] * num_ranks if isinstance(costs, StageCosts) else list(costs)
-    if len(stage_costs) != num_ranks:
-        raise ValueError(f"{len(stage_costs)} stage costs for {num_ranks} ranks")
+    num_ranks, num_stages = len(ranks), count_stages(ranks)
+    owners = stage_owners(ranks)
+    stage_costs = [costs] * num_stages if isinstance(costs, StageCosts) else list(costs)
+    if len(stage_costs) != num_stages:
+        what = "ranks" if num_stages == num_ranks else "stages"
+        raise ValueError(f"{len(stage_costs)} stage costs for {num_stages} {what}")
 
     timelines: list[list[Event]] = [[] for _ in range(num_ranks)]
     arrives: dict[Message, float] = {}
-    memory = [RankMemory() for _ in range(num_ranks)]
+    memory = {stage: RankMemory() for stage in range(num_stages)}
     order, _ = execution_order(ranks)  # validated: nothing is stuck
     for rank, action in order:
-        waits_for = action.receives(rank, num_ranks)
+        stage = action.stage_on(rank)
+        waits_for = action.receives(rank, num_stages)
         start = max(timelines[rank][-1].end if timelines[rank] else 0.0, 0.0 if waits_for is None else arrives[waits_for])
-        end = start + stage_costs[rank].duration(action.kind, len(memory[rank].run(action)))
-        message = action.sends(rank, num_ranks)
+        end = start + stage_costs[stage].duration(action.kind, len(memory[stage].run(action)))
+        message = action.sends(rank, num_stages)
         if message is not None:
-            arrives[message] = end + p2p_latency
+            arrives[message] = end + (0.0 if owners[message.receiver] == rank else p2p_latency)
         timelines[rank].append(Event(rank, action, start, end))
 
     return SimulationResult(
         timelines=timelines,
-        num_micro_batches=sum(a.kind is ActionKind.FORWARD for a in ranks[0]),
+        num_micro_batches=sum(a.kind is ActionKind.FORWARD and a.stage_on(0) == 0 for a in ranks[0]),
         step_time=max((events[-1].end for events in timelines if events), default=0.0),
         busy_time=[sum(e.duration for e in events) for events in timelines],
         peak_pending_weight_grads=[peak_memory(actions, {Held.PENDING_WEIGHT_GRADS: 1}) for actions in ranks],
