@@ -79,8 +79,9 @@ EXPECTED: dict[tuple[str, int, bool], list[list[Action]]] = {
         [F(0), F(1), B(0), F(2), B(1), F(3), B(2), B(3)],
         [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3)],
     ],
+    # Rank 0 fills its wait for the first gradient with an early F2 (1F1B-2 waits there).
     ("zb", 2, True): [
-        [F(0), F(1), I(0), F(2), I(1), F(3), W(0), I(2), W(1), W(2), I(3), W(3)],
+        [F(0), F(1), F(2), I(0), W(0), I(1), F(3), W(1), I(2), W(2), I(3), W(3)],
         [F(0), I(0), F(1), I(1), F(2), W(0), I(2), F(3), W(1), I(3), W(2, 3)],
     ],
     ("zb", 3, False): [
@@ -89,8 +90,8 @@ EXPECTED: dict[tuple[str, int, bool], list[list[Action]]] = {
         [F(0), B(0), F(1), B(1), F(2), B(2), F(3), B(3), F(4), B(4), F(5), B(5)],
     ],
     ("zb", 3, True): [
-        [F(0), F(1), F(2), I(0), F(3), I(1), F(4), I(2), F(5), W(0), I(3), W(1), W(2), I(4), W(3), W(4), I(5), W(5)],
-        [F(0), F(1), I(0), F(2), I(1), F(3), I(2), F(4), W(0), I(3), F(5), W(1), I(4), W(2), W(3), I(5), W(4, 5)],
+        [F(0), F(1), F(2), F(3), F(4), I(0), W(0), I(1), W(1), I(2), F(5), W(2), I(3), W(3), I(4), W(4), I(5), W(5)],
+        [F(0), F(1), F(2), I(0), W(0), I(1), F(3), I(2), F(4), W(1), I(3), F(5), W(2), I(4), W(3), W(4), I(5), W(5)],
         [F(0), I(0), F(1), I(1), F(2), I(2), F(3), W(0), I(3), F(4), W(1), I(4), F(5), W(2), I(5), W(3, 4, 5)],
     ],
 }
@@ -141,7 +142,7 @@ def test_1f1b_with_fewer_micro_batches_than_stages() -> None:
 
 def test_zb_max_pending_one_runs_each_w_before_the_next_i() -> None:
     assert schedule("zb", 2, 4, max_pending=1) == [
-        [F(0), F(1), I(0), F(2), W(0), I(1), F(3), W(1), I(2), W(2), I(3), W(3)],
+        [F(0), F(1), F(2), I(0), W(0), F(3), I(1), W(1), I(2), W(2), I(3), W(3)],
         [F(0), I(0), F(1), W(0), I(1), F(2), W(1), I(2), F(3), W(2), I(3), W(3)],
     ]
 

@@ -62,16 +62,30 @@ def test_two_ranks_unit_costs_1f1b_1_timeline() -> None:
 
 
 @pytest.mark.parametrize("num_stages,num_micro_batches", [(2, 4), (3, 6), (4, 8), (4, 16), (3, 12)], ids=str)
-def test_zb_reaches_the_zb_h1_bubble_with_bounded_memory(num_stages: int, num_micro_batches: int) -> None:
-    """At F = I = W ZB-H1's bubble is (p − 1)(F + I − W); 1F1B-2 with 2BP gets there too, but
-    holds every micro-batch's weight work until the end."""
+def test_zb_reaches_the_lower_bound_with_bounded_memory(num_stages: int, num_micro_batches: int) -> None:
+    """At F = I = W the last rank starts p − 1 units late and has 3m units of work: zb ends
+    then; 1F1B-2 with 2BP gets there too, but holds every micro-batch's weight work until the
+    end. zb holds at most 2(p − r) − 1 graphs on rank r (ZB-H2's), p pending W."""
     zb = simulate(schedule("zb", num_stages, num_micro_batches), UNIT)
     paper = simulate(schedule("1f1b-2", num_stages, num_micro_batches), UNIT)
     assert zb.step_time == 3 * num_micro_batches + (num_stages - 1)
     assert zb.step_time <= paper.step_time
     assert max(zb.peak_pending_weight_grads) <= num_stages
-    assert max(zb.peak_graphs) <= num_stages
+    assert zb.peak_graphs == [min(num_micro_batches, 2 * (num_stages - r) - 1) for r in range(num_stages)]
     assert paper.peak_pending_weight_grads[-1] == num_micro_batches
+
+
+@pytest.mark.parametrize("num_stages,num_micro_batches", [(2, 4), (2, 8), (4, 8)], ids=str)
+def test_zb_fills_the_warm_up_wait_that_1f1b_2_leaves(num_stages: int, num_micro_batches: int) -> None:
+    """With any message latency, 1F1B's rank 0 waits after its p warm-up forwards for the
+    first gradient's round trip; zb runs its next forwards there (and W later), so it ends
+    first. The old zb (1F1B's warm-up, W in the gaps) tied 1F1B-2 at p = 2, m = 4 (13.4)."""
+    zb = simulate(schedule("zb", num_stages, num_micro_batches), UNIT, p2p_latency=0.1)
+    paper = simulate(schedule("1f1b-2", num_stages, num_micro_batches), UNIT, p2p_latency=0.1)
+    assert zb.step_time < paper.step_time
+    assert zb.idle_time[0] < paper.idle_time[0]
+    if (num_stages, num_micro_batches) == (2, 4):
+        assert (round(zb.step_time, 6), round(paper.step_time, 6)) == (13.2, 13.4)
 
 
 def test_memory_proxies() -> None:

@@ -9,8 +9,9 @@ N = 2p) place backward-p2 as the paper's code does: with 2BP on, GPipe runs one 
 ``W`` after its last ``I``; 1F1B runs a single-micro-batch ``W`` (the oldest pending one) after
 each cool-down ``I`` and then one concatenated ``W`` over the rest. ``"zb"`` is this project's
 own placement: the 1F1B order of ``F`` and ``I``, with a single-micro-batch ``W`` wherever the
-rank would otherwise wait for a neighbour, or before an ``I`` once ``max_pending`` micro-batches
-wait for their ``W`` (so the memory held for ``W`` does not grow with N), as in ZB-H1.
+rank would otherwise wait for a neighbour (else its next ``F`` early, as ZB-H2 warms up), or
+before an ``I`` once ``max_pending`` micro-batches wait for their ``W`` (so the memory held for
+``W`` does not grow with N).
 
 Every ``W`` names its micro-batches explicitly (never ``W()``), so a schedule says exactly
 which work each ``W`` concatenates.
@@ -160,19 +161,27 @@ def _one_f_one_b(num_stages: int, num_micro_batches: int, twobp: bool) -> list[R
 
 
 def _zero_bubble(
-    num_stages: int, num_micro_batches: int, twobp: bool, *, max_pending: int | None = None
+    num_stages: int,
+    num_micro_batches: int,
+    twobp: bool,
+    *,
+    max_pending: int | None = None,
+    max_in_flight: int | None = None,
 ) -> list[RankActions]:
-    """1F1B's ``F``/``I`` order with each ``W`` moved into the first gap that would otherwise be
-    idle, found by replaying the schedule with F = I = W = 1 (a ``W`` of one unit then never
-    delays the ``F``/``I`` it precedes). Before an ``I`` that would leave more than
+    """1F1B's ``F``/``I`` order, replayed with F = I = W = 1, each rank filling what would be
+    a wait first with the ``W`` of its oldest pending micro-batch (a ``W`` of one unit then
+    never delays the ``F``/``I`` it precedes), else with its next ``F``, run early, while
+    fewer than ``max_in_flight`` (default 2(p − r) − 1 on rank r, as ZB-H2) micro-batches hold
+    their graph: 1F1B's warm-up of p − r forwards leaves rank r idle until its first gradient
+    comes back, which the early forwards fill. Before an ``I`` that would leave more than
     ``max_pending`` (default p) micro-batches waiting for their ``W``, the oldest one's ``W``
     runs first. The rest runs as one concatenated ``W`` at the end."""
-    _check_sizes(num_stages, num_micro_batches)
     if not twobp:
         return _one_f_one_b(num_stages, num_micro_batches, twobp=False)
     max_pending = num_stages if max_pending is None else max_pending
-    if max_pending < 1:
-        raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+    if max_pending < 1 or (max_in_flight is not None and max_in_flight < 1):
+        raise ValueError(f"max_pending and max_in_flight must be at least 1, got {max_pending} and {max_in_flight}")
+    in_flight_cap = [max_in_flight or 2 * (num_stages - rank) - 1 for rank in range(num_stages)]
 
     # The F/I order of 1F1B without its W; W is placed below.
     base = [
@@ -181,9 +190,13 @@ def _zero_bubble(
     ]
     arrives: dict[Message, int] = {}
     clock = [0] * num_stages
-    cursor = [0] * num_stages
     pending: list[deque[int]] = [deque() for _ in range(num_stages)]
+    in_flight = [0] * num_stages
     ranks: list[RankActions] = [[] for _ in range(num_stages)]
+
+    def ready_at(rank: int, action: Action) -> int | None:
+        waits_for = action.receives(rank, num_stages)
+        return 0 if waits_for is None else arrives.get(waits_for)
 
     def run(rank: int, action: Action) -> None:
         clock[rank] += 1
@@ -191,30 +204,34 @@ def _zero_bubble(
         if message is not None:
             arrives[message] = clock[rank]
         ranks[rank].append(action)
+        if action.kind is not ActionKind.BACKWARD_P2:
+            base[rank].remove(action)
+            in_flight[rank] += 1 if action.kind is ActionKind.FORWARD else -1
+        if action.kind is ActionKind.BACKWARD_P1:
+            pending[rank].append(action.micro_batch)
 
-    while True:
-        active = [r for r in range(num_stages) if cursor[r] < len(base[r])]
-        if not active:
-            break
-        rank = min(active, key=lambda r: (clock[r], r))
-        action = base[rank][cursor[rank]]
+    while any(base):
+        rank = min((r for r in range(num_stages) if base[r]), key=lambda r: (clock[r], r))
+        action = base[rank][0]
         if action.kind is ActionKind.BACKWARD_P1 and len(pending[rank]) >= max_pending:
             run(rank, W(pending[rank].popleft()))
             continue
-        waits_for = action.receives(rank, num_stages)
-        ready_at = 0 if waits_for is None else arrives.get(waits_for)
-        if ready_at is not None and ready_at <= clock[rank]:
+        when = ready_at(rank, action)
+        early = next((a for a in base[rank] if a.kind is ActionKind.FORWARD), None)
+        if when is not None and when <= clock[rank]:
             run(rank, action)
-            cursor[rank] += 1
-            if action.kind is ActionKind.BACKWARD_P1:
-                pending[rank].append(action.micro_batch)
         elif pending[rank]:
             # Idle until the neighbour delivers: do one micro-batch's weight work meanwhile.
             run(rank, W(pending[rank].popleft()))
-        elif ready_at is not None:
-            clock[rank] = ready_at
+        elif early is not None and in_flight[rank] < in_flight_cap[rank] and (ready_at(rank, early) or 0) <= clock[rank] and (
+            early.receives(rank, num_stages) is None or ready_at(rank, early) is not None
+        ):
+            run(rank, early)
+        elif when is not None:
+            clock[rank] = when
         else:
             # The neighbour has not sent it yet; it cannot do so sooner than this.
+            waits_for = action.receives(rank, num_stages)
             assert waits_for is not None
             clock[rank] = max(clock[rank], clock[waits_for.sender] + 1)
     for rank in range(num_stages):
