@@ -10,6 +10,7 @@ below read what each rank returned.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import twobp_autograd as twobp
 from twobp_autograd import fsdp_hooks
+from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.flush import watch_flushes
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import close_to_reference
@@ -85,11 +87,12 @@ class Setting:
     mixed_precision: bool = False  # bf16 parameters, fp32 reduction
     checkpoint: bool = False  # non-reentrant checkpoint_wrapper around each block
     shard_head: bool = False  # fully_shard on the head Linear itself: its class becomes FSDPLinear
+    capped: bool = False  # a queue with max_pending_bytes: the oldest work is flushed inside backward
 
     @property
     def id(self) -> str:
         parts = [self.order, f"reshard_{self.reshard_after_forward}", self.accumulate]
-        parts += ["bf16"] * self.mixed_precision + ["checkpoint"] * self.checkpoint + ["head_sharded"] * self.shard_head
+        parts += ["bf16"] * self.mixed_precision + ["checkpoint"] * self.checkpoint + ["head_sharded"] * self.shard_head + ["capped"] * self.capped
         return "-".join(parts)
 
 
@@ -103,6 +106,8 @@ SETTINGS = [
     Setting(mixed_precision=True),
     Setting(checkpoint=True),
     Setting(order="shard_then_patch", checkpoint=True, accumulate="sync_last"),
+    Setting(capped=True),
+    Setting(capped=True, accumulate="sync_last", reshard_after_forward=False),
 ]
 
 
@@ -137,11 +142,12 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
     return model
 
 
-def _train_step(model: nn.Module, setting: Setting, rank: int) -> None:
+def _train_step(model: nn.Module, setting: Setting, rank: int, queue: "twobp.WeightGradQueue | None" = None) -> None:
     for micro in range(MICRO_BATCHES):
         if setting.accumulate == "sync_last":
             model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
-        _loss(model, *_data(rank, micro)).backward()
+        with twobp.use_queue(queue) if queue is not None else contextlib.nullcontext():
+            _loss(model, *_data(rank, micro)).backward()
 
 
 def _sharded_grads(model: nn.Module) -> dict[str, "Tensor | None"]:
@@ -158,13 +164,16 @@ def _full_grads(model: nn.Module) -> dict[str, "Tensor | None"]:
 
 def _run_setting(setting: Setting, rank: int) -> dict:
     ours, plain = _build(setting, patched=True), _build(setting, patched=False)
+    # Capped: about one block's work of one micro-batch, so early flushes happen in every backward.
+    queue = twobp.WeightGradQueue(max_pending_bytes=4096) if setting.capped else None
     _train_step(plain, setting, rank)
-    _train_step(ours, setting, rank)
-    queued = twobp.pending().jobs
+    _train_step(ours, setting, rank, queue)
+    queued = twobp.pending(queue).jobs
+    freed_while_queued = _unsharded_storage_freed(ours)
     deferred_untouched = all(p.grad is None for name, p in ours.named_parameters() if name.endswith("up.weight"))
     events: list[str] = []
     stop_logging = watch_flushes(functools.partial(_EventLog, events))
-    twobp.flush_weight_grads()
+    twobp.flush_weight_grads(queue)
     stop_logging()
     result = {
         "queued": queued,
@@ -174,15 +183,15 @@ def _run_setting(setting: Setting, rank: int) -> dict:
         "ours_full": _full_grads(ours),
         "plain_full": _full_grads(plain),
         "events": events,
-        "unsharded_freed": _unsharded_storage_freed(ours) if setting.reshard_after_forward else None,
+        "unsharded_freed": (freed_while_queued, _unsharded_storage_freed(ours)) if setting.reshard_after_forward else None,
     }
     # A second step, after an optimizer step on both: parameters equal, so the step used .grad.
     for model in (ours, plain):
         torch.optim.SGD(model.parameters(), lr=0.5).step()
         model.zero_grad()
     _train_step(plain, setting, rank)
-    _train_step(ours, setting, rank)
-    twobp.flush_weight_grads()
+    _train_step(ours, setting, rank, queue)
+    twobp.flush_weight_grads(queue)
     result["second_ours"], result["second_plain"] = _sharded_grads(ours), _sharded_grads(plain)
     return result
 
@@ -240,6 +249,11 @@ def _misuse(rank: int) -> dict:
     except RuntimeError as error:
         refusals["shard_after_queue"] = str(error)
     twobp.discard_weight_grads()
+
+    try:
+        GradientSynchroniser(_build(setting, patched=True))
+    except TypeError as error:
+        refusals["replicated_sync_on_sharded"] = str(error)
     return refusals
 
 
@@ -290,7 +304,7 @@ FP32_SETTINGS = [s for s in SETTINGS if not s.mixed_precision]
 def test_sharded_grads_equal_fsdp2_on_the_unpatched_model(ranks: list[dict], setting: Setting, rank: int) -> None:
     result = ranks[rank][setting.id]
     assert result["queued"] > 0, "nothing was deferred: the patch did not reach the sharded modules"
-    assert result["deferred_untouched"], "a deferred weight had a gradient before the flush"
+    assert result["deferred_untouched"] or setting.capped, "a deferred weight had a gradient before the flush"
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
     _assert_all_close(result["second_ours"], result["second_plain"], f"rank {rank} second step", close_to_reference)
 
@@ -323,8 +337,9 @@ def test_groups_are_reduced_while_the_flush_goes_on(ranks: list[dict], rank: int
 
 
 def test_unsharded_parameters_are_freed_after_backward_and_flush(ranks: list[dict]) -> None:
+    """The deferred work holds activations and output gradients, not the unsharded weights."""
     freed = [r[s.id]["unsharded_freed"] for r in ranks for s in SETTINGS if s.reshard_after_forward]
-    assert all(freed)
+    assert all(while_queued and after_flush for while_queued, after_flush in freed), freed
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
@@ -337,3 +352,9 @@ def test_optimizer_step_with_queued_sharded_work_is_refused(ranks: list[dict], r
 def test_fully_shard_over_queued_work_is_refused_at_the_flush(ranks: list[dict], rank: int) -> None:
     message = ranks[rank]["misuse"].get("shard_after_queue", "")
     assert message.startswith("twobp: ") and "before calling fully_shard" in message, message
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_the_replicated_synchroniser_refuses_a_sharded_model(ranks: list[dict], rank: int) -> None:
+    message = ranks[rank]["misuse"].get("replicated_sync_on_sharded", "")
+    assert message.startswith("twobp: ") and "flush_weight_grads()" in message, message

@@ -22,6 +22,9 @@ Usage, alone (in place of ``DistributedDataParallel``)::
     sync.synchronise()                   # flush + overlapped all-reduce; .grad = mean over ranks
     optimizer.step()
 
+For a model sharded with ``fully_shard`` (FSDP2) there is nothing to add: the flush itself
+reduce-scatters the sharded gradients (:mod:`twobp_autograd.fsdp`).
+
 With the pipeline runtime, pass it as ``PipelineRuntime(..., grad_sync=sync)`` with ``group`` the
 data-parallel group of the rank's stage: the W actions after the step's last backward flush
 through :meth:`GradientSynchroniser.flush`, and the step ends with
@@ -39,6 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from . import fsdp_hooks
 from .flush import run_jobs
 from .queue import WeightGradQueue, current_queue
 
@@ -83,6 +87,15 @@ class GradientSynchroniser:
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
+        if fsdp_hooks.fsdp_in_use():
+            from torch.distributed.fsdp import FSDPModule
+
+            if any(isinstance(m, FSDPModule) for m in module.modules()):
+                raise TypeError(
+                    "twobp: GradientSynchroniser averages replicated gradients, but this module is "
+                    "sharded with fully_shard, which reduces its own: call twobp.flush_weight_grads() "
+                    "after backward (it reduce-scatters each group as its gradients become final)."
+                )
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
