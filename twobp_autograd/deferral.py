@@ -26,7 +26,7 @@ graph lacks the detached weights, so a backward through it to them is refused (:
 from __future__ import annotations
 
 import functools
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -38,6 +38,7 @@ from .queue import WeightGradQueue, current_queue
 
 __all__ = [
     "ParamDeferral",
+    "configured_kernel",
     "defer_weight_grads",
     "detached",
     "guard_tangent",
@@ -108,6 +109,46 @@ class ParamDeferral(NamedTuple):
             )
         return [g if d == "now" else None for g, d in zip(grads, decisions)]
 
+    def route(
+        self,
+        ctx: Any,
+        kernel: WeightGradKernel,
+        group: Hashable,
+        concatenate: "bool | None",
+        saved: Sequence[Tensor],
+        grad_outputs: Sequence[Tensor],
+    ) -> list["Tensor | None"]:
+        """In the backward of a Function whose last inputs are the parameters: queue
+        ``kernel``'s work for the 'defer' parameters (one job), run it now for the 'now' ones
+        and return what autograd gets: their gradients, None for the rest."""
+        decisions = self.decide(ctx)
+        if "now" in decisions and _carries_tangents(ctx, grad_outputs):
+            raise RuntimeError(
+                "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
+                "tensors with forward-mode tangents) is not supported: the weight gradient's "
+                "tangent would miss the terms through the saved activations. Take the weight "
+                "gradients with backward() and flush (their tangents are dropped there, as autograd "
+                "drops them in .grad), ask autograd.grad for input gradients only, or "
+                "twobp.unpatch(model) for this computation."
+            )
+        param_grads: list["Tensor | None"] = [None] * len(decisions)
+        if "now" in decisions:
+            needs = [d == "now" for d in decisions]
+            param_grads = [g if need else None for g, need in zip(kernel(saved, grad_outputs, needs), needs)]
+        if "defer" in decisions:
+            self.queue.enqueue(
+                WeightGradJob(
+                    kernel=kernel,
+                    group=group,
+                    concatenate=concatenate,
+                    params=tuple([p if d == "defer" else None for p, d in zip(self.params, decisions)]),
+                    saved=tuple([t.detach() for t in saved]),
+                    grad_outputs=tuple([g.detach() for g in grad_outputs]),
+                    tag=self.tag,
+                )
+            )
+        return param_grads
+
 
 def _finished_grads(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
     """The kernel of a job of finished gradients: ``saved`` holds one per needed parameter.
@@ -129,6 +170,15 @@ def kernel_group(kernel: WeightGradKernel) -> Hashable:
     if isinstance(kernel, functools.partial):
         return (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())))
     return kernel
+
+
+@functools.lru_cache(maxsize=None)
+def configured_kernel(function: Callable[..., Sequence["Tensor | None"]], **config: Hashable) -> tuple[WeightGradKernel, Hashable]:
+    """``functools.partial(function, **config)`` and its :func:`kernel_group`, built once per
+    configuration instead of on every patched call. The cache keeps ``config`` alive: plain
+    values only (shapes, dtypes, flags), never tensors or modules."""
+    kernel = functools.partial(function, **config)
+    return kernel, kernel_group(kernel)
 
 
 class _WeightGradTap(torch.autograd.Function):
@@ -164,35 +214,7 @@ class _WeightGradTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor) -> tuple["Tensor | None", ...]:
         spec: _TapSpec = ctx.spec
-        deferral = spec.deferral
-        decisions = deferral.decide(ctx)
-        if "now" in decisions and _carries_tangents(ctx, grad_outputs):
-            raise RuntimeError(
-                "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
-                "tensors with forward-mode tangents) is not supported: the weight gradient's "
-                "tangent would miss the terms through the saved activations. Take the weight "
-                "gradients with backward() and flush (their tangents are dropped there, as autograd "
-                "drops them in .grad), ask autograd.grad for input gradients only, or "
-                "twobp.unpatch(model) for this computation."
-            )
-        saved = ctx.saved_tensors
-        param_grads: list["Tensor | None"] = [None] * len(decisions)
-        if "now" in decisions:
-            needs = [d == "now" for d in decisions]
-            param_grads = list(spec.kernel(saved, grad_outputs, needs))
-            param_grads = [g if need else None for g, need in zip(param_grads, needs)]
-        if "defer" in decisions:
-            deferral.queue.enqueue(
-                WeightGradJob(
-                    kernel=spec.kernel,
-                    group=spec.group,
-                    concatenate=spec.concatenate,
-                    params=tuple(p if d == "defer" else None for p, d in zip(deferral.params, decisions)),
-                    saved=tuple([t.detach() for t in saved]),
-                    grad_outputs=tuple([g.detach() for g in grad_outputs]),
-                    tag=deferral.tag,
-                )
-            )
+        param_grads = spec.deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, ctx.saved_tensors, grad_outputs)
         return (None, None, *grad_outputs, *param_grads)
 
 

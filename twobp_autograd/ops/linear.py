@@ -4,12 +4,14 @@ all queued micro-batches in one GEMM."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 
-from ..deferral import defer_weight_grads, detached
+from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -34,6 +36,45 @@ def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], 
     return [weight_grad, bias_grad]
 
 
+class _DeferredLinear(torch.autograd.Function):
+    """``F.linear`` on 2-D rows as one autograd node (the op and its tap in one): its backward
+    computes the input gradient by autograd's own formula for ``mm``'s first operand and routes
+    the parameters' work as the tap does. Taken only where that formula is all plain autograd
+    does: no autocast cast to replay, no forward-mode AD, dense strided tensors."""
+
+    @staticmethod
+    def forward(ctx: Any, deferral: ParamDeferral, rows: Tensor, weight: Tensor, bias_input: Tensor) -> Tensor:
+        ctx.deferral = deferral
+        ctx.save_for_backward(rows, weight)
+        return F.linear(rows, weight, param_from_input(bias_input))
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+        rows, weight = ctx.saved_tensors
+        grad_rows = _rows_grad(grad, rows, weight) if ctx.needs_input_grad[1] else None
+        deferral: ParamDeferral = ctx.deferral
+        param_grads = deferral.route(ctx, linear_weight_grad, linear_weight_grad, None, (rows,), (grad,))
+        return (None, grad_rows, *param_grads)
+
+
+def _rows_grad(grad: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
+    """ATen's ``mm_mat1_backward`` for ``rows @ weight.t()`` (aten::linear's addmm or mm), with
+    its column-major case, so the input gradient is bit for bit plain autograd's."""
+    if rows.stride(0) == 1 and rows.stride(1) == rows.shape[0]:
+        return weight.t().mm(grad.t()).t()
+    return grad.mm(weight)
+
+
+def _fusable(rows: Tensor, weight: Tensor) -> bool:
+    """Whether :class:`_DeferredLinear` computes exactly what ``F.linear``'s own derivative does."""
+    return (
+        forward_ad._current_level < 0
+        and rows.layout == torch.strided
+        and weight.layout == torch.strided
+        and not torch.is_autocast_enabled(rows.device.type)
+    )
+
+
 def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
     # On rows, as aten::linear itself computes a >2-D product with a bias (addmm, then a view):
@@ -41,10 +82,14 @@ def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tens
     # backward would then copy every output gradient (CopySlices).
     # flatten, not reshape(-1, features): that is ambiguous for a batch of 0 with 0 features.
     rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
-    output = F.linear(rows, detached(weight), detached(bias))
-    # Saved in the dtype the product ran in (autocast's), as plain autograd would.
-    saved = rows.detach().to(output.dtype)
-    output = defer_weight_grads(output, (weight, bias), (saved,), linear_weight_grad)
+    if _fusable(rows, weight):
+        deferral = ParamDeferral.at_forward((weight, bias))
+        output = _DeferredLinear.apply(deferral, rows, weight, *param_inputs((bias,)))
+    else:
+        output = F.linear(rows, detached(weight), detached(bias))
+        # Saved in the dtype the product ran in (autocast's), as plain autograd would.
+        saved = rows.detach().to(output.dtype)
+        output = defer_weight_grads(output, (weight, bias), (saved,), linear_weight_grad)
     if input.dim() == 2:
         return output
     # Shaped as aten::linear returns it: with a bias a view of the 2-D product (addmm, then view),

@@ -1,0 +1,278 @@
+"""What the split costs per call and per stage, each side measured against plain autograd in
+the same process, interleaved (A B A B, the order rotating every round), medians of per-round
+ratios.
+
+- **Per layer** (tiny Linear, Conv2d, LayerNorm, MultiheadAttention: the regime where the
+  Python around each op is what costs): patched forward / plain forward, and patched forward +
+  backward + flush / plain forward + backward. Targets: <= 1.6 and <= 1.8.
+- **Per stage** (a few middle blocks of the sweep's models): F on/off (patched forward / plain
+  forward), (I+W)/B (backward-p1 + flush / full backward) and, side by side, PyTorch's own split
+  on the plain stage (``stage_backward_input`` + ``stage_backward_weight``) over the same B.
+  Targets: F on/off <= 1.03, (I+W)/B <= 1.05 and no dearer than PyTorch's split.
+
+    python benchmarks/per_call.py [--rounds 30] [--calls 200] [--models mlp transformer ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+import twobp_autograd as twobp
+from twobp_autograd.pipeline.split import blocks_of, defer_norms
+from twobp_autograd.pipeline.zoo import MODELS, build_model
+
+__all__ = ["main", "layer_ratios", "stage_ratios"]
+
+RESULTS = Path(__file__).resolve().parent / "results" / "per_call.json"
+STAGE_MODELS = ("resnet152", "transformer", "mlp", "llama", "bert")
+
+
+# -- per layer -------------------------------------------------------------------------------
+
+
+def _layer_cases() -> dict[str, tuple[nn.Module, Callable[[nn.Module, Tensor], Tensor], Tensor]]:
+    """name -> (module, call, input): each layer at a size where per-call overhead dominates."""
+
+    def attention(module: nn.Module, x: Tensor) -> Tensor:
+        return module(x, x, x, need_weights=False)[0]
+
+    def direct(module: nn.Module, x: Tensor) -> Tensor:
+        return module(x)
+
+    torch.manual_seed(0)
+    return {
+        "Linear(32, 32), 8 rows": (nn.Linear(32, 32), direct, torch.randn(8, 32)),
+        "Conv2d(4, 4, 3), 2x4x8x8": (nn.Conv2d(4, 4, 3, padding=1), direct, torch.randn(2, 4, 8, 8)),
+        "LayerNorm(32), 8 rows": (nn.LayerNorm(32), direct, torch.randn(8, 32)),
+        "MultiheadAttention(32, 4), 2x8": (nn.MultiheadAttention(32, 4, batch_first=True), attention, torch.randn(2, 8, 32)),
+    }
+
+
+def _timed(run: Callable[[], Any], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        run()
+    return (time.perf_counter() - start) / calls
+
+
+def _interleaved(sides: Sequence[Callable[[], float]], rounds: int, warmup: int) -> list[list[float]]:
+    """Each side's result per round, the sides run in a rotating order within every round."""
+    for _ in range(warmup):
+        for side in sides:
+            side()
+    results: list[list[float]] = [[] for _ in sides]
+    for round_index in range(rounds):
+        order = [(round_index + k) % len(sides) for k in range(len(sides))]
+        for k in order:
+            results[k].append(sides[k]())
+    return results
+
+
+def _median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
+    return statistics.median(n / d for n, d in zip(numerators, denominators))
+
+
+def layer_ratios(rounds: int, calls: int, warmup: int = 2) -> dict[str, dict[str, float]]:
+    """Per layer: medians of the plain and patched times per call, and of their per-round ratios."""
+    summary = {}
+    for name, (plain, call, x) in _layer_cases().items():
+        patched = twobp.patch(copy.deepcopy(plain))
+        x.requires_grad_(True)
+
+        def train_step(module: nn.Module, flush: bool) -> None:
+            call(module, x).sum().backward()
+            if flush:
+                twobp.flush_weight_grads()
+
+        sides: list[Callable[[], float]] = [
+            lambda: _timed(lambda: call(plain, x), calls),
+            lambda: _timed(lambda: call(patched, x), calls),
+            lambda: _timed(lambda: train_step(plain, False), calls),
+            lambda: _timed(lambda: train_step(patched, True), calls),
+        ]
+        forward_plain, forward_patched, step_plain, step_patched = _interleaved(sides, rounds, warmup)
+        summary[name] = {
+            "forward_plain_us": statistics.median(forward_plain) * 1e6,
+            "forward_patched_us": statistics.median(forward_patched) * 1e6,
+            "forward_ratio": _median_ratio(forward_patched, forward_plain),
+            "step_plain_us": statistics.median(step_plain) * 1e6,
+            "step_patched_us": statistics.median(step_patched) * 1e6,
+            "step_ratio": _median_ratio(step_patched, step_plain),
+        }
+    return summary
+
+
+# -- per stage -------------------------------------------------------------------------------
+
+
+def _stage(model_name: str, args: argparse.Namespace) -> tuple[nn.Module, Tensor]:
+    """``args.stage_blocks`` blocks from the middle of the model, and their input for one
+    micro-batch of ``args.micro_batch`` samples (what the blocks before them hand over)."""
+    options = argparse.Namespace(width=args.width, depth=args.depth, seq_len=args.seq_len, image_size=args.image_size)
+    model, make_batch, _ = build_model(model_name, options, seed=0)
+    defer_norms(model)  # as the sweep does: the model's own norm classes defer too
+    blocks = blocks_of(model)
+    start = max(1, (len(blocks) - args.stage_blocks) // 2)
+    stage = nn.Sequential(*blocks[start : start + args.stage_blocks]).train()
+    x, _ = make_batch(args.micro_batch, torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        for block in blocks[:start]:
+            x = block(x)
+    return stage, x
+
+
+class _StageSides:
+    """The three ways of running one stage's forward and backward, each timed by part."""
+
+    def __init__(self, plain: nn.Module, x: Tensor) -> None:
+        self.plain = plain
+        self.patched = twobp.patch(copy.deepcopy(plain))
+        self.x = x
+        self.queue = twobp.WeightGradQueue()
+        self.grad = torch.randn_like(self._forward(plain)[1])
+
+    def _forward(self, stage: nn.Module) -> tuple[Tensor, Tensor, float]:
+        x = self.x.detach().requires_grad_()
+        start = time.perf_counter()
+        out = stage(x)
+        return x, out, time.perf_counter() - start
+
+    def plain_autograd(self) -> dict[str, float]:
+        _, out, forward = self._forward(self.plain)
+        start = time.perf_counter()
+        out.backward(self.grad)
+        backward = time.perf_counter() - start
+        self.plain.zero_grad(set_to_none=True)
+        return {"F": forward, "B": backward}
+
+    def twobp_split(self) -> dict[str, float]:
+        with twobp.use_queue(self.queue):
+            _, out, forward = self._forward(self.patched)
+        start = time.perf_counter()
+        out.backward(self.grad)
+        middle = time.perf_counter()
+        self.queue.flush()
+        end = time.perf_counter()
+        self.patched.zero_grad(set_to_none=True)
+        return {"F": forward, "I": middle - start, "W": end - middle}
+
+    def pytorch_split(self) -> dict[str, float]:
+        x, out, forward = self._forward(self.plain)
+        start = time.perf_counter()
+        _, groups = stage_backward_input([out], [self.grad], [x], self.plain.parameters())
+        middle = time.perf_counter()
+        stage_backward_weight(self.plain.parameters(), groups)
+        end = time.perf_counter()
+        self.plain.zero_grad(set_to_none=True)
+        return {"F": forward, "I": middle - start, "W": end - middle}
+
+
+def stage_ratios(model_name: str, args: argparse.Namespace) -> dict[str, float]:
+    """F on/off, (I+W)/B ours and PyTorch's, and ours over PyTorch's, medians of per-round ratios."""
+    sides = _StageSides(*_stage(model_name, args))
+    plain, ours, theirs = _interleaved(
+        [sides.plain_autograd, sides.twobp_split, sides.pytorch_split], args.stage_rounds, args.warmup
+    )
+    backward = [r["B"] for r in plain]
+    ours_split = [r["I"] + r["W"] for r in ours]
+    theirs_split = [r["I"] + r["W"] for r in theirs]
+    return {
+        "F_off_ms": statistics.median(r["F"] for r in plain) * 1e3,
+        "B_ms": statistics.median(backward) * 1e3,
+        "I_ms": statistics.median(r["I"] for r in ours) * 1e3,
+        "W_ms": statistics.median(r["W"] for r in ours) * 1e3,
+        "F_on_off": _median_ratio([r["F"] for r in ours], [r["F"] for r in plain]),
+        "split_over_B": _median_ratio(ours_split, backward),
+        "pytorch_split_over_B": _median_ratio(theirs_split, backward),
+        "split_over_pytorch_split": _median_ratio(ours_split, theirs_split),
+    }
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+def _print_layers(layers: dict[str, dict[str, float]]) -> None:
+    print(f"{'layer':<34}{'fwd plain':>11}{'fwd 2BP':>10}{'ratio':>8}{'f+b plain':>12}{'f+b+flush':>11}{'ratio':>8}")
+    for name, row in layers.items():
+        print(
+            f"{name:<34}{row['forward_plain_us']:>9.1f}us{row['forward_patched_us']:>8.1f}us{row['forward_ratio']:>8.2f}"
+            f"{row['step_plain_us']:>10.1f}us{row['step_patched_us']:>9.1f}us{row['step_ratio']:>8.2f}"
+        )
+
+
+_STAGE_HEADER = f"{'stage':<14}{'F off':>9}{'B':>9}{'F on/off':>10}{'(I+W)/B':>9}{'PyTorch (I+W)/B':>17}{'ours/PyTorch':>14}"
+
+
+def _print_stage(name: str, row: dict[str, float]) -> None:
+    print(
+        f"{name:<14}{row['F_off_ms']:>7.2f}ms{row['B_ms']:>7.2f}ms{row['F_on_off']:>10.3f}{row['split_over_B']:>9.3f}"
+        f"{row['pytorch_split_over_B']:>17.3f}{row['split_over_pytorch_split']:>14.3f}"
+    )
+
+
+def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per layer")
+    parser.add_argument("--calls", type=int, default=200, help="calls timed together in one layer round")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--models", nargs="*", choices=MODELS, default=list(STAGE_MODELS), help="stages to time")
+    parser.add_argument("--stage-rounds", type=int, default=30, help="interleaved rounds per stage")
+    parser.add_argument("--stage-blocks", type=int, default=2, help="blocks per stage, from the model's middle")
+    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch of a stage")
+    parser.add_argument("--width", type=int, default=None, help="hidden size (the sweep's default when omitted)")
+    parser.add_argument("--depth", type=int, default=None)
+    parser.add_argument("--seq-len", type=int, default=None)
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--no-layers", action="store_true", help="time the stages only")
+    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
+    return parser.parse_args(argv)
+
+
+def main(argv: "Sequence[str] | None" = None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    layers = {} if args.no_layers else layer_ratios(args.rounds, args.calls, args.warmup)
+    if layers:
+        _print_layers(layers)
+    stages = {}
+    if args.models:
+        print(_STAGE_HEADER)
+    for model_name in args.models:
+        stages[model_name] = stage_ratios(model_name, args)
+        _print_stage(model_name, stages[model_name])
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    document = {
+        "benchmark": "per_call",
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "environment": {
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "cpu_count": os.cpu_count(),
+            "threads": torch.get_num_threads(),
+            "load_average": load,
+        },
+        "layers": layers,
+        "stages": stages,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"load average {load}; wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
