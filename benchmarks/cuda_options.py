@@ -26,8 +26,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import twobp_autograd as twobp  # noqa: E402
 from local_ranks import write_results  # noqa: E402
+
+import twobp_autograd as twobp  # noqa: E402
 
 VARIANTS = {
     "plain": None,
@@ -51,7 +52,7 @@ def build(name: str, micro_batch: int) -> tuple[nn.Module, Callable[[], torch.Te
     return nn.Sequential(*layers), lambda: torch.randn(micro_batch, width, device="cuda")
 
 
-def step(model: nn.Module, inputs: list[torch.Tensor], queue: "twobp.WeightGradQueue | None") -> None:
+def step(model: nn.Module, inputs: list[torch.Tensor], queue: twobp.WeightGradQueue | None) -> None:
     for x in inputs:
         if queue is None:
             model(x).float().pow(2).mean().backward()
@@ -63,7 +64,7 @@ def step(model: nn.Module, inputs: list[torch.Tensor], queue: "twobp.WeightGradQ
     model.zero_grad(set_to_none=True)
 
 
-def main(argv: "list[str] | None" = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("resnet50", "mlp"), default="resnet50")
     parser.add_argument("--micro-batches", type=int, default=8)

@@ -29,13 +29,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.zoo import build_model
-
-from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 VARIANTS = ("overlapped", "flush_then_reduce", "ddp")

@@ -22,7 +22,7 @@ from twobp_autograd.pipeline.launch import process_group, run_as_ranks
 __all__ = ["add_model_arguments", "run_on_local_ranks", "write_results"]
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: "str | None" = None) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: str | None = None) -> None:
     """The model options of ``bench pipeline``'s zoo (an MLP by default), and threads per rank."""
     zoo.add_model_arguments(parser, batch_size=batch_size, batch_help=batch_help)
     parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")

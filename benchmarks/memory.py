@@ -26,12 +26,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, schedule, split_model
 from twobp_autograd.pipeline.zoo import build_model
-
-from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 SCHEDULE = "1f1b-2"
@@ -56,11 +55,11 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1))
     m = 2 * WORLD  # 1F1B-2: twice as many micro-batches as stages
 
-    def runtime(twobp: bool, queue: "WeightGradQueue | None" = None) -> PipelineRuntime:
+    def runtime(twobp: bool, queue: WeightGradQueue | None = None) -> PipelineRuntime:
         actions = schedule(SCHEDULE, WORLD, m, twobp)[rank]
         return PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0)
 
-    def step(run: PipelineRuntime) -> tuple[RankMetrics, "float | None"]:
+    def step(run: PipelineRuntime) -> tuple[RankMetrics, float | None]:
         """This rank's metrics, and the pipeline's step time (on rank 0)."""
         for p in stage.parameters():
             p.grad = None

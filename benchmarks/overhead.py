@@ -121,7 +121,7 @@ def profile(sides: list[Side], device: torch.device, rows: int) -> None:
         print(prof.key_averages().table(sort_by=sort_by, row_limit=rows))
 
 
-def main(argv: "list[str] | None" = None) -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds, each running every side once")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")

@@ -65,7 +65,7 @@ class saved_bytes(contextlib.AbstractContextManager):  # noqa: N801 (used like a
             self.bytes += storage.nbytes()
         return tensor
 
-    def __enter__(self) -> "saved_bytes":
+    def __enter__(self) -> saved_bytes:
         self._hooks.__enter__()
         return self
 
@@ -73,7 +73,7 @@ class saved_bytes(contextlib.AbstractContextManager):  # noqa: N801 (used like a
         self._hooks.__exit__(*exc)
 
 
-def _now(tensor: "Tensor | None" = None) -> float:
+def _now(tensor: Tensor | None = None) -> float:
     if tensor is not None and tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
     return time.perf_counter()
@@ -82,7 +82,7 @@ def _now(tensor: "Tensor | None" = None) -> float:
 class _Stage:
     """One rank's blocks, run block by block so that each block's time can be read."""
 
-    def __init__(self, blocks: Sequence[nn.Module], loss_fn: "Callable[[Tensor, Tensor], Tensor] | None", first: bool):
+    def __init__(self, blocks: Sequence[nn.Module], loss_fn: Callable[[Tensor, Tensor], Tensor] | None, first: bool):
         self.blocks = list(blocks)
         self.loss_fn = loss_fn
         self.first = first
@@ -93,7 +93,7 @@ class _Stage:
     def names(self) -> list[str]:
         return [type(b).__name__ for b in self.blocks] + ([LOSS_BLOCK] if self.loss_fn else [])
 
-    def forward(self, x: Tensor, target: "Tensor | None", twobp_on: bool) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
+    def forward(self, x: Tensor, target: Tensor | None, twobp_on: bool) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
         pairs, times = [], []
         for index, block in enumerate(self.blocks):
             # The runtime feeds the first rank's input as it is, and every other input as a leaf.
@@ -114,7 +114,7 @@ class _Stage:
             pairs.append((inp, loss))
         return pairs, times
 
-    def backward(self, pairs: list[tuple[Tensor, Tensor]], grad: "Tensor | None") -> list[float]:
+    def backward(self, pairs: list[tuple[Tensor, Tensor]], grad: Tensor | None) -> list[float]:
         """Backward block by block from the last; ``grad`` is the output gradient (None when
         the stage ends with the loss)."""
         times = []
@@ -148,14 +148,14 @@ class _Stage:
 def measure_stage(
     blocks: Sequence[nn.Module],
     micro_inputs: Sequence[Tensor],
-    micro_targets: Sequence["Tensor | None"],
+    micro_targets: Sequence[Tensor | None],
     *,
-    loss_fn: "Callable[[Tensor, Tensor], Tensor] | None",
+    loss_fn: Callable[[Tensor, Tensor], Tensor] | None,
     first: bool,
     counts: Sequence[int],
     repeats: int,
     warmup: int = 1,
-    output_grad: "Callable[[Tensor], Tensor] | None" = None,
+    output_grad: Callable[[Tensor], Tensor] | None = None,
 ) -> list[dict[str, Any]]:
     """Per-block medians over ``repeats`` (after ``warmup``) of F off/on, B, I and W(n) for n
     in ``counts``, with the stage fed ``micro_inputs`` (at least ``max(counts)`` of them).
@@ -171,7 +171,7 @@ def measure_stage(
     samples: dict[str, list[list[float]]] = defaultdict(list)  # quantity -> one list of per-block times per run
     memory: dict[str, list[int]] = {}
 
-    def output_gradient(pairs: list[tuple[Tensor, Tensor]]) -> "Tensor | None":
+    def output_gradient(pairs: list[tuple[Tensor, Tensor]]) -> Tensor | None:
         return None if loss_fn is not None else make_grad(pairs[-1][1])
 
     was_patched = False
@@ -301,7 +301,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     latency = [[1, _ping_pong(1, args.latency_repeats)]]
     latency += [[b, _ping_pong(b, args.latency_repeats)] for b in sorted(set(boundary_bytes.values()))]
 
-    gathered: "list[Any] | None" = [None] * world if rank == 0 else None
+    gathered: list[Any] | None = [None] * world if rank == 0 else None
     dist.gather_object({"rank": rank, "blocks": list(parts[rank]), "per_size": per_size}, gathered, dst=0)
     if rank == 0:
         assert gathered is not None
@@ -322,7 +322,7 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
         os.replace(temporary, out)
 
 
-def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench-json", required=True, help="the JSON `bench pipeline --json` wrote (2 ranks)")
     parser.add_argument("--out", required=True)
@@ -338,7 +338,7 @@ def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     run_as_ranks(_rank_main, args, 2)
     return 0

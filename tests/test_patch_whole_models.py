@@ -104,9 +104,10 @@ def test_resnet152_trains_like_plain_autograd() -> None:
 
 # -- Hugging Face models: gradients after one flush ----------------------------------------
 
-from tests import tiny_models  # noqa: E402  (after the importorskip above)
 from transformers.models.llama.modeling_llama import LlamaRMSNorm  # noqa: E402
 from transformers.models.mamba.modeling_mamba import MambaRMSNorm  # noqa: E402
+
+from tests import tiny_models  # noqa: E402  (after the importorskip above)
 
 VOCAB, HIDDEN, LAYERS, SEQUENCE, BATCH, MICRO_BATCHES = 96, 32, 2, 12, 2, 3
 

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import twobp_autograd as twobp
-from twobp_autograd.queue import current_queue, queues_with_work
 from tests.utils import assert_grads_match, patched_and_reference
+from twobp_autograd.queue import current_queue, queues_with_work
 
 
 def test_pending_bytes_are_the_tensors_held():

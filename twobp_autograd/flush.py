@@ -33,7 +33,7 @@ class FlushOptions:
 
     strategy: FlushStrategy = "auto"
     max_concat_bytes: int = 1 << 30
-    delivery_bucket_bytes: "int | None" = None
+    delivery_bucket_bytes: int | None = None
     weight_grad_streams: int = 1
 
     def __post_init__(self) -> None:
@@ -121,7 +121,7 @@ def _watches_for(groups: list[list[WeightGradJob]]) -> list[DeliveryWatch]:
 
 
 def _add_group_grads(
-    summing: dict[int, tuple[Tensor, "_Sum"]], params: Sequence["Tensor | None"], grads: Sequence["Tensor | None"]
+    summing: dict[int, tuple[Tensor, _Sum]], params: Sequence[Tensor | None], grads: Sequence[Tensor | None]
 ) -> None:
     """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
     each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
@@ -166,11 +166,11 @@ class _HandOver(torch.autograd.Function):
         return params[0].new_zeros(())
 
     @staticmethod
-    def backward(ctx: Any, _: Tensor) -> tuple["Tensor | None", ...]:
+    def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
         return (None, *ctx.handover.pop())
 
 
-def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence["Tensor | None"]:
+def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Tensor | None]:
     first = group[0]
     needs = first.needs
     if len(group) == 1:
@@ -191,7 +191,7 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence["T
     # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial
     # sums into an fp32 parameter would lose precision with every micro-batch.
     dtypes = [p.dtype if p is not None else None for p in first.params]
-    total: list["_Sum | None"] = [None] * len(needs)
+    total: list[_Sum | None] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
             total[i] = _sum(total[i], None if grad is None else grad.to(dtypes[i]))
@@ -209,7 +209,7 @@ class _Sum:
     def __init__(self, tensor: Tensor) -> None:
         self.tensor, self.owned = tensor, False
 
-    def add(self, other: Tensor) -> "_Sum":
+    def add(self, other: Tensor) -> _Sum:
         if self.owned:
             self.tensor.add_(other)
         else:
@@ -217,7 +217,7 @@ class _Sum:
         return self
 
 
-def _sum(total: "_Sum | None", grad: "Tensor | None") -> "_Sum | None":
+def _sum(total: _Sum | None, grad: Tensor | None) -> _Sum | None:
     if grad is None:
         return total
     return _Sum(grad) if total is None else total.add(grad)

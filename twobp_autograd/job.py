@@ -36,8 +36,8 @@ class WeightGradJob:
         self,
         kernel: WeightGradKernel,
         group: Hashable,
-        concatenate: "bool | None",
-        params: tuple["torch.nn.Parameter | None", ...],
+        concatenate: bool | None,
+        params: tuple[torch.nn.Parameter | None, ...],
         saved: tuple[Tensor, ...],
         grad_outputs: tuple[Tensor, ...],
         tag: Hashable = None,
@@ -50,7 +50,7 @@ class WeightGradJob:
         self.grad_outputs = grad_outputs
         self.tag = tag
         self.versions = self._versions()
-        self.parked: "ParkedTensors | None" = None  # set when offloaded to host memory
+        self.parked: ParkedTensors | None = None  # set when offloaded to host memory
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *(p for p in self.params if p is not None))

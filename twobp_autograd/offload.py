@@ -39,7 +39,7 @@ class ParkedTensors:
 
     __slots__ = ("tensors", "devices", "ready")
 
-    def __init__(self, tensors: tuple[Tensor, ...], devices: tuple["torch.device | None", ...], ready: Any) -> None:
+    def __init__(self, tensors: tuple[Tensor, ...], devices: tuple[torch.device | None, ...], ready: Any) -> None:
         self.tensors = tensors
         self.devices = devices  # where each tensor goes back to; None: it never left
         self.ready = ready  # CUDA event recorded after the copies out
@@ -65,10 +65,10 @@ class HostOffload:
 
     def __init__(self) -> None:
         # device tensor -> its host copy, while both live: one copy for tensors saved twice
-        self._copies: dict[_CacheKey, tuple[StorageWeakRef, "weakref.ref[Tensor]"]] = {}
-        self._joins: set[tuple[int, "torch.cuda.Stream"]] = set()  # (backward, stream) joined at its end
+        self._copies: dict[_CacheKey, tuple[StorageWeakRef, weakref.ref[Tensor]]] = {}
+        self._joins: set[tuple[int, torch.cuda.Stream]] = set()  # (backward, stream) joined at its end
 
-    def park(self, tensors: Sequence[Tensor]) -> "ParkedTensors | None":
+    def park(self, tensors: Sequence[Tensor]) -> ParkedTensors | None:
         """Start copying ``tensors``' CUDA members to host memory; None if none is on CUDA."""
         devices = tuple(t.device if t.is_cuda else None for t in tensors)
         on_cuda = [t for t in tensors if t.is_cuda]
@@ -88,7 +88,7 @@ class HostOffload:
         self._join_after_backward(producer, copier)
         return ParkedTensors(tuple(parked), devices, ready)
 
-    def _join_after_backward(self, producer: "torch.cuda.Stream", copier: "torch.cuda.Stream") -> None:
+    def _join_after_backward(self, producer: torch.cuda.Stream, copier: torch.cuda.Stream) -> None:
         """Make ``producer`` wait for the copies once the running backward ends (at once when
         called outside one); one wait per backward and stream."""
         task = torch._C._current_graph_task_id()
@@ -106,7 +106,7 @@ class HostOffload:
 
         torch.autograd.Variable._execution_engine.queue_callback(join)
 
-    def _host_copy(self, tensor: Tensor, copier: "torch.cuda.Stream") -> Tensor:
+    def _host_copy(self, tensor: Tensor, copier: torch.cuda.Stream) -> Tensor:
         key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, tensor._version)
         known = self._copies.get(key)
         if known is not None and not known[0].expired():
@@ -126,7 +126,7 @@ class HostOffload:
             }
 
 
-@functools.lru_cache(maxsize=None)
-def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
+@functools.cache
+def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
 

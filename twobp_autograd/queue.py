@@ -46,7 +46,7 @@ class PendingWork(NamedTuple):
     bytes: int
 
 
-_live_queues: "weakref.WeakSet[WeightGradQueue]" = weakref.WeakSet()
+_live_queues: weakref.WeakSet[WeightGradQueue] = weakref.WeakSet()
 
 
 class WeightGradQueue:
@@ -80,8 +80,8 @@ class WeightGradQueue:
         strategy: FlushStrategy = "auto",
         *,
         max_concat_bytes: int = 1 << 30,
-        max_pending_bytes: "int | None" = None,
-        delivery_bucket_bytes: "int | None" = None,
+        max_pending_bytes: int | None = None,
+        delivery_bucket_bytes: int | None = None,
         offload_to_host: bool = False,
         weight_grad_streams: int = 1,
     ) -> None:
@@ -118,7 +118,7 @@ class WeightGradQueue:
     # -- filling -------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def tagged(self, tag: Hashable) -> Iterator["WeightGradQueue"]:
+    def tagged(self, tag: Hashable) -> Iterator[WeightGradQueue]:
         """Tag the jobs of the backward passes run inside (e.g. with a micro-batch index)."""
         previous, self._tag = self._tag, tag
         try:
@@ -145,7 +145,7 @@ class WeightGradQueue:
             self._enforce_cap()
 
     @contextlib.contextmanager
-    def cap_enforced_after(self) -> Iterator["WeightGradQueue"]:
+    def cap_enforced_after(self) -> Iterator[WeightGradQueue]:
         """Inside, queued work may pass ``max_pending_bytes``; when the block ends (without an
         error) the oldest work is flushed until the rest fits. A pipeline stage runs its
         backward-p1 and posts the input-gradient send inside, so the early flush no longer
@@ -218,7 +218,7 @@ class WeightGradQueue:
             self._held_bytes = 0
             self._running_backwards.clear()
 
-    def take(self, tags: "Sequence[Hashable] | None" = None) -> list[WeightGradJob]:
+    def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
         """Remove and return the jobs with the given tags (all jobs when ``tags`` is None)."""
         self._check_no_backward_elsewhere()
         with self._lock:
@@ -231,7 +231,7 @@ class WeightGradQueue:
             self._count(taken, -1)
         return taken
 
-    def flush(self, tags: "Sequence[Hashable] | None" = None) -> None:
+    def flush(self, tags: Sequence[Hashable] | None = None) -> None:
         """Run the queued weight-gradient work (all of it, or that of ``tags``) into ``.grad``.
 
         Without ``delivery_bucket_bytes``, nothing reaches ``.grad`` unless every job ran, and a
@@ -302,19 +302,19 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
         _state.stack.pop()
 
 
-def flush_weight_grads(queue: "WeightGradQueue | None" = None) -> None:
+def flush_weight_grads(queue: WeightGradQueue | None = None) -> None:
     """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``."""
     (queue if queue is not None else current_queue()).flush()
 
 
-def discard_weight_grads(queue: "WeightGradQueue | None" = None) -> None:
+def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
     """Drop all queued weight-gradient work (default: the current queue's) without computing
     it: after a failed step, to start the next one clean. The dropped micro-batches contribute
     nothing to ``.grad``."""
     (queue if queue is not None else current_queue()).clear()
 
 
-def pending(queue: "WeightGradQueue | None" = None) -> PendingWork:
+def pending(queue: WeightGradQueue | None = None) -> PendingWork:
     """Jobs and bytes held by ``queue`` (default: the current one)."""
     return (queue if queue is not None else current_queue()).pending()
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 from torch import nn
 
@@ -25,7 +25,7 @@ class Rule:
     forward: DeferredForward
     #: Returns why a module's configuration cannot be deferred (it then keeps plain
     #: autograd, with one warning), or None.
-    unsupported: Callable[[nn.Module], "str | None"]
+    unsupported: Callable[[nn.Module], str | None]
 
 
 _rules: dict[type, Rule] = {}
@@ -35,14 +35,14 @@ def _always_supported(module: nn.Module) -> None:
     return None
 
 
-ModuleTypes = Union[type, tuple[type, ...]]
+ModuleTypes = type | tuple[type, ...]
 
 
 def register(
     module_type: ModuleTypes,
-    forward: "DeferredForward | None" = None,
+    forward: DeferredForward | None = None,
     *,
-    unsupported: "Callable[[nn.Module], str | None] | None" = None,
+    unsupported: Callable[[nn.Module], str | None] | None = None,
 ) -> Any:
     """Register how ``module_type`` (one type, or a tuple of types sharing one forward) defers
     its weight gradients.
@@ -91,5 +91,5 @@ def module_class(module: nn.Module) -> type:
     return class_before_fully_shard(type(module))
 
 
-def rule_for(module: nn.Module) -> "Rule | None":
+def rule_for(module: nn.Module) -> Rule | None:
     return _rules.get(type(module)) or _rules.get(module_class(module))

@@ -35,7 +35,7 @@ class LaunchedGroups:
     ) -> None:
         """``groups[i]``: the device of group ``i`` and the tensors it reads; ``run_group(i)``
         runs its kernels."""
-        self._results: list["tuple[GroupGrads, torch.cuda.Event | None, torch.device] | None"] = []
+        self._results: list[tuple[GroupGrads, torch.cuda.Event | None, torch.device] | None] = []
         started: set[torch.device] = set()
         for index, (device, tensors) in enumerate(groups):
             if device.type != "cuda":
@@ -70,6 +70,6 @@ class LaunchedGroups:
         return grads
 
 
-@functools.lru_cache(maxsize=None)
-def _side_streams(device: torch.device, count: int) -> tuple["torch.cuda.Stream", ...]:
+@functools.cache
+def _side_streams(device: torch.device, count: int) -> tuple[torch.cuda.Stream, ...]:
     return tuple(torch.cuda.Stream(device) for _ in range(count))

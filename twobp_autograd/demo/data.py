@@ -23,7 +23,7 @@ class DigitsSplit:
     test_x: Tensor
     test_y: Tensor
 
-    def to(self, device: torch.device) -> "DigitsSplit":
+    def to(self, device: torch.device) -> DigitsSplit:
         return DigitsSplit(self.train_x.to(device), self.train_y.to(device), self.test_x.to(device), self.test_y.to(device))
 
 

@@ -45,7 +45,7 @@ class StageSide(Side):
         super().__init__(name)
         self.stage, self.runtime = stage, runtime
         self.optimizer = torch.optim.Adam(stage.parameters(), lr=lr)
-        self.timeline: "list[list[Event]] | None" = None  # every rank's events in the last step
+        self.timeline: list[list[Event]] | None = None  # every rank's events in the last step
 
     def step(self, x: Tensor, y: Tensor) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -25,7 +25,7 @@ def setting(args: argparse.Namespace, data: DigitsSplit, num_parameters: int, ho
     )
 
 
-def epoch_line(epoch: int, sides: "Sequence[Side]", steps: int, batch_size: int) -> str:
+def epoch_line(epoch: int, sides: Sequence[Side], steps: int, batch_size: int) -> str:
     line = f"epoch {epoch}:"
     for side in sides:
         median = statistics.median(side.step_seconds[-steps:])
@@ -36,7 +36,7 @@ def epoch_line(epoch: int, sides: "Sequence[Side]", steps: int, batch_size: int)
     return line
 
 
-def summary(sides: "Sequence[Side]", batch_size: int) -> str:
+def summary(sides: Sequence[Side], batch_size: int) -> str:
     lines = ["", "summary"]
     for side in sides:
         median = statistics.median(_settled(side.step_seconds))

@@ -8,7 +8,6 @@ schedule by hand, :mod:`.trace` for reading and drawing timelines).
 from .actions import Action, ActionKind
 from .adapter import dw_builder
 from .metrics import RankMetrics, StepReport
-from .split import split_model
 from .runtime import PipelineError, PipelineRuntime, init_distributed
 from .schedules import (
     MULTI_STAGE_SCHEDULES,
@@ -20,6 +19,7 @@ from .schedules import (
     validate_schedule,
 )
 from .simulator import SimulationResult, StageCosts, simulate
+from .split import split_model
 from .trace import plot_timeline, write_chrome_trace
 
 __all__ = [

@@ -37,9 +37,9 @@ def spawn_ranks(
     nprocs: int,
     args: tuple = (),
     *,
-    deadline: "float | None" = None,
+    deadline: float | None = None,
     stop_on_failure: bool = True,
-) -> "list[int | None]":
+) -> list[int | None]:
     """``target(rank, *args)`` in ``nprocs`` spawned processes; returns their exit codes.
 
     With ``stop_on_failure``, the first rank that fails ends the others (its peers would wait
@@ -90,14 +90,14 @@ def run_as_ranks(rank_main: Callable[[Any], None], args: Any, nprocs: int) -> No
         raise RuntimeError(f"local ranks failed (rank: exit code) {failed}; their errors are printed above")
 
 
-def threads_per_rank(world: int, requested: "int | None" = None) -> int:
+def threads_per_rank(world: int, requested: int | None = None) -> int:
     """``requested``, else torchrun's ``OMP_NUM_THREADS``, else the cores shared among the
     local ranks (more would make the ranks' thread pools thrash each other)."""
     return requested or int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // world)
 
 
 @contextlib.contextmanager
-def process_group(*, timeout: float, backend: "str | None" = None, threads: "int | None" = None) -> Iterator[torch.device]:
+def process_group(*, timeout: float, backend: str | None = None, threads: int | None = None) -> Iterator[torch.device]:
     """Inside a rank: its share of the cores (:func:`threads_per_rank`), the process group
     torchrun's environment describes (gloo on CPU, NCCL on CUDA, ``timeout`` seconds for every
     collective) for the block, and the rank's device."""

@@ -67,8 +67,8 @@ class _MallInfo2(ctypes.Structure):
     ]
 
 
-@functools.lru_cache(maxsize=None)
-def _mallinfo2() -> "Callable[[], _MallInfo2] | None":
+@functools.cache
+def _mallinfo2() -> Callable[[], _MallInfo2] | None:
     try:
         function = ctypes.CDLL("libc.so.6").mallinfo2  # glibc 2.33 and later
     except (OSError, AttributeError):
@@ -77,7 +77,7 @@ def _mallinfo2() -> "Callable[[], _MallInfo2] | None":
     return function
 
 
-def heap_in_use() -> "int | None":
+def heap_in_use() -> int | None:
     """Bytes the process has malloc'ed and not freed (every arena and mmap), or None without
     glibc's ``mallinfo2``. About 10 µs a call."""
     mallinfo2 = _mallinfo2()
