@@ -3,7 +3,7 @@ import random
 import pytest
 import torch
 
-from twobp_autograd.queue import current_queue
+from twobp_autograd.queue import current_queue, queues_with_work
 from twobp_autograd.registry import rules_restored_after
 
 
@@ -21,11 +21,25 @@ def seed_everything():
 
 
 @pytest.fixture(autouse=True)
-def empty_default_queue():
-    """No test sees weight-gradient work left queued by another."""
+def no_work_left_queued(request: pytest.FixtureRequest):
+    """Every test ends with no queue holding work: a case that forgot to flush (or lost work)
+    fails here. A test that leaves work on purpose discards it itself."""
     current_queue().clear()
     yield
-    current_queue().clear()
+    left = [queue.pending() for queue in queues_with_work()]
+    for queue in queues_with_work():
+        queue.clear()
+    call = getattr(request.node, "call_report", None)
+    if left and call is not None and call.passed:  # a failed test has its own story to tell
+        pytest.fail(f"weight-gradient work left queued after the test: {left}", pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    report = yield
+    if report.when == "call":
+        item.call_report = report
+    return report
 
 
 @pytest.fixture(autouse=True)

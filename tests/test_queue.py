@@ -134,6 +134,7 @@ def test_use_queue_is_per_thread():
         assert done.wait(30)
     thread.join()
     assert (len(own), twobp.pending().jobs) == (0, 1)
+    twobp.discard_weight_grads()
 
 
 def test_a_queue_dropped_with_work_warns():
@@ -467,6 +468,8 @@ def test_an_empty_queue_passed_explicitly_is_the_one_used():
     assert twobp.pending(empty) == (0, 0)
     twobp.flush_weight_grads(empty)
     assert twobp.pending().jobs == 1 and layer.weight.grad is None
+    twobp.discard_weight_grads()
+    assert twobp.pending() == (0, 0)
 
 
 @pytest.mark.parametrize("strategy, joined", [("auto", False), ("concat", True), ("loop", False)])

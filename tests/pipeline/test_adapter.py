@@ -238,6 +238,7 @@ def outside() -> Any:
     """The queue that forwards outside any stage feed during the test (isolated from others)."""
     with twobp.use_queue(twobp.WeightGradQueue()) as queue:
         yield queue
+    queue.clear()  # what the tests queued there on purpose
 
 
 @pytest.fixture
