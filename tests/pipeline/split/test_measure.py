@@ -8,6 +8,8 @@ import os
 import torch
 from torch import nn
 
+import twobp_autograd as twobp
+from twobp_autograd.patching import DeferredForwardCall
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from twobp_autograd.pipeline.split import agreed_block_costs, measure_block_costs, parameter_costs
 
@@ -29,6 +31,18 @@ def test_measuring_leaves_grads_and_buffers_as_they_were() -> None:
     costs = measure_block_costs(list(model), torch.randn(6, 4), repeats=1)
     assert len(costs) == len(model) and all(c > 0 for c in costs)
     assert all(p.grad is None for p in model.parameters())
+    for name, b in model.named_buffers():
+        torch.testing.assert_close(b, before[name], rtol=0, atol=0, msg=name)
+
+
+def test_measuring_with_2bp_times_the_patched_blocks_and_their_flush_then_unpatches() -> None:
+    model = small_net().train()
+    before = {name: b.clone() for name, b in model.named_buffers()}
+    costs = measure_block_costs(list(model), torch.randn(6, 4), repeats=1, twobp=True)
+    assert len(costs) == len(model) and all(c > 0 for c in costs)
+    assert all(p.grad is None for p in model.parameters())  # the flushed W went nowhere it stays
+    assert not any(isinstance(m.__dict__.get("forward"), DeferredForwardCall) for m in model.modules())
+    assert not twobp.pending().jobs
     for name, b in model.named_buffers():
         torch.testing.assert_close(b, before[name], rtol=0, atol=0, msg=name)
 

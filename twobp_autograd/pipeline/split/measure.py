@@ -1,6 +1,10 @@
 """What a block costs: its parameter count, or its forward plus backward time measured on a
 sample, averaged over the ranks when every rank measures its own.
 
+With 2BP a stage runs the patched forward, backward-p1 and the flush (F + I + W), not the
+plain F + B: their ratio differs from block to block, so a split balanced on plain times can
+leave the stage whose layers split worst as the slowest. ``twobp=True`` measures what runs.
+
 Measured times differ from process to process, and ranks that cut the same model from
 different costs would hold stages that do not fit together: :func:`agreed_block_costs` is the
 one each rank of a pipeline calls.
@@ -15,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ... import WeightGradQueue, patch, unpatch, use_queue
+
 __all__ = ["parameter_costs", "measure_block_costs", "agreed_block_costs"]
 
 
@@ -23,23 +29,29 @@ def parameter_costs(blocks: Sequence[nn.Module]) -> list[float]:
     return [float(sum(p.numel() for p in block.parameters()) + 1) for block in blocks]
 
 
-def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats: int = 2) -> list[float]:
-    """Seconds of forward plus backward of each block on ``sample`` (the model's input), the
-    fastest of ``repeats`` after one warm-up. Leaves gradients and buffers (BatchNorm running
-    statistics) as they were."""
+def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats: int = 2, twobp: bool = False) -> list[float]:
+    """Seconds of forward plus backward of each block on ``sample`` (the model's input: one
+    micro-batch of the schedule), the fastest of ``repeats`` after one warm-up; with ``twobp``
+    the block patched, its queued weight work flushed inside the time, and unpatched after.
+    Leaves gradients and buffers (BatchNorm running statistics) as they were."""
     buffers = {id(b): b.detach().clone() for block in blocks for b in block.buffers()}
     grads = {id(p): p.grad for block in blocks for p in block.parameters()}
     costs: list[float] = []
     x = sample
+    queue = WeightGradQueue()
     try:
         for block in blocks:
             best = float("inf")
+            if twobp:
+                patch(block)
             for attempt in range(repeats + 1):
                 inp = x.detach().requires_grad_(x.is_floating_point())
                 start = time.perf_counter()
-                out = block(inp)
+                with use_queue(queue):
+                    out = block(inp)
                 if out.requires_grad:
                     out.backward(torch.ones_like(out))
+                queue.flush()
                 if out.is_cuda:
                     torch.cuda.synchronize(out.device)
                 if attempt > 0:
@@ -47,6 +59,10 @@ def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats:
             costs.append(best)
             x = out.detach()
     finally:
+        queue.clear()
+        if twobp:
+            for block in blocks:
+                unpatch(block)
         with torch.no_grad():
             for block in blocks:
                 for b in block.buffers():
@@ -57,10 +73,10 @@ def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats:
 
 
 def agreed_block_costs(
-    blocks: Sequence[nn.Module], sample: Tensor, *, group: "dist.ProcessGroup | None" = None
+    blocks: Sequence[nn.Module], sample: Tensor, *, group: "dist.ProcessGroup | None" = None, twobp: bool = False
 ) -> list[float]:
     """:func:`measure_block_costs` on every rank of ``group``, averaged over them: the same
     costs on every rank (a collective: every rank calls it)."""
-    measured = torch.tensor(measure_block_costs(blocks, sample), dtype=torch.float64, device=sample.device)
+    measured = torch.tensor(measure_block_costs(blocks, sample, twobp=twobp), dtype=torch.float64, device=sample.device)
     dist.all_reduce(measured, group=group)
     return (measured / dist.get_world_size(group)).tolist()
