@@ -398,7 +398,7 @@ def _run(command: Sequence[str], log: Path) -> None:
 
 def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedule: str) -> dict[str, Any]:
     bench_args = [
-        "--model", model, "--schedule", "all", "--twobp", "both", "--steps", str(mode.steps), "--warmup", str(mode.warmup),
+        "--model", model, "--schedule", *SCHEDULES, "--twobp", "both", "--steps", str(mode.steps), "--warmup", str(mode.warmup),
         "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
     ]  # fmt: skip
     directory = raw / f"{model}-{_digest({'bench': bench_args, 'costs': [mode.counts, mode.cost_repeats]})}"

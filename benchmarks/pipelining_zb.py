@@ -18,7 +18,6 @@ import json
 import os
 import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +25,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 import twobp_autograd as twobp
-from twobp_autograd.pipeline import dw_builder
+from twobp_autograd.pipeline import dw_builder, split_model
 from twobp_autograd.pipeline.launch import process_group, run_as_ranks
+from twobp_autograd.pipeline.torch_baseline import TORCH_SCHEDULES, TorchPipeline, stage_examples, timed, torch_placement
 
 WORLD = 2
 STAGES = 4
-SCHEDULES = {"interleaved_zb": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble}
+SCHEDULES = {"interleaved_zb": "torch-interleaved-zb", "zbv": "torch-zbv"}  # -> torch_baseline's names
 VARIANTS = ("twobp", "torch")
 
 
@@ -45,46 +44,22 @@ def make_model(width: int, hidden: int, blocks: int) -> nn.Sequential:
     )
 
 
-def stages_of_rank(schedule: str, rank: int) -> list[int]:
-    return [rank, STAGES - 1 - rank] if schedule == "zbv" else [rank, rank + WORLD]
-
-
-def build(variant: str, args: argparse.Namespace, rank: int) -> tuple[Any, dict[int, nn.Module]]:
+def build(variant: str, args: argparse.Namespace, rank: int) -> tuple[TorchPipeline, dict[int, nn.Module]]:
+    """The schedule over this rank's stages (equal runs of blocks), each variant on its own copy."""
+    name = SCHEDULES[args.schedule]
     model = make_model(args.width, args.hidden, args.blocks)
-    per_stage = args.blocks // STAGES
-    micro_shape = (args.batch // args.micro_batches, args.seq, args.width)
-    stages, modules = [], {}
-    for index in stages_of_rank(args.schedule, rank):
-        module = copy.deepcopy(model[index * per_stage : (index + 1) * per_stage])
-        extra: dict[str, Any] = {}
-        if variant == "twobp":
-            extra["dw_builder"] = dw_builder(twobp.patch(module))
-        stages.append(
-            PipelineStage(
-                module,
-                index,
-                STAGES,
-                torch.device("cpu"),
-                input_args=torch.empty(micro_shape, requires_grad=index > 0),
-                output_args=torch.empty(micro_shape, requires_grad=True),
-                **extra,
-            )
-        )
-        modules[index] = module
-    schedule = SCHEDULES[args.schedule](stages, n_microbatches=args.micro_batches, loss_fn=F.mse_loss)
+    pipeline = split_model(model, STAGES, costs=[1.0] * args.blocks)
+    examples = stage_examples(pipeline.stages, torch.zeros(args.batch // args.micro_batches, args.seq, args.width))
+    modules = {index: copy.deepcopy(pipeline[index]) for index, owner in enumerate(torch_placement(name, WORLD)) if owner == rank}
+    builders = {index: dw_builder(twobp.patch(module)) for index, module in modules.items()} if variant == "twobp" else None
+    schedule = TorchPipeline.build(name, modules, examples, args.micro_batches, F.mse_loss, torch.device("cpu"), dw_builders=builders)
     return schedule, modules
 
 
-def timed_step(schedule: Any, modules: dict[int, nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> float:
+def timed_step(schedule: TorchPipeline, modules: dict[int, nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> float:
     for module in modules.values():
         module.zero_grad(set_to_none=True)
-    step_args = (inputs,) if 0 in modules else ()
-    target = targets if STAGES - 1 in modules else None
-    dist.barrier()
-    start = time.perf_counter()
-    schedule.step(*step_args, target=target)
-    dist.barrier()  # the step ends when the slower rank ends
-    return time.perf_counter() - start
+    return timed(lambda: schedule.step(inputs, targets))
 
 
 def worst_relative_difference(a: dict[int, nn.Module], b: dict[int, nn.Module]) -> float:
@@ -117,7 +92,7 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, list[float]]
             timed_step(*built[variant], inputs, targets)
     difference = torch.tensor([worst_relative_difference(built["twobp"][1], built["torch"][1])])
     dist.all_reduce(difference, op=dist.ReduceOp.MAX)
-    builders = [dw_builder(module) for module in built["twobp"][1].values()]
+    builders = [dw_builder(module) for module in built["twobp"][1].values()]  # the builders given at build time
     deferred_jobs = torch.tensor([sum(b.jobs_built for b in builders)])
     dist.all_reduce(deferred_jobs)
     if deferred_jobs.item() == 0:
@@ -137,7 +112,7 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], difference: 
     paired = statistics.median(t / o for t, o in zip(times["torch"], times["twobp"], strict=True))
     result = {
         "benchmark": "pipelining_zb",
-        "schedule": SCHEDULES[args.schedule].__name__,
+        "schedule": TORCH_SCHEDULES[SCHEDULES[args.schedule]][0],
         "config": {k: v for k, v in vars(args).items() if k != "out"},
         "ranks": WORLD,
         "stages": STAGES,

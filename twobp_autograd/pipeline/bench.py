@@ -3,10 +3,13 @@
     torchrun --nproc-per-node 2 -m twobp_autograd bench pipeline --model mlp --schedule all
     python -m twobp_autograd bench pipeline --nproc 2 ...     # spawns the ranks itself
 
-Every rank builds the same model from one seed (:mod:`.zoo`) and keeps its own stage
-(balanced by measured block time, averaged over ranks so that all cut alike). The runs of one
-schedule alternate 2BP off and on step by step (A B A B), so that drift of a shared, noisy
-machine falls on both sides of each ratio. Rank 0 prints a table, and on request writes the
+Every rank builds the same model from one seed (:mod:`.zoo`) and keeps its own stages
+(balanced by the block times that run: patched F + I + W at the schedule's micro-batch size
+with 2BP on, plain F + B off, averaged over ranks so that all cut alike). Every run takes its
+turn step by step (A B C A B C ..., the order rotating each round), so that drift of a shared,
+noisy machine falls on all sides of each ratio. ``--baseline torch`` adds PyTorch's own
+schedules (:mod:`.torch_baseline`) on the same modules and micro-batches, and every row's
+ratio to PyTorch's GPipe. Rank 0 prints a table, and on request writes the
 JSON of every step and, for the last step of each run, a Chrome trace and a PNG timeline
 (:mod:`.bench_report`).
 """
@@ -14,7 +17,6 @@ JSON of every step and, for the last step of each run, a Chrome trace and a PNG 
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Sequence
 
 import torch
@@ -22,9 +24,10 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import WeightGradQueue
-from . import SCHEDULES, PipelineRuntime, StepReport, bench_report, default_num_micro_batches, schedule
+from . import MULTI_STAGE_SCHEDULES, SCHEDULES, PipelineRuntime, StepReport, bench_report, default_num_micro_batches, placement, schedule
 from .launch import process_group, run_as_ranks
-from .split import TiedGradients, agreed_block_costs, blocks_of, defer_norms, parameter_costs, split_model
+from .split import PipelineModel, TiedGradients, agreed_block_costs, blocks_of, defer_norms, parameter_costs, split_model
+from .torch_baseline import TORCH_SCHEDULES, TorchPipeline, stage_examples, timed, torch_placement
 from .zoo import DEFAULT_BATCH, MODELS, add_model_arguments, build_model
 
 __all__ = ["MODELS", "main", "parse_args"]  # MODELS: the --model choices
@@ -35,7 +38,8 @@ Run = tuple[str, bool]  # (schedule, 2BP on)
 def parse_args(argv: "Sequence[str] | None") -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="twobp_autograd bench pipeline", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch_size=None, batch_help="samples per step (default per model)")
-    parser.add_argument("--schedule", choices=(*SCHEDULES, "all"), default="all")
+    parser.add_argument("--schedule", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES, "all"), default="all", nargs="+")
+    parser.add_argument("--baseline", choices=("none", "torch"), default="none", help="torch: PyTorch's schedules too")
     parser.add_argument("--twobp", choices=("on", "off", "both"), default="both")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per run first")
@@ -79,64 +83,114 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
     inputs, targets = make_batch(batch_size, torch.Generator().manual_seed(args.seed + 1))
     inputs, targets = inputs.to(device), targets.to(device)
 
-    schedules = list(SCHEDULES) if args.schedule == "all" else [args.schedule]
+    chosen = [args.schedule] if isinstance(args.schedule, str) else list(args.schedule)
+    schedules = [*SCHEDULES, *MULTI_STAGE_SCHEDULES] if "all" in chosen else chosen
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.twobp]
     runs = [(name, twobp) for name in schedules for twobp in modes]
     num_micro = {name: args.micro_batches or default_num_micro_batches(name, world) for name in schedules}
-
-    blocks = blocks_of(model)
-    sample = inputs[: math.ceil(batch_size / max(num_micro.values()))]
-    costs = parameter_costs(blocks) if args.balance == "params" else agreed_block_costs(blocks, sample)
-    pipeline = split_model(model, world, costs=costs)
-    stage = pipeline[rank]
-    tied = TiedGradients(pipeline)  # embeddings shared by the first and last rank
-    del model, pipeline, blocks  # the other ranks' blocks
-    runtimes = {
-        (name, twobp): PipelineRuntime(
-            stage,
+    splits = _Splits(args, model, inputs, batch_size)
+    runtimes: dict[Run, "PipelineRuntime | TorchPipeline"] = {}
+    for name, twobp in runs:
+        owners = placement(name, world)
+        pipeline = splits.get(len(owners), num_micro[name], twobp)
+        mine = {index: pipeline[index] for index, owner in enumerate(owners) if owner == rank}
+        runtimes[name, twobp] = PipelineRuntime(
+            mine if len(mine) > 1 else mine[rank],
             schedule(name, world, num_micro[name], twobp)[rank],
             num_micro_batches=num_micro[name],
             loss_fn=loss_fn,
             twobp=twobp,
             device=device,
             timeout=args.timeout,
-            queue=WeightGradQueue(offload_to_host=args.offload, weight_grad_streams=args.weight_grad_streams) if twobp else None,
+            queue=_queues(args, mine) if twobp else None,
+            placement=owners,
         )
-        for name, twobp in runs
-    }
-    reports = _measure(args, runtimes, stage, tied, inputs if rank == 0 else None, targets if rank == world - 1 else None)
+    if args.baseline == "torch":
+        m = args.micro_batches or 2 * world
+        micro_batch = inputs[: -(-batch_size // m)]
+        for name in TORCH_SCHEDULES:
+            owners = torch_placement(name, world)
+            pipeline = splits.get(len(owners), m, False)
+            mine = {index: pipeline[index] for index, owner in enumerate(owners) if owner == rank}
+            examples = stage_examples(pipeline.stages, micro_batch)
+            runtimes[name, False] = TorchPipeline.build(name, mine, examples, m, loss_fn, device)
+            num_micro[name] = m
+    tied = TiedGradients(splits.get(world, num_micro[schedules[0]], modes[0]))  # embeddings shared by the first and last rank
+    reports, wall = _measure(args, runtimes, model, tied, inputs if rank == 0 else None, targets)
     if rank == 0:
-        bench_report.report(args, reports, num_micro, batch_size, costs, device)
+        bench_report.report(args, reports, num_micro, batch_size, splits.costs_used, device, wall)
+
+
+class _Splits:
+    """The model cut into n stages, balanced on the block costs at one micro-batch size with
+    2BP on or off; each measured once (a collective) and cut once. The cuts share the model's
+    modules: no parameter is copied."""
+
+    def __init__(self, args: argparse.Namespace, model: nn.Module, inputs: torch.Tensor, batch_size: int) -> None:
+        self.args, self.model, self.inputs, self.batch_size = args, model, inputs, batch_size
+        self.blocks = blocks_of(model)
+        self.costs: dict[tuple[int, bool], list[float]] = {}
+        self.cuts: dict[tuple[int, tuple[float, ...]], PipelineModel] = {}
+        self.costs_used: list[float] = []
+
+    def get(self, num_stages: int, num_micro_batches: int, twobp: bool) -> PipelineModel:
+        size = -(-self.batch_size // num_micro_batches)
+        if self.args.balance == "params":
+            costs = parameter_costs(self.blocks)
+        else:
+            if (size, twobp) not in self.costs:
+                self.costs[size, twobp] = agreed_block_costs(self.blocks, self.inputs[:size], twobp=twobp)
+            costs = self.costs[size, twobp]
+        self.costs_used = self.costs_used or costs  # the JSON's block_costs: the first run's cut
+        key = (num_stages, tuple(costs))
+        if key not in self.cuts:
+            self.cuts[key] = split_model(self.model, num_stages, costs=costs)
+        return self.cuts[key]
+
+
+def _queues(args: argparse.Namespace, stages: dict[int, nn.Module]) -> dict[int, WeightGradQueue]:
+    return {
+        index: WeightGradQueue(offload_to_host=args.offload, weight_grad_streams=args.weight_grad_streams) for index in stages
+    }
 
 
 def _measure(
     args: argparse.Namespace,
-    runtimes: dict[Run, PipelineRuntime],
-    stage: nn.Module,
+    runtimes: "dict[Run, PipelineRuntime | TorchPipeline]",
+    model: nn.Module,
     tied: TiedGradients,
     inputs: "torch.Tensor | None",
-    targets: "torch.Tensor | None",
-) -> dict[Run, list[StepReport]]:
-    """Every run's steps, taking turns step by step; rank 0's reports of the measured ones."""
+    targets: torch.Tensor,
+) -> tuple[dict[Run, list[StepReport]], dict[Run, list[float]]]:
+    """Every run's steps, taking turns step by step in an order that rotates each round; rank
+    0's reports of the measured ones, and every run's wall time per step (between barriers)."""
     progress = None
     if dist.get_rank() == 0 and not args.no_progress:
         from tqdm import tqdm
 
         progress = tqdm(total=(args.warmup + args.steps) * len(runtimes), desc=f"{args.model} x{dist.get_world_size()}", unit="step")
-    reports: dict[Run, list[StepReport]] = {run: [] for run in runtimes}
+    reports: dict[Run, list[StepReport]] = {run: [] for run in runtimes if isinstance(runtimes[run], PipelineRuntime)}
+    wall: dict[Run, list[float]] = {run: [] for run in runtimes}
+    order = list(runtimes)
     for step in range(args.warmup + args.steps):
-        for run, runtime in runtimes.items():  # A B A B: each schedule's off and on runs take turns
-            report = runtime.step(inputs, targets)
+        shift = step % len(order)
+        for run in order[shift:] + order[:shift]:
+            runtime = runtimes[run]
+            last = runtime.last if isinstance(runtime, PipelineRuntime) else runtime.num_stages - 1 in runtime.modules
+            result: list[object] = []
+            seconds = timed(lambda: result.append(runtime.step(inputs, targets if last else None)))
             tied.all_reduce()
-            for p in stage.parameters():
+            for p in model.parameters():
                 p.grad = None
             if progress is not None:
                 progress.update()
-            if isinstance(report, StepReport) and step >= args.warmup:
-                reports[run].append(report)
+            if step >= args.warmup:
+                wall[run].append(seconds)
+                if isinstance(result[0], StepReport):
+                    reports[run].append(result[0])
     if progress is not None:
         progress.close()
-    return reports
+    return reports, wall
 
 
 if __name__ == "__main__":

@@ -21,11 +21,20 @@ Runs = dict[tuple[str, bool], list[StepReport]]
 
 
 def report(
-    args: argparse.Namespace, reports: Runs, num_micro: dict[str, int], batch_size: int, costs: list[float], device: torch.device
+    args: argparse.Namespace,
+    reports: Runs,
+    num_micro: dict[str, int],
+    batch_size: int,
+    costs: list[float],
+    device: torch.device,
+    wall: "dict[tuple[str, bool], list[float]] | None" = None,
 ) -> None:
-    """Print the table; write the JSON (``--json``) and the traces (``--trace``)."""
+    """Print the table; write the JSON (``--json``) and the traces (``--trace``). ``wall``:
+    every run's step times between barriers (PyTorch's runs have only those)."""
     world, threads = dist.get_world_size(), torch.get_num_threads()
     summary = _summarise(reports, num_micro, batch_size)
+    if wall:
+        summary = _with_wall_times(summary, wall, num_micro)
     print(_table(summary, args, world, device, threads))
     if args.json:
         _write_json(args.json, args, world, device, threads, costs, summary, reports)
@@ -56,12 +65,31 @@ def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> lis
     return rows
 
 
+def _with_wall_times(rows: list[dict[str, Any]], wall: "dict[tuple[str, bool], list[float]]", num_micro: dict[str, int]) -> list[dict[str, Any]]:
+    """Each row's median step time between barriers, PyTorch's rows added, and every row's
+    throughput over PyTorch's GPipe (its step time over the row's)."""
+    by_run = {(row["schedule"], row["twobp"]): row for row in rows}
+    for (name, twobp), times in wall.items():
+        if (name, twobp) not in by_run:
+            by_run[name, twobp] = {"schedule": name, "twobp": twobp, "micro_batches": num_micro[name]}
+        by_run[name, twobp]["wall_step_median"] = statistics.median(times)
+    reference = by_run.get(("torch-gpipe", False), {}).get("wall_step_median")
+    for row in by_run.values():
+        row["vs_torch_gpipe"] = reference / row["wall_step_median"] if reference and "wall_step_median" in row else None
+    return list(by_run.values())
+
+
+def _cell(row: dict[str, Any], key: str, form: str, scale: float = 1.0) -> str:
+    value = row.get(key)
+    return "-" if value is None else format(value / scale, form)
+
+
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, device: torch.device, threads: int) -> str:
     memory = "peak alloc MiB" if device.type == "cuda" else "peak heap MiB"
-    header = ["schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, "peak RSS MiB"]
+    header = ["schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, "peak RSS MiB", "s/step", "vs torch GPipe"]
     lines = [
         f"{args.model}: {world} ranks on {device.type}, {threads} thread(s) each, "
-        f"median of {args.steps} step(s) after {args.warmup} warm-up, off/on alternating",
+        f"median of {args.steps} step(s) after {args.warmup} warm-up, runs taking turns step by step",
         "",
     ]
     table = [header] + [
@@ -69,11 +97,13 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, dev
             row["schedule"],
             "on" if row["twobp"] else "off",
             str(row["micro_batches"]),
-            f"{row['samples_per_s']:.2f}",
-            "-" if row["ratio_to_off"] is None else f"{row['ratio_to_off']:.3f}",
-            f"{row['bubble_ratio']:.3f}",
-            f"{row['peak_bytes'] / 2**20:.1f}",
-            f"{row['peak_rss'] / 2**20:.0f}",
+            _cell(row, "samples_per_s", ".2f"),
+            _cell(row, "ratio_to_off", ".3f"),
+            _cell(row, "bubble_ratio", ".3f"),
+            _cell(row, "peak_bytes", ".1f", 2**20),
+            _cell(row, "peak_rss", ".0f", 2**20),
+            _cell(row, "wall_step_median", ".3f"),
+            _cell(row, "vs_torch_gpipe", ".3f"),
         ]
         for row in rows
     ]
