@@ -33,7 +33,9 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import torch
 from torch import Tensor, nn
+from torch.autograd import Variable
 
 from . import fsdp_hooks
 from .flush import watch_flushes
@@ -74,9 +76,34 @@ class _GroupReductions:
 
     def _reduce(self, group: Any) -> None:
         self._awaited[id(group)] = 0
-        if not fsdp_hooks.in_backward(group):
-            fsdp_hooks.reduce_group(group)
-            self._reduced.append(group)
+        if fsdp_hooks.in_backward(group):
+            return  # its own post-backward, still to come, takes the gradients
+        if torch._C._current_graph_task_id() >= 0:
+            _reduce_when_this_backward_ends(group)  # a capped queue's early flush, maybe one of many
+            return
+        fsdp_hooks.reduce_group(group)
+        self._reduced.append(group)
+
+
+_after_backward: dict[int, dict[int, Any]] = {}  # graph task -> groups to reduce when it ends
+
+
+def _reduce_when_this_backward_ends(group: Any) -> None:
+    """Early flushes inside one backward reduce each group they touched once, at its end (after
+    FSDP2's own end-of-backward callback), instead of once per flush."""
+    task = torch._C._current_graph_task_id()
+    groups = _after_backward.get(task)
+    if groups is None:
+        groups = _after_backward[task] = {}
+        Variable._execution_engine.queue_callback(lambda: _reduce_now(_after_backward.pop(task)))
+    groups[id(group)] = group
+
+
+def _reduce_now(groups: dict[int, Any]) -> None:
+    reduced = [group for group in groups.values() if not fsdp_hooks.in_backward(group)]
+    for group in reduced:
+        fsdp_hooks.reduce_group(group)
+    fsdp_hooks.wait_for_reductions(reduced)
 
 
 def _watch(params: Sequence[Tensor]) -> "_GroupReductions | None":
