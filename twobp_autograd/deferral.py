@@ -39,6 +39,7 @@ from .queue import WeightGradQueue, current_queue
 __all__ = [
     "ParamDeferral",
     "configured_kernel",
+    "single_node_applies",
     "defer_weight_grads",
     "detached",
     "guard_tangent",
@@ -75,7 +76,7 @@ class ParamDeferral(NamedTuple):
     @classmethod
     def at_forward(cls, params: Sequence["Tensor | None"]) -> "ParamDeferral":
         queue = current_queue()
-        return cls(tuple(p if p is not None and p.is_leaf else None for p in params), queue, queue._tag)
+        return cls(tuple([p if p is not None and p.is_leaf else None for p in params]), queue, queue._tag)
 
     def decide(self, ctx: Any) -> list[Decision]:
         """Refuse ``create_graph=True``; then per parameter 'defer' (this backward accumulates
@@ -170,6 +171,16 @@ def kernel_group(kernel: WeightGradKernel) -> Hashable:
     if isinstance(kernel, functools.partial):
         return (kernel.func, kernel.args, tuple(sorted(kernel.keywords.items())))
     return kernel
+
+
+def single_node_applies(*tensors: Tensor) -> bool:
+    """Whether an op may run as one custom Function that computes its input gradient itself
+    (instead of the op under autograd plus a tap): only where that formula is all plain autograd
+    would do, with no autocast cast around the op, no forward-mode AD (the tap's ``jvp`` and
+    tangent guards stay on the tap path) and dense strided tensors."""
+    if forward_ad._current_level >= 0 or torch._C._is_any_autocast_enabled():
+        return False
+    return all(t.layout == torch.strided for t in tensors)
 
 
 @functools.lru_cache(maxsize=None)

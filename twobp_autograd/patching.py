@@ -56,17 +56,26 @@ one differentiating (inside a ``torch.func`` transform), else the rule's."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        # Own parameters straight from the dict (this runs on every call); a module with
-        # children (MultiheadAttention's out_proj) looks at theirs too.
-        params = module.parameters() if module._modules else module._parameters.values()
         if (
-            not torch.is_grad_enabled()
-            or not module.training
-            or not any(p is not None and p.requires_grad for p in params)
-            or torch._C._functorch.maybe_current_level() is not None  # torch.func transforms differentiate by themselves
+            torch.is_grad_enabled()
+            and module.training
+            and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
+            and _wants_grad(module)
         ):
-            return self.plain(*args, **kwargs)
-        return self.deferred(module, *args, **kwargs)
+            return self.deferred(module, *args, **kwargs)
+        return self.plain(*args, **kwargs)
+
+
+_maybe_current_level = torch._C._functorch.maybe_current_level
+
+
+def _wants_grad(module: nn.Module) -> bool:
+    """Whether a parameter of the module requires grad: its own straight from the dict (this
+    runs on every call), its children's too where it has some (MultiheadAttention's out_proj)."""
+    for param in module.parameters() if module._modules else module._parameters.values():
+        if param is not None and param.requires_grad:
+            return True
+    return False
 
 
 def _selected(name: str, module: nn.Module, selectors: Iterable[Selector]) -> bool:

@@ -17,7 +17,6 @@ PyTorch's own forward does, so dropout draws the same random numbers as plain au
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Sequence
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..deferral import defer_weight_grads, detached
+from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .linear import linear, linear_forward, linear_weight_grad
@@ -75,8 +74,8 @@ def _deferred_products(
     """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``."""
     products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases))
     saved = tuple(_rows(x).detach().to(p.dtype) for x, p in zip(inputs, products))
-    kernel = functools.partial(in_projection_weight_grad, packed_weight=packed_weight)
-    tapped = defer_weight_grads(products, params, saved, kernel)
+    kernel, group = configured_kernel(in_projection_weight_grad, packed_weight=packed_weight)
+    tapped = defer_weight_grads(products, params, saved, kernel, group=group)
     return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped))
 
 

@@ -13,15 +13,23 @@ PyTorch itself does, so the saved tensors always have the batch on dim 0.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import defer_weight_grads, detached
+from ..deferral import (
+    ParamDeferral,
+    configured_kernel,
+    defer_weight_grads,
+    detached,
+    param_from_input,
+    param_inputs,
+    single_node_applies,
+)
+from ..job import WeightGradKernel
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -92,6 +100,47 @@ def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, "IntTuple 
     return symmetric, (tuple(extra) if any(extra) else None)
 
 
+#: Micro-batches joined on the CPU too: weight-gradient convolutions over a few samples run far
+#: below the speed they reach on many (measured: benchmarks/overhead.py, ResNet-152 at batch 2).
+_JOINED = True
+
+
+class _DeferredConvolution(torch.autograd.Function):
+    """A convolution with numeric padding as one autograd node (the op and its tap in one): its
+    backward takes the input gradient from ``convolution_backward`` with the arguments and
+    mask that autograd's own derivative of ``aten::convolution`` passes when the parameters are
+    detached, and routes the parameters' work as the tap does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        deferral: ParamDeferral,
+        call: tuple[Callable[..., Tensor], Sequence[Any]],
+        kernel: tuple[WeightGradKernel, Hashable],
+        convolution_args: tuple[Any, ...],
+        input: Tensor,
+        weight: Tensor,
+        bias_input: Tensor,
+    ) -> Tensor:
+        ctx.deferral, ctx.kernel, ctx.convolution_args = deferral, kernel, convolution_args
+        ctx.save_for_backward(input, weight)
+        functional, functional_args = call
+        return functional(input, weight, param_from_input(bias_input), *functional_args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+        input, weight = ctx.saved_tensors
+        grad_input = None
+        if ctx.needs_input_grad[4]:
+            grad_input = torch.ops.aten.convolution_backward(
+                grad, input, weight, None, *ctx.convolution_args, [True, False, False]
+            )[0]
+        kernel, group = ctx.kernel
+        deferral: ParamDeferral = ctx.deferral
+        param_grads = deferral.route(ctx, kernel, group, _JOINED, (input,), (grad,))
+        return (None, None, None, None, grad_input, *param_grads)
+
+
 def _deferred_conv(
     module: nn.modules.conv._ConvNd,
     input: Tensor,
@@ -106,16 +155,7 @@ def _deferred_conv(
     # Found by what the module is, not by its exact type: registering a parametrization swaps
     # the class of an already patched module for a generated subclass (ParametrizedConv2d).
     functional = _CONV_FUNCTIONALS[module.transposed, len(module.kernel_size)]
-    output = functional(input, detached(weight), detached(bias), *functional_args)
-    unbatched = input.dim() == len(module.kernel_size) + 1
-    if unbatched:
-        # The tap sits on the batch-of-one output PyTorch computes internally; the caller
-        # gets the same squeezed view F.convNd returns.
-        output = output.unsqueeze(0)
-        input = input.unsqueeze(0)
-    # Saved in the dtype the convolution really ran in (autocast's), as plain autograd saves it.
-    saved_input = input.to(output.dtype)
-    kernel = functools.partial(
+    kernel = configured_kernel(
         conv_weight_grad,
         weight_shape=tuple(weight.shape),
         weight_stride=weight.stride(),
@@ -123,9 +163,29 @@ def _deferred_conv(
         groups=module.groups,
         **kernel_config,
     )
-    # Joined on the CPU too: weight-gradient convolutions over a few samples run far below the
-    # speed they reach on many (measured: benchmarks/overhead.py, ResNet-152 at batch 2).
-    output = defer_weight_grads(output, (weight, bias), (saved_input,), kernel, concatenate=True)
+    unbatched = input.dim() == len(module.kernel_size) + 1
+    # A padding string ('same', 'valid') takes its own composite path inside F.convNd.
+    if not isinstance(functional_args[1], str) and single_node_applies(input, weight):
+        # As F.convNd does: an unbatched input runs as a batch of one.
+        batched = input.unsqueeze(0) if unbatched else input
+        convolution_args = (
+            kernel_config["stride"], kernel_config["padding"], tuple(module.dilation),
+            kernel_config["transposed"], kernel_config["output_padding"], module.groups,
+        )  # fmt: skip
+        deferral = ParamDeferral.at_forward((weight, bias))
+        output = _DeferredConvolution.apply(
+            deferral, (functional, functional_args), kernel, convolution_args, batched, weight, *param_inputs((bias,))
+        )
+        return output.squeeze(0) if unbatched else output
+    output = functional(input, detached(weight), detached(bias), *functional_args)
+    if unbatched:
+        # The tap sits on the batch-of-one output PyTorch computes internally; the caller
+        # gets the same squeezed view F.convNd returns.
+        output = output.unsqueeze(0)
+        input = input.unsqueeze(0)
+    # Saved in the dtype the convolution really ran in (autocast's), as plain autograd saves it.
+    saved_input = input if input.dtype == output.dtype else input.to(output.dtype)
+    output = defer_weight_grads(output, (weight, bias), (saved_input,), kernel[0], concatenate=_JOINED, group=kernel[1])
     return output.squeeze(0) if unbatched else output
 
 

@@ -11,14 +11,13 @@ gradients, which the flush's dense accumulation does not produce: plain autograd
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import defer_weight_grads, detached
+from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 
@@ -66,7 +65,7 @@ def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
         padding_idx = -1  # ATen's "no padding row"
     elif padding_idx < 0:
         padding_idx += weight.shape[0]
-    kernel = functools.partial(
+    kernel, group = configured_kernel(
         embedding_weight_grad,
         num_weights=weight.shape[0],
         embedding_dim=weight.shape[1],
@@ -76,4 +75,5 @@ def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     # Indices flattened: a 0-d or 1-d (unbatched) lookup concatenates like a batched one, and
     # output-gradient rows follow the same order.
     indices = input.detach().reshape(-1)
-    return defer_weight_grads(output, (weight,), (indices,), kernel, concatenate=False if module.scale_grad_by_freq else None)
+    concatenate = False if module.scale_grad_by_freq else None
+    return defer_weight_grads(output, (weight,), (indices,), kernel, concatenate=concatenate, group=group)

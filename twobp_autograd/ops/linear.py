@@ -9,9 +9,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd import forward_ad
 
-from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs
+from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs, single_node_applies
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -65,16 +64,6 @@ def _rows_grad(grad: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
     return grad.mm(weight)
 
 
-def _fusable(rows: Tensor, weight: Tensor) -> bool:
-    """Whether :class:`_DeferredLinear` computes exactly what ``F.linear``'s own derivative does."""
-    return (
-        forward_ad._current_level < 0
-        and rows.layout == torch.strided
-        and weight.layout == torch.strided
-        and not torch.is_autocast_enabled(rows.device.type)
-    )
-
-
 def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
     # On rows, as aten::linear itself computes a >2-D product with a bias (addmm, then a view):
@@ -82,7 +71,7 @@ def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tens
     # backward would then copy every output gradient (CopySlices).
     # flatten, not reshape(-1, features): that is ambiguous for a batch of 0 with 0 features.
     rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
-    if _fusable(rows, weight):
+    if single_node_applies(rows, weight):
         deferral = ParamDeferral.at_forward((weight, bias))
         output = _DeferredLinear.apply(deferral, rows, weight, *param_inputs((bias,)))
     else:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -29,7 +29,17 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch._prims_common import suggest_memory_format
 
-from ..deferral import ParamDeferral, defer_weight_grads, detached, guard_tangent, param_from_input, param_inputs
+from ..deferral import (
+    ParamDeferral,
+    configured_kernel,
+    defer_weight_grads,
+    detached,
+    guard_tangent,
+    param_from_input,
+    param_inputs,
+    single_node_applies,
+)
+from ..job import WeightGradKernel
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -233,6 +243,49 @@ def layer_norm_weight_grad(
     return [weight_grad if needs[0] else None, bias_grad if needs[1] else None]
 
 
+class _DeferredLayerNorm(torch.autograd.Function):
+    """``native_layer_norm`` as one autograd node (the op and its tap in one): its backward
+    takes the input gradient from ``native_layer_norm_backward`` with the mask plain autograd
+    passes when the parameters are detached, and routes the parameters' work as the tap does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        deferral: ParamDeferral,
+        kernel: tuple[WeightGradKernel, Hashable],
+        shape: tuple[int, ...],
+        eps: float,
+        x: Tensor,
+        weight_input: Tensor,
+        bias_input: Tensor,
+    ) -> Tensor:
+        weight, bias = param_from_input(weight_input), param_from_input(bias_input)
+        output, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.deferral, ctx.kernel, ctx.shape = deferral, kernel, shape
+        ctx.save_for_backward(x, mean, rstd, weight, bias)
+        return output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+        x, mean, rstd, weight, bias = ctx.saved_tensors
+        shape: tuple[int, ...] = ctx.shape
+        grad_x = None
+        if ctx.needs_input_grad[4]:
+            grad_x = torch.ops.aten.native_layer_norm_backward(
+                grad, x, shape, mean, rstd, weight, bias, [True, False, False]
+            )[0]
+        kernel, group = ctx.kernel
+        deferral: ParamDeferral = ctx.deferral
+        param_grads = deferral.route(ctx, kernel, group, None, _layer_norm_rows(x, mean, rstd, shape), (grad,))
+        return (None, None, None, None, grad_x, *param_grads)
+
+
+def _layer_norm_rows(x: Tensor, mean: Tensor, rstd: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
+    """What the weight kernel takes: any leading dims flattened to rows (the statistics are per row)."""
+    ones = (1,) * len(shape)
+    return x.reshape(-1, *shape), mean.reshape(-1, *ones), rstd.reshape(-1, *ones)
+
+
 @register(nn.LayerNorm)
 def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
     params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
@@ -240,16 +293,23 @@ def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
     if reason is not None:
         return plain_forward(module, reason, input)
     shape = tuple(module.normalized_shape)
+    if single_node_applies(input):
+        deferral = ParamDeferral.at_forward(params)
+        kernel = _layer_norm_kernel(shape, *params)
+        return _DeferredLayerNorm.apply(deferral, kernel, shape, module.eps, input, *param_inputs(params))
     x, weight, bias = _as_autocast_casts("layer_norm", input, *map(detached, params))
     # torch.layer_norm is this op and nothing else.
     output, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, module.eps)
-    # Any leading dims flatten to rows: the statistics are per row.
-    ones = (1,) * len(shape)
-    saved = (x.reshape(-1, *shape), mean.reshape(-1, *ones), rstd.reshape(-1, *ones))
-    kernel = functools.partial(
-        layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None  # type: ignore[union-attr]
-    )
-    return defer_weight_grads(output, params, saved, kernel)
+    kernel, group = _layer_norm_kernel(shape, weight, bias)
+    return defer_weight_grads(output, params, _layer_norm_rows(x, mean, rstd, shape), kernel, group=group)
+
+
+def _layer_norm_kernel(
+    shape: tuple[int, ...], weight: "Tensor | None", bias: "Tensor | None"
+) -> tuple[WeightGradKernel, Hashable]:
+    """The weight kernel (and its group) for parameters of these dtypes (autocast's, if it cast them)."""
+    assert weight is not None  # a LayerNorm without weight has no parameter to defer
+    return configured_kernel(layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None)
 
 
 # -- GroupNorm -------------------------------------------------------------------------------
@@ -298,8 +358,8 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
         groups,
         module.eps,
     )
-    kernel = functools.partial(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    return defer_weight_grads(output, params, (x, mean, rstd), kernel)
+    kernel, group = configured_kernel(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    return defer_weight_grads(output, params, (x, mean, rstd), kernel, group=group)
 
 
 # -- RMSNorm ---------------------------------------------------------------------------------
@@ -340,8 +400,8 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     x, weight = _as_autocast_casts("rms_norm", x, detached(param))
     # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
     output = F.rms_norm(x, shape, weight, module.eps)
-    kernel = functools.partial(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
     rows = x.reshape(-1, *shape)
     if rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
         rows = rows.clone()
-    return defer_weight_grads(output, (param,), (rows,), kernel)
+    return defer_weight_grads(output, (param,), (rows,), kernel, group=group)
