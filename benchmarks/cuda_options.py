@@ -44,7 +44,8 @@ def build(name: str, micro_batch: int) -> tuple[nn.Module, Callable[[], torch.Te
     if name == "resnet50":
         import torchvision
 
-        return torchvision.models.resnet50(num_classes=100), lambda: torch.randn(micro_batch, 3, 128, 128, device="cuda")
+        model = torchvision.models.resnet50(num_classes=100)
+        return model, lambda: torch.randn(micro_batch, 3, 128, 128, device="cuda")
     width = 4096
     layers: list[nn.Module] = []
     for _ in range(8):
@@ -106,7 +107,10 @@ def main(argv: list[str] | None = None) -> None:
         }
         for name in VARIANTS
     }
-    print(f"{args.model}, {args.micro_batches} micro-batches of {args.micro_batch}, {torch.cuda.get_device_name()}, {args.rounds} rounds (medians):")
+    print(
+        f"{args.model}, {args.micro_batches} micro-batches of {args.micro_batch}, "
+        f"{torch.cuda.get_device_name()}, {args.rounds} rounds (medians):"
+    )
     for name, row in summary.items():
         print(
             f"  {name:<24} step {row['step_s'] * 1e3:8.1f} ms  x{row['ratio_to_2bp']:.3f} of 2bp  "

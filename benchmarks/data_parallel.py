@@ -58,7 +58,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     sync = GradientSynchroniser(model, bucket_bytes=int(args.bucket_mib * 2**20))
     ddp = DistributedDataParallel(plain, bucket_cap_mb=args.bucket_mib)
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1 + rank))
-    micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches)))
+    micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches), strict=True))
 
     def step(variant: str) -> float:
         network = ddp if variant == "ddp" else model
@@ -97,7 +97,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     for v, ts in times.items():  # a step takes as long as its slowest rank
         gathered: list[Any] = [None] * WORLD
         dist.all_gather_object(gathered, ts)
-        slowest[v] = [max(column) for column in zip(*gathered)]
+        slowest[v] = [max(column) for column in zip(*gathered, strict=True)]
     if rank == 0:
         _report(args, slowest)
 
@@ -106,7 +106,10 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     medians = {v: statistics.median(ts) for v, ts in times.items()}
     ratios = {f"{v}/ddp": medians[v] / medians["ddp"] for v in VARIANTS if v != "ddp"}
     ratios["overlapped/flush_then_reduce"] = medians["overlapped"] / medians["flush_then_reduce"]
-    print(f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}, median of {args.steps} steps")
+    print(
+        f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of "
+        f"{args.batch_size // args.micro_batches}, median of {args.steps} steps"
+    )
     for v in VARIANTS:
         print(f"  {v:>18}: {medians[v] * 1e3:8.1f} ms")
     for name, value in ratios.items():

@@ -41,7 +41,12 @@ def _rank_main(benchmark: Callable[[int, Any], Any], args: Any) -> None:
 
 def write_results(path: str, world: int, document: dict[str, Any]) -> None:
     """``document`` as JSON at ``path``, with the world size, torch version and machine."""
-    environment = {"world_size": world, "torch": torch.__version__, "machine": platform.platform(), "cpu_count": os.cpu_count()}
+    environment = {
+        "world_size": world,
+        "torch": torch.__version__,
+        "machine": platform.platform(),
+        "cpu_count": os.cpu_count(),
+    }
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as file:
         json.dump({**environment, **document}, file, indent=2)

@@ -40,7 +40,9 @@ RUNS = ("2bp_off", "2bp_on", "2bp_capped")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch_size=32)
-    parser.add_argument("--cap-mib", type=float, default=None, help="max_pending_bytes per rank (default: from --cap-fraction)")
+    parser.add_argument(
+        "--cap-mib", type=float, default=None, help="max_pending_bytes per rank (default: from --cap-fraction)"
+    )
     parser.add_argument("--cap-fraction", type=float, default=0.10, help="cap as a fraction of the rank's 2BP-off peak")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=1)
@@ -57,7 +59,9 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
 
     def runtime(twobp: bool, queue: WeightGradQueue | None = None) -> PipelineRuntime:
         actions = schedule(SCHEDULE, WORLD, m, twobp)[rank]
-        return PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0)
+        return PipelineRuntime(
+            stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0
+        )
 
     def step(run: PipelineRuntime) -> tuple[RankMetrics, float | None]:
         """This rank's metrics, and the pipeline's step time (on rank 0)."""
@@ -72,7 +76,11 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     for _ in range(2):  # the second step shows the steady state
         off_peak = step(off)[0].peak_bytes
     cap = int(args.cap_mib * 2**20) if args.cap_mib is not None else int(args.cap_fraction * off_peak)
-    runs = {"2bp_off": off, "2bp_on": runtime(True), "2bp_capped": runtime(True, WeightGradQueue(max_pending_bytes=cap))}
+    runs = {
+        "2bp_off": off,
+        "2bp_on": runtime(True),
+        "2bp_capped": runtime(True, WeightGradQueue(max_pending_bytes=cap)),
+    }
 
     measured: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
     for round_ in range(args.warmup + args.steps):
@@ -117,7 +125,10 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
         "capped_throughput_over_uncapped_target": 0.95,
         "met": memory_ratio <= 1.10 and throughput_ratio >= 0.95,
     }
-    print(f"{args.model}, {SCHEDULE} on {WORLD} gloo ranks, batch {args.batch_size}, median of {args.steps} steps; caps {[f'{c / 2**20:.1f} MiB' for c in caps]}")
+    print(
+        f"{args.model}, {SCHEDULE} on {WORLD} gloo ranks, batch {args.batch_size}, median of {args.steps} steps; "
+        f"caps {[f'{c / 2**20:.1f} MiB' for c in caps]}"
+    )
     print(f"  {'run':>11}  {'samples/s':>9}  {'peak heap delta MiB (per rank)':>32}  {'peak pending MiB':>18}")
     for name, row in summary.items():
         heap = ", ".join(f"{b / 2**20:.1f}" for b in row["heap_peak_delta_per_rank"])

@@ -128,7 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2, help="samples per micro-batch")
     parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)")
+    parser.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)"
+    )
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--channels-last", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -167,12 +169,13 @@ def main(argv: list[str] | None = None) -> None:
     base = sides[0]
     summary: dict[str, dict[str, float]] = {}
     print(
-        f"\nResNet-152, {args.micro_batches} micro-batches of {args.batch_size} at {args.image_size}x{args.image_size}, "
+        f"\nResNet-152, {args.micro_batches} micro-batches of {args.batch_size} "
+        f"at {args.image_size}x{args.image_size}, "
         f"{device}, {torch.get_num_threads()} threads, {args.rounds} rounds (medians):"
     )
     print(f"  {'side':<12}{'step':>9}{'forward':>9}{'backward':>10}{'flush':>9}{'ratio/plain':>13}")
     for side in sides:
-        ratios = [r["total"] / b["total"] for r, b in zip(side.rounds, base.rounds)]
+        ratios = [r["total"] / b["total"] for r, b in zip(side.rounds, base.rounds, strict=True)]
         summary[side.name] = {part: side.median(part) for part in ("total", "forward", "backward", "flush")}
         summary[side.name]["ratio_to_plain"] = statistics.median(ratios)
         summary[side.name]["ratio_to_plain_min"] = min(ratios)

@@ -93,7 +93,9 @@ class _Stage:
     def names(self) -> list[str]:
         return [type(b).__name__ for b in self.blocks] + ([LOSS_BLOCK] if self.loss_fn else [])
 
-    def forward(self, x: Tensor, target: Tensor | None, twobp_on: bool) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
+    def forward(
+        self, x: Tensor, target: Tensor | None, twobp_on: bool
+    ) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
         pairs, times = [], []
         for index, block in enumerate(self.blocks):
             # The runtime feeds the first rank's input as it is, and every other input as a leaf.
@@ -223,7 +225,9 @@ def measure_stage(
         block: dict[str, Any] = {"name": name}
         for quantity in ("forward_off", "forward_on", "backward", "input_grad"):
             block[quantity] = statistics.median(run[index] for run in samples[quantity])
-        block["weight_grad"] = {str(n): statistics.median(run[index] for run in samples[f"weight_grad_{n}"]) for n in counts}
+        block["weight_grad"] = {
+            str(n): statistics.median(run[index] for run in samples[f"weight_grad_{n}"]) for n in counts
+        }
         block["output_bytes"] = memory["output_bytes"][index]
         block["pending_bytes"] = memory["pending_bytes"][index]
         result.append(block)

@@ -21,7 +21,11 @@ def gloo_rank_main(rank: int, world: int, scenario: Callable[[int], Any], store_
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1")
     dist.init_process_group(
-        "gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        store=dist.FileStore(store_path, world),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         result = scenario(rank)

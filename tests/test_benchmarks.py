@@ -94,8 +94,22 @@ def test_stage_terms_sum_blocks_per_cut_with_the_loss_on_the_last(sweep) -> None
     costs = {
         "block_costs": [1.0, 1.0, 1.0, 1.0],
         "ranks": [
-            {"rank": 0, "blocks": [0, 1], "per_size": {"4": [_block(1, 1, stage_saved_bytes_off=100, stage_saved_bytes_on=90), _block(2, 2)]}},
-            {"rank": 1, "blocks": [2, 3], "per_size": {"4": [_block(3, 3, stage_saved_bytes_off=300, stage_saved_bytes_on=270), _block(4, 4), _block(0.5, 0, pending=0)]}},
+            {
+                "rank": 0,
+                "blocks": [0, 1],
+                "per_size": {"4": [_block(1, 1, stage_saved_bytes_off=100, stage_saved_bytes_on=90), _block(2, 2)]},
+            },
+            {
+                "rank": 1,
+                "blocks": [2, 3],
+                "per_size": {
+                    "4": [
+                        _block(3, 3, stage_saved_bytes_off=300, stage_saved_bytes_on=270),
+                        _block(4, 4),
+                        _block(0.5, 0, pending=0),
+                    ]
+                },
+            },
         ],
     }
     cut, two = sweep.stage_terms(costs, 4, 2)
@@ -165,7 +179,10 @@ def test_readme_table_goes_between_the_markers_and_only_there(sweep, tmp_path) -
     }
     document = {"kind": "full sweep", "models": [{"model": "mlp", "schedules": {"gpipe": entry, "zb": entry}}]}
     table = plot_results.readme_table(document)
-    assert table.splitlines()[2] == "| MLP (512→2048 blocks) | GPipe (2) | 1.23 | 1.30 | 0.95 | 1.20 | 1.25 | – | 0.30 → 0.15 | 1.50x | 1.60x |"
+    assert (
+        table.splitlines()[2]
+        == "| MLP (512→2048 blocks) | GPipe (2) | 1.23 | 1.30 | 0.95 | 1.20 | 1.25 | – | 0.30 → 0.15 | 1.50x | 1.60x |"
+    )
     assert len(table.splitlines()) == 3  # zb is not one of the paper's schedules
 
     start, end = plot_results.README_MARKERS

@@ -18,7 +18,9 @@ from twobp_autograd.pipeline import SCHEDULES
 
 
 def test_demo_options_parse() -> None:
-    args = demo.build_parser().parse_args(["--epochs", "3", "--micro-batches", "2", "--batch-size", "8", "--seed", "1", "--no-compare"])
+    args = demo.build_parser().parse_args(
+        ["--epochs", "3", "--micro-batches", "2", "--batch-size", "8", "--seed", "1", "--no-compare"]
+    )
     assert (args.epochs, args.micro_batches, args.batch_size, args.seed) == (3, 2, 8, 1)
     assert args.no_compare and args.device == "cpu"
 
@@ -53,7 +55,9 @@ def test_bench_pipeline_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) 
     assert received == [["--steps", "2", "--schedule", "gpipe"]]
 
 
-def test_bench_pipeline_missing_is_a_clear_error(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench_pipeline_missing_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setitem(sys.modules, "twobp_autograd.pipeline.bench", None)  # import fails as if absent
     assert main(["bench", "pipeline"]) == 2
     assert "pipeline benchmark" in capsys.readouterr().err
@@ -74,14 +78,24 @@ def test_digits_become_normalised_three_channel_32x32_images() -> None:
 def test_demo_options_default_to_a_two_stage_resnet152_pipeline() -> None:
     args = demo.build_parser().parse_args([])
     assert (args.stages, args.model, args.schedule, args.max_steps) == (2, "resnet152", "gpipe", None)
-    quick = demo.build_parser().parse_args(["--stages", "1", "--model", "resnet18", "--schedule", "1f1b-2", "--max-steps", "3"])
+    quick = demo.build_parser().parse_args(
+        ["--stages", "1", "--model", "resnet18", "--schedule", "1f1b-2", "--max-steps", "3"]
+    )
     assert (quick.stages, quick.model, quick.schedule, quick.max_steps) == (1, "resnet18", "1f1b-2", 3)
 
 
 def _run_demo(arguments: list[str]) -> str:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     result = subprocess.run(
-        [sys.executable, "-m", "twobp_autograd", "demo", *arguments], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-m", "twobp_autograd", "demo", *arguments],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

@@ -63,7 +63,9 @@ def test_resnet152_trains_like_plain_autograd() -> None:
     assert set(report.patched) == set(deferred), "every conv, bn and the fc must be patched"
     assert report.skipped == {}
 
-    optimizer, reference_optimizer = (torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (model, reference))
+    optimizer, reference_optimizer = (
+        torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9) for m in (model, reference)
+    )
     for step in range(RESNET_STEPS):
         losses: list[list[float]] = [[], []]
         for micro in range(RESNET_MICRO_BATCHES):
@@ -91,7 +93,13 @@ def test_resnet152_trains_like_plain_autograd() -> None:
         reference_optimizer.zero_grad(set_to_none=True)
         # Parameters and buffers (BatchNorm's running statistics and batch counts).
         for (name, a), b in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
-            torch.testing.assert_close(a, b, rtol=RESNET_RTOL, atol=RESNET_ATOL, msg=lambda m: f"step {step}, {name}: {m}")
+            torch.testing.assert_close(
+                a,
+                b,
+                rtol=RESNET_RTOL,
+                atol=RESNET_ATOL,
+                msg=lambda m, step=step, name=name: f"step {step}, {name}: {m}",
+            )
         # This network at batch 2 is chaotic: a 1e-7 difference in its weights grows ~1e6x
         # per step (measured in fp64 as well: 1e-16 -> 1e-10 -> 1e-6 -> O(1) by step 3), so
         # plain autograd would not reproduce itself after a reordered sum either. Each step
@@ -129,7 +137,14 @@ def tiny_mamba() -> nn.Module:
 #: submodules, so no patched forward sees them: they stay on plain autograd, computed in
 #: backward. Everything the mixer reaches through a module call (in_proj, x_proj, out_proj)
 #: is deferred.
-MAMBA_IMMEDIATE = ("mixer.A_log", "mixer.D", "mixer.conv1d.weight", "mixer.conv1d.bias", "mixer.dt_proj.weight", "mixer.dt_proj.bias")
+MAMBA_IMMEDIATE = (
+    "mixer.A_log",
+    "mixer.D",
+    "mixer.conv1d.weight",
+    "mixer.conv1d.bias",
+    "mixer.dt_proj.weight",
+    "mixer.dt_proj.bias",
+)
 
 #: BERT's prediction head holds its decoder's bias as its own attribute as well; the decoder
 #: (a patched Linear) is what uses it. MambaMixer holds A_log and D itself.
@@ -148,7 +163,9 @@ def _immediate(name: str, suffixes: tuple[str, ...]) -> bool:
     return any(name.endswith(s) for s in suffixes)
 
 
-@pytest.mark.parametrize("make_model, norms, skipped, immediate", [c[1:] for c in HF_CASES], ids=[c[0] for c in HF_CASES])
+@pytest.mark.parametrize(
+    "make_model, norms, skipped, immediate", [c[1:] for c in HF_CASES], ids=[c[0] for c in HF_CASES]
+)
 def test_hugging_face_model_matches_plain_autograd(
     make_model: Callable[[], nn.Module],
     norms: tuple[type, ...],

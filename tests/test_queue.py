@@ -23,7 +23,9 @@ def test_pending_bytes_are_the_tensors_held():
     assert jobs == 2
     # Per job: the 5x16 saved rows and the 5x8 output gradient, fp32.
     assert held == 2 * (5 * 16 + 5 * 8) * 4
-    held_storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for j in current_queue()._jobs for t in j.tensors()}
+    held_storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for j in current_queue()._jobs for t in j.tensors()
+    }
     assert held == sum(held_storages.values())
     twobp.flush_weight_grads()
     assert twobp.pending() == (0, 0)
@@ -92,7 +94,7 @@ def test_forward_on_another_thread_is_flushed_by_the_training_thread(worker):
             thread.join()
     for out in outputs:
         out.pow(2).sum().backward()
-    del outputs
+    outputs.clear()
     for x in xs:
         reference(x).pow(2).sum().backward()
     assert twobp.pending().jobs == 3 * 3
@@ -162,7 +164,7 @@ def test_step_with_a_closure_that_forgets_the_flush_is_refused(optimizer_type):
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(RuntimeError, match="inside the closure"):
         optimizer.step(closure)
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), "the step ran"
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True)), "the step ran"
     twobp.discard_weight_grads()
 
 
@@ -183,13 +185,14 @@ def test_step_with_a_closure_that_flushes_matches_plain(optimizer_type, as_keywo
 
         for _ in range(2):
             optimizer.step(closure=closure) if as_keyword else optimizer.step(closure)
-    for (name, p), q in zip(patched.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _frozen_mid_step_model(kind: str) -> tuple[nn.Module, torch.Tensor]:
     if kind == "conv-batchnorm":
-        return nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1)), torch.randn(2, 2, 6, 6)
+        model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 2, 1))
+        return model, torch.randn(2, 2, 6, 6)
     if kind == "embedding":
         return nn.Sequential(nn.Embedding(10, 6), nn.Linear(6, 2)), torch.randint(0, 10, (4, 3))
     return _mlp(), torch.randn(4, 6)
@@ -292,7 +295,7 @@ def test_amp_training_loop_with_grad_scaler_and_clipping_matches_plain():
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-    for (name, p), q in zip(patched.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-3, msg=name)  # bf16 autocast
 
     partly_plain = twobp.patch(nn.Sequential(nn.Linear(6, 8), nn.PReLU(), nn.Linear(8, 2)))  # PReLU: plain
@@ -440,7 +443,9 @@ def test_flush_hands_gradients_over_without_copying_them():
 @pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["at-the-end", "per-layer"])
 def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes):
     queue = twobp.WeightGradQueue(delivery_bucket_bytes=bucket_bytes)
-    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2)))
+    patched, reference = patched_and_reference(
+        nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Linear(4, 2))
+    )
     deliveries = []
 
     def record(param):

@@ -39,6 +39,11 @@ def bert(vocab: int, hidden: int, layers: int, sequence: int) -> nn.Module:
 
 def mamba(vocab: int, hidden: int, layers: int, state_size: int, conv_kernel: int) -> nn.Module:
     config = MambaConfig(
-        vocab_size=vocab, hidden_size=hidden, state_size=state_size, num_hidden_layers=layers, expand=2, conv_kernel=conv_kernel
+        vocab_size=vocab,
+        hidden_size=hidden,
+        state_size=state_size,
+        num_hidden_layers=layers,
+        expand=2,
+        conv_kernel=conv_kernel,
     )
     return MambaForCausalLM(config)

@@ -30,7 +30,9 @@ def patched_and_reference(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return twobp.patch(model), reference
 
 
-def assert_grads_match(patched: nn.Module, reference: nn.Module, dtype: torch.dtype = torch.float32, scale: float = 1.0) -> None:
+def assert_grads_match(
+    patched: nn.Module, reference: nn.Module, dtype: torch.dtype = torch.float32, scale: float = 1.0
+) -> None:
     """Every parameter's .grad equal (both None, or close within the dtype's tolerance)."""
     rtol, atol = TOLERANCES[dtype]
     for (name, p), (_, q) in zip(patched.named_parameters(), reference.named_parameters(), strict=True):
@@ -42,7 +44,7 @@ def assert_grads_match(patched: nn.Module, reference: nn.Module, dtype: torch.dt
         # The absolute part scaled by the largest entry, as in close_to_reference.
         largest = q.grad.abs().max().item() if q.grad.numel() else 0.0
         tolerance = max(atol * scale, rtol * largest)
-        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=tolerance, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def assert_no_grads(model: nn.Module) -> None:

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     names = [" ".join(command.words) for command in SUBCOMMANDS]
     commands = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(names) + "}")
-    for name, command in zip(names, SUBCOMMANDS):
+    for name, command in zip(names, SUBCOMMANDS, strict=True):
         commands.add_parser(name, help=command.help, add_help=False)
     return parser
 

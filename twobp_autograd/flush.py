@@ -107,7 +107,9 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions
                     ready.append((done, total.tensor))
                     del total
                     ready_bytes += param.numel() * param.element_size()
-            if ready and (watches or (options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes)):
+            if ready and (
+                watches or (options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes)
+            ):
                 _deliver(ready, watches)
                 ready_bytes = 0
     _deliver(ready, watches)
@@ -125,7 +127,7 @@ def _add_group_grads(
 ) -> None:
     """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
     each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
-    for param, grad in zip(params, grads):
+    for param, grad in zip(params, grads, strict=True):  # a kernel returns one per parameter
         if param is None or grad is None:
             continue
         entry = summing.get(id(param))
@@ -181,11 +183,13 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Te
         concat = True
     else:
         pays = first.concatenate or first.device.type != "cpu"
-        concat = pays and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= options.max_concat_bytes
+        concat = (
+            pays and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= options.max_concat_bytes
+        )
     if concat:
         on_device = [job.on_device() for job in group]
-        saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device))]
-        grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device))]
+        saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device), strict=True)]
+        grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device), strict=True)]
         del on_device
         return first.kernel(saved, grad_outputs, needs)
     # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial

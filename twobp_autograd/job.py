@@ -23,7 +23,7 @@ __all__ = ["WeightGradKernel", "WeightGradJob"]
 
 #: ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``.
 #: ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0.
-WeightGradKernel = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[bool]], Sequence["Tensor | None"]]
+WeightGradKernel = Callable[[Sequence[Tensor], Sequence[Tensor], Sequence[bool]], Sequence[Tensor | None]]
 
 
 class WeightGradJob:

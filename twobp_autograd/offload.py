@@ -48,7 +48,7 @@ class ParkedTensors:
         """Device copies of the parked tensors, ordered after the copy out on the current
         stream (the stream the kernel that reads them runs on)."""
         restored = []
-        for tensor, device in zip(self.tensors, self.devices):
+        for tensor, device in zip(self.tensors, self.devices, strict=True):
             if device is None:
                 restored.append(tensor)
                 continue
@@ -107,7 +107,14 @@ class HostOffload:
         torch.autograd.Variable._execution_engine.queue_callback(join)
 
     def _host_copy(self, tensor: Tensor, copier: torch.cuda.Stream) -> Tensor:
-        key = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype, tensor.device, tensor._version)
+        key = (
+            tensor.data_ptr(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor.device,
+            tensor._version,
+        )
         known = self._copies.get(key)
         if known is not None and not known[0].expired():
             host = known[1]()
@@ -129,4 +136,3 @@ class HostOffload:
 @functools.cache
 def _copy_stream(device: torch.device) -> torch.cuda.Stream:
     return torch.cuda.Stream(device)
-

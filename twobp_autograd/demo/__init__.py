@@ -32,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--epochs", type=int, default=2, help="passes over the training split (default 2)")
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per optimizer step (default 4)")
     parser.add_argument(
-        "--batch-size", type=int, default=96, help="samples per optimizer step, split into the micro-batches (default 96)"
+        "--batch-size",
+        type=int,
+        default=96,
+        help="samples per optimizer step, split into the micro-batches (default 96)",
     )
     parser.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     parser.add_argument("--seed", type=int, default=0, help="weights, split and shuffling (default 0)")
@@ -46,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     # On two CPU cores GPipe's one concatenated W per stage finishes the demo soonest.
     parser.add_argument("--schedule", default="gpipe", choices=SCHEDULES, help="pipeline schedule (default gpipe)")
-    parser.add_argument("--model", default="resnet152", choices=list(MODELS), help="default resnet152; resnet18 is quick")
+    parser.add_argument(
+        "--model", default="resnet152", choices=list(MODELS), help="default resnet152; resnet18 is quick"
+    )
     parser.add_argument("--max-steps", type=int, default=None, help="at most this many steps per epoch (quick runs)")
     parser.add_argument(
         "--timeline",

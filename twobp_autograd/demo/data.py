@@ -24,7 +24,9 @@ class DigitsSplit:
     test_y: Tensor
 
     def to(self, device: torch.device) -> DigitsSplit:
-        return DigitsSplit(self.train_x.to(device), self.train_y.to(device), self.test_x.to(device), self.test_y.to(device))
+        return DigitsSplit(
+            self.train_x.to(device), self.train_y.to(device), self.test_x.to(device), self.test_y.to(device)
+        )
 
 
 def load_digits_32(seed: int) -> DigitsSplit:

@@ -98,7 +98,9 @@ def _sides(model: nn.Module, args: argparse.Namespace, sample: Tensor) -> list[S
     averaged over the ranks), the plain one from a copy of the same initial weights."""
     rank, world = dist.get_rank(), dist.get_world_size()
     costs = agreed_block_costs(blocks_of(model), sample)
-    copies = [("2BP", True, model)] if args.no_compare else [("2BP", True, model), ("plain", False, copy.deepcopy(model))]
+    copies = (
+        [("2BP", True, model)] if args.no_compare else [("2BP", True, model), ("plain", False, copy.deepcopy(model))]
+    )
     sides = []
     for name, twobp, whole in copies:
         stage = split_model(whole, world, costs=costs)[rank]

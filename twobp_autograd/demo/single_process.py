@@ -31,7 +31,7 @@ class ModelSide(Side):
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for micro_x, micro_y in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches)):
+        for micro_x, micro_y in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True):
             loss = F.cross_entropy(self.model(micro_x), micro_y) / self.micro_batches
             loss.backward()  # patched: backward-p1 only, the weight-gradient work is queued
             total += loss.item()
@@ -45,7 +45,9 @@ class ModelSide(Side):
     @torch.no_grad()
     def test_accuracy(self, x: Tensor, y: Tensor, batch: int = 256) -> float:
         self.model.eval()
-        correct = sum(int((self.model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum()) for i in range(0, len(y), batch))
+        correct = sum(
+            int((self.model(x[i : i + batch]).argmax(1) == y[i : i + batch]).sum()) for i in range(0, len(y), batch)
+        )
         self.model.train()
         return correct / len(y)
 

@@ -16,7 +16,9 @@ if TYPE_CHECKING:
 __all__ = ["setting", "epoch_line", "summary"]
 
 
-def setting(args: argparse.Namespace, data: DigitsSplit, num_parameters: int, how: str, steps: int, threads: str) -> str:
+def setting(
+    args: argparse.Namespace, data: DigitsSplit, num_parameters: int, how: str, steps: int, threads: str
+) -> str:
     """The model and ``how`` it is trained, the data, the steps, the device and ``threads``."""
     return (
         f"{MODELS[args.model]} ({num_parameters / 1e6:.1f} M parameters){how}; digits {IMAGE_SIZE}x{IMAGE_SIZE}: "
@@ -54,7 +56,7 @@ def summary(sides: Sequence[Side], batch_size: int) -> str:
             f"  first-step losses agree to {first:.1e} (relative); later steps drift at the rounding level "
             f"that any change of summation order causes (last step: {twobp.losses[-1]:.4f} vs {plain.losses[-1]:.4f})"
         )
-        ratios = [a / b for a, b in zip(_settled(twobp.step_seconds), _settled(plain.step_seconds))]
+        ratios = [a / b for a, b in zip(_settled(twobp.step_seconds), _settled(plain.step_seconds), strict=True)]
         lines.append(
             f"  median per-step ratio 2BP/plain: step time {statistics.median(ratios):.3f}, "
             f"throughput {statistics.median(1 / r for r in ratios):.3f}"

@@ -49,7 +49,9 @@ def train(sides: Sequence[Side], data: DigitsSplit, args: argparse.Namespace, *,
     step_index = 0
     for epoch in range(1, args.epochs + 1):
         order = torch.randperm(len(data.train_y), generator=shuffle).to(data.train_y.device)
-        bar = tqdm(range(steps), desc=f"epoch {epoch}/{args.epochs}", leave=False, dynamic_ncols=True, disable=not reporting)
+        bar = tqdm(
+            range(steps), desc=f"epoch {epoch}/{args.epochs}", leave=False, dynamic_ncols=True, disable=not reporting
+        )
         for i in bar:
             batch = order[i * args.batch_size : (i + 1) * args.batch_size]
             for side in sides if step_index % 2 == 0 else sides[::-1]:
