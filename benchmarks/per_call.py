@@ -43,7 +43,11 @@ STAGE_MODELS = ("resnet152", "transformer", "mlp", "llama", "bert")
 # -- per layer -------------------------------------------------------------------------------
 
 
-def _layer_cases() -> dict[str, tuple[nn.Module, Callable[[nn.Module, Tensor], Tensor], Tensor]]:
+#: ``call(module, input) -> output``: how a layer case is called.
+LayerCall = Callable[[nn.Module, Tensor], Tensor]
+
+
+def _layer_cases() -> dict[str, tuple[nn.Module, LayerCall, Tensor]]:
     """name -> (module, call, input): each layer at a size where per-call overhead dominates."""
 
     def attention(module: nn.Module, x: Tensor) -> Tensor:
@@ -57,7 +61,9 @@ def _layer_cases() -> dict[str, tuple[nn.Module, Callable[[nn.Module, Tensor], T
         "Linear(32, 32), 8 rows": (nn.Linear(32, 32), direct, torch.randn(8, 32)),
         "Conv2d(4, 4, 3), 2x4x8x8": (nn.Conv2d(4, 4, 3, padding=1), direct, torch.randn(2, 4, 8, 8)),
         "LayerNorm(32), 8 rows": (nn.LayerNorm(32), direct, torch.randn(8, 32)),
-        "MultiheadAttention(32, 4), 2x8": (nn.MultiheadAttention(32, 4, batch_first=True), attention, torch.randn(2, 8, 32)),
+        "MultiheadAttention(32, 4), 2x8": (
+            nn.MultiheadAttention(32, 4, batch_first=True), attention, torch.randn(2, 8, 32)
+        ),
     }
 
 
@@ -82,27 +88,33 @@ def _interleaved(sides: Sequence[Callable[[], float]], rounds: int, warmup: int)
 
 
 def _median_ratio(numerators: Sequence[float], denominators: Sequence[float]) -> float:
-    return statistics.median(n / d for n, d in zip(numerators, denominators))
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
+def _layer_sides(plain: nn.Module, call: LayerCall, x: Tensor, calls: int) -> list[Callable[[], float]]:
+    """Seconds per call of: plain forward, patched forward, plain forward + backward, and
+    patched forward + backward + flush."""
+    patched = twobp.patch(copy.deepcopy(plain))
+    x.requires_grad_(True)
+
+    def train_step(module: nn.Module, flush: bool) -> None:
+        call(module, x).sum().backward()
+        if flush:
+            twobp.flush_weight_grads()
+
+    return [
+        lambda: _timed(lambda: call(plain, x), calls),
+        lambda: _timed(lambda: call(patched, x), calls),
+        lambda: _timed(lambda: train_step(plain, False), calls),
+        lambda: _timed(lambda: train_step(patched, True), calls),
+    ]
 
 
 def layer_ratios(rounds: int, calls: int, warmup: int = 2) -> dict[str, dict[str, float]]:
     """Per layer: medians of the plain and patched times per call, and of their per-round ratios."""
     summary = {}
     for name, (plain, call, x) in _layer_cases().items():
-        patched = twobp.patch(copy.deepcopy(plain))
-        x.requires_grad_(True)
-
-        def train_step(module: nn.Module, flush: bool) -> None:
-            call(module, x).sum().backward()
-            if flush:
-                twobp.flush_weight_grads()
-
-        sides: list[Callable[[], float]] = [
-            lambda: _timed(lambda: call(plain, x), calls),
-            lambda: _timed(lambda: call(patched, x), calls),
-            lambda: _timed(lambda: train_step(plain, False), calls),
-            lambda: _timed(lambda: train_step(patched, True), calls),
-        ]
+        sides = _layer_sides(plain, call, x, calls)
         forward_plain, forward_patched, step_plain, step_patched = _interleaved(sides, rounds, warmup)
         summary[name] = {
             "forward_plain_us": statistics.median(forward_plain) * 1e6,
@@ -213,7 +225,9 @@ def _print_layers(layers: dict[str, dict[str, float]]) -> None:
         )
 
 
-_STAGE_HEADER = f"{'stage':<14}{'F off':>9}{'B':>9}{'F on/off':>10}{'(I+W)/B':>9}{'PyTorch (I+W)/B':>17}{'ours/PyTorch':>14}"
+_STAGE_HEADER = (
+    f"{'stage':<14}{'F off':>9}{'B':>9}{'F on/off':>10}{'(I+W)/B':>9}{'PyTorch (I+W)/B':>17}{'ours/PyTorch':>14}"
+)
 
 
 def _print_stage(name: str, row: dict[str, float]) -> None:
@@ -223,7 +237,7 @@ def _print_stage(name: str, row: dict[str, float]) -> None:
     )
 
 
-def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per layer")
     parser.add_argument("--calls", type=int, default=200, help="calls timed together in one layer round")
@@ -242,7 +256,7 @@ def parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     layers = {} if args.no_layers else layer_ratios(args.rounds, args.calls, args.warmup)

@@ -185,7 +185,7 @@ def check_deferred_like_autograd(
     net: nn.Module,
     make_input: Callable[[], Tensor],
     micro_batches: int = 3,
-    around: "Callable[[], contextlib.AbstractContextManager] | None" = None,
+    around: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> None:
     """``micro_batches`` backward calls on the patched model and on a plain deep copy, one
     flush; after each backward the patched one has queued one call's jobs per micro-batch and
@@ -206,7 +206,7 @@ def check_deferred_like_autograd(
     assert_grads_match(patched, reference)
     rtol, atol = TOLERANCES[torch.float32]
     for (name, b), (_, c) in zip(patched.named_buffers(), reference.named_buffers(), strict=True):
-        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def _same(t: Tensor) -> Tensor:

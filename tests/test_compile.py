@@ -28,5 +28,5 @@ def test_compiled_patched_model_defers_and_matches_autograd(backend):
     assert twobp.pending().jobs == 2 * 5
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
-    for (name, b), c in zip(patched.named_buffers(), reference.buffers()):
+    for (name, b), c in zip(patched.named_buffers(), reference.buffers(), strict=True):
         torch.testing.assert_close(b, c, msg=name)

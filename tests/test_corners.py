@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
+from tests.utils import TOLERANCES, assert_grads_match, assert_no_grads, patched_and_reference
 from twobp_autograd.ops import fallback
 from twobp_autograd.registry import rule_for
-from tests.utils import TOLERANCES, assert_grads_match, assert_no_grads, patched_and_reference
 
 NUM_EMBEDDINGS = 10
 
@@ -117,12 +117,12 @@ def _dense(t: Tensor) -> Tensor:
 @dataclass
 class Side:
     outputs: list[Tensor]
-    input_grads: list["Tensor | None"]
-    error: "type[BaseException] | None" = None
+    input_grads: list[Tensor | None]
+    error: type[BaseException] | None = None
 
 
 def _run(
-    model: nn.Module, leaves: list[Tensor], prepare: Prepare, forward: Forward, queue: "twobp.WeightGradQueue"
+    model: nn.Module, leaves: list[Tensor], prepare: Prepare, forward: Forward, queue: twobp.WeightGradQueue
 ) -> Side:
     """Every micro-batch's forward and backward (no flush); the kind of error if one raised,
     else the outputs and the gradients of the leaves and of retained inputs."""
@@ -148,7 +148,7 @@ def assert_like_plain(
     prepare: Prepare = lambda leaf: leaf,
     dtype: torch.dtype = torch.float64,
     deferred: bool = True,
-) -> "type[BaseException] | None":
+) -> type[BaseException] | None:
     """Micro-batches through ``model`` patched and through a plain deep copy, with equal
     inputs (``make_leaves`` is called under the same seed for each). ``deferred``: the patched
     side must have queued weight work (else: it took the plain path and queued none).
@@ -168,7 +168,7 @@ def assert_like_plain(
 
 
 def _assert_sides_agree(
-    patched: nn.Module, reference: nn.Module, plain: Side, ours: Side, queue: "twobp.WeightGradQueue",
+    patched: nn.Module, reference: nn.Module, plain: Side, ours: Side, queue: twobp.WeightGradQueue,
     dtype: torch.dtype, deferred: bool,
 ) -> None:
     if plain.error is not None:
@@ -194,7 +194,7 @@ def _assert_sides_agree(
     grads = [p.grad for p in reference.parameters() if p.grad is not None]
     assert_grads_match(patched, reference, _tolerance_dtype(dtype), scale=_scale(grads, dtype))
     for (name, b), (_, c) in zip(patched.named_buffers(), reference.named_buffers(), strict=True):
-        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m: f"buffer {name}: {m}")
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m, name=name: f"buffer {name}: {m}")
 
 
 def _tolerance_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -344,7 +344,7 @@ def test_conv_transpose_output_size_keyword(case: Case) -> None:
     """``output_size`` by name: one more than the default on each spatial dim (stride 2)."""
     module = case.module()
     assert all(s == 2 for s in module.stride) and module.padding == (0,) * len(module.stride)
-    output_size = [(n - 1) * 2 + k + 1 for n, k in zip(case.sample[1:], module.kernel_size)]
+    output_size = [(n - 1) * 2 + k + 1 for n, k in zip(case.sample[1:], module.kernel_size, strict=True)]
     assert_like_plain(module, _micro_batches(case), forward=lambda m, x: m(input=x, output_size=output_size))
 
 
@@ -541,8 +541,8 @@ class Variant:
     prepare: Prepare = _identity  # leaf -> what the module gets
     forward: Callable[[Case], Forward] = _calls
     dtype: torch.dtype = torch.float64  # of the module
-    input_dtype: "torch.dtype | None" = None  # None: the module's
-    compute_dtype: "torch.dtype | None" = None  # for the tolerance; None: the coarser of the two
+    input_dtype: torch.dtype | None = None  # None: the module's
+    compute_dtype: torch.dtype | None = None  # for the tolerance; None: the coarser of the two
     requires_grad: bool = True
     applies: Callable[[Case], bool] = lambda case: True
 

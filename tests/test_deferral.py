@@ -51,7 +51,7 @@ def test_flush_adds_to_existing_grads_and_respects_set_to_none():
         # zero_grad(set_to_none=False) on one step, True on the others: both must match
         opt_p.zero_grad(set_to_none=step != 1)
         opt_r.zero_grad(set_to_none=step != 1)
-    for p, q in zip(patched.parameters(), reference.parameters()):
+    for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q)
 
 
@@ -143,7 +143,7 @@ def test_autograd_grad_of_weights_returns_them_at_once():
     want = torch.autograd.grad(loss_of(reference, x), [reference[0].weight, reference[4].bias])
     assert twobp.pending().jobs == 0
     assert_no_grads(patched)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w)
 
 

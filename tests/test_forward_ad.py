@@ -6,8 +6,6 @@ own backward to the weights, a tangent on a parameter) is a "twobp:" error."""
 
 from __future__ import annotations
 
-import contextlib
-import copy
 from collections.abc import Callable
 
 import pytest
@@ -107,7 +105,7 @@ def test_dual_level_tangent_matches_plain(name):
     model, x = model_and_input(name)
     patched, reference = patched_and_reference(model)
     tangent = torch.randn_like(x)
-    for got, want in zip(dual_output(patched, x, tangent), dual_output(reference, x, tangent)):
+    for got, want in zip(dual_output(patched, x, tangent), dual_output(reference, x, tangent), strict=True):
         assert_close(got, want)
     for (buffer_name, got), (_, want) in zip(patched.named_buffers(), reference.named_buffers(), strict=True):
         assert torch.equal(got, want), buffer_name  # BatchNorm's running statistics, updated once
@@ -122,7 +120,8 @@ def test_func_jvp_matches_plain(name):
     for m in (patched, reference):
         torch.func.replace_all_batch_norm_modules_(m)  # torch.func cannot update running stats
     tangent = torch.randn_like(x)
-    for got, want in zip(torch.func.jvp(patched, (x,), (tangent,)), torch.func.jvp(reference, (x,), (tangent,))):
+    expected = torch.func.jvp(reference, (x,), (tangent,))
+    for got, want in zip(torch.func.jvp(patched, (x,), (tangent,)), expected, strict=True):
         assert_close(got, want)
 
 
@@ -205,12 +204,14 @@ def test_forward_over_reverse_input_gradient_matches_plain(name):
     model, x = model_and_input(name)
     patched, reference = patched_and_reference(model)
     tangent = torch.randn_like(x)
-    for got, want in zip(input_gradient(patched, x, tangent), input_gradient(reference, x, tangent)):
+    for got, want in zip(input_gradient(patched, x, tangent), input_gradient(reference, x, tangent), strict=True):
         assert_close(got, want)
     assert twobp.pending().jobs == 0
 
 
-def weight_gradients(model: nn.Module, x: Tensor, tangent: Tensor, weights: list[Tensor]) -> list[tuple[Tensor, Tensor]]:
+def weight_gradients(
+    model: nn.Module, x: Tensor, tangent: Tensor, weights: list[Tensor]
+) -> list[tuple[Tensor, Tensor]]:
     with forward_ad.dual_level():
         output = model(forward_ad.make_dual(x, tangent))
         gradients = torch.autograd.grad(output.pow(3).sum(), weights)
@@ -225,7 +226,7 @@ def test_forward_over_reverse_batch_norm_weight_gradient_matches_plain():
     tangent = torch.randn_like(x)
     got = weight_gradients(patched, x, tangent, [patched[1].weight, patched[1].bias])
     want = weight_gradients(reference, x, tangent, [reference[1].weight, reference[1].bias])
-    for (primal, gradient_tangent), (want_primal, want_tangent) in zip(got, want):
+    for (primal, gradient_tangent), (want_primal, want_tangent) in zip(got, want, strict=True):
         assert_close(primal, want_primal)
         assert_close(gradient_tangent, want_tangent)
 
@@ -296,5 +297,5 @@ def test_tangent_on_a_batch_norm_parameter_matches_plain():
             weight = forward_ad.make_dual(model.weight.detach(), weight_tangent)
             output = torch.func.functional_call(model, {"weight": weight}, (x,))
             results.append(forward_ad.unpack_dual(output))
-    for got, want in zip(*results):
+    for got, want in zip(*results, strict=True):
         assert_close(got, want)

@@ -31,7 +31,7 @@ def test_patch_keeps_class_parameters_state_dict_repr_and_optimizer():
     model(torch.randn(3, 4)).sum().backward()
     twobp.flush_weight_grads()
     optimizer.step()
-    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
 def test_patch_is_idempotent_and_reports():
@@ -91,7 +91,7 @@ def test_module_hooks_still_run_with_plain_values():
     patched(x).pow(2).sum().backward()
     reference(x).pow(2).sum().backward()
     assert seen["patched-pre"] == seen["reference-pre"]
-    for a, b in zip(seen["patched-bwd"], seen["reference-bwd"]):
+    for a, b in zip(seen["patched-bwd"], seen["reference-bwd"], strict=True):
         torch.testing.assert_close(a, b)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, overload
 
 import torch
 from torch import Tensor
@@ -49,7 +49,13 @@ __all__ = [
 ]
 
 
-def detached(param: "Tensor | None") -> "Tensor | None":
+@overload
+def detached(param: Tensor) -> Tensor: ...
+@overload
+def detached(param: None) -> None: ...
+@overload
+def detached(param: Tensor | None) -> Tensor | None: ...
+def detached(param: Tensor | None) -> Tensor | None:
     """What an op computes with: a parameter (a leaf) detached, so its gradient is deferred;
     anything else as it is (a weight rebuilt from parametrizations or ``weight_norm`` at each
     call keeps its graph, and autograd differentiates through it at once)."""
@@ -69,12 +75,12 @@ class ParamDeferral(NamedTuple):
     (:func:`param_inputs`): :meth:`decide` asks the engine about each, and
     :meth:`defer_finished` routes gradients that are already computed."""
 
-    params: tuple["torch.nn.Parameter | None", ...]
+    params: tuple[Tensor | None, ...]
     queue: WeightGradQueue
     tag: Hashable
 
     @classmethod
-    def at_forward(cls, params: Sequence["Tensor | None"]) -> "ParamDeferral":
+    def at_forward(cls, params: Sequence[Tensor | None]) -> ParamDeferral:
         queue = current_queue()
         return cls(tuple([p if p is not None and p.is_leaf else None for p in params]), queue, queue._tag)
 
@@ -85,40 +91,41 @@ class ParamDeferral(NamedTuple):
         _refuse_create_graph()
         first = len(ctx.next_functions) - len(self.params)
         needed = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(self.params) :]
-        return [
+        decisions: list[Decision] = [
             "skip" if not need else "now" if param is None else _decide(node)
-            for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed)
+            for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed, strict=True)
         ]
+        return decisions
 
-    def defer_finished(self, decisions: Sequence[Decision], grads: Sequence["Tensor | None"]) -> list["Tensor | None"]:
+    def defer_finished(self, decisions: Sequence[Decision], grads: Sequence[Tensor | None]) -> list[Tensor | None]:
         """Queue the 'defer' gradients (already computed) as one job whose kernel hands them
         back at the flush, summed there per micro-batch like any job; return what autograd
         gets now: the 'now' gradients, None for the rest."""
-        deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions)]
-        deferred = tuple(g.detach() for g, defer in zip(grads, deferring) if defer)  # type: ignore[union-attr]
+        deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions, strict=True)]
+        deferred = tuple(g.detach() for g, defer in zip(grads, deferring, strict=True) if defer)  # type: ignore[union-attr]
         if deferred:
             self.queue.enqueue(
                 WeightGradJob(
                     kernel=_finished_grads,
                     group=_finished_grads,
                     concatenate=False,
-                    params=tuple(p if defer else None for p, defer in zip(self.params, deferring)),
+                    params=tuple(p if defer else None for p, defer in zip(self.params, deferring, strict=True)),
                     saved=deferred,
                     grad_outputs=(),
                     tag=self.tag,
                 )
             )
-        return [g if d == "now" else None for g, d in zip(grads, decisions)]
+        return [g if d == "now" else None for g, d in zip(grads, decisions, strict=True)]
 
     def route(
         self,
         ctx: Any,
         kernel: WeightGradKernel,
         group: Hashable,
-        concatenate: "bool | None",
+        concatenate: bool | None,
         saved: Sequence[Tensor],
         grad_outputs: Sequence[Tensor],
-    ) -> list["Tensor | None"]:
+    ) -> list[Tensor | None]:
         """In the backward of a Function whose last inputs are the parameters: queue
         ``kernel``'s work for the 'defer' parameters (one job), run it now for the 'now' ones
         and return what autograd gets: their gradients, None for the rest."""
@@ -132,17 +139,18 @@ class ParamDeferral(NamedTuple):
                 "drops them in .grad), ask autograd.grad for input gradients only, or "
                 "twobp.unpatch(model) for this computation."
             )
-        param_grads: list["Tensor | None"] = [None] * len(decisions)
+        param_grads: list[Tensor | None] = [None] * len(decisions)
         if "now" in decisions:
             needs = [d == "now" for d in decisions]
-            param_grads = [g if need else None for g, need in zip(kernel(saved, grad_outputs, needs), needs)]
+            grads = kernel(saved, grad_outputs, needs)
+            param_grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
         if "defer" in decisions:
             self.queue.enqueue(
                 WeightGradJob(
                     kernel=kernel,
                     group=group,
                     concatenate=concatenate,
-                    params=tuple([p if d == "defer" else None for p, d in zip(self.params, decisions)]),
+                    params=tuple([p if d == "defer" else None for p, d in zip(self.params, decisions, strict=True)]),
                     saved=tuple([t.detach() for t in saved]),
                     grad_outputs=tuple([g.detach() for g in grad_outputs]),
                     tag=self.tag,
@@ -151,7 +159,9 @@ class ParamDeferral(NamedTuple):
         return param_grads
 
 
-def _finished_grads(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
+def _finished_grads(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
+) -> list[Tensor | None]:
     """The kernel of a job of finished gradients: ``saved`` holds one per needed parameter.
     (The flush never adds in place into a tensor a kernel returns, so handing them out is safe.)"""
     grads = iter(saved)
@@ -161,7 +171,7 @@ def _finished_grads(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], nee
 class _TapSpec(NamedTuple):
     kernel: WeightGradKernel
     group: Hashable
-    concatenate: "bool | None"
+    concatenate: bool | None
     num_outputs: int
     deferral: ParamDeferral
 
@@ -183,8 +193,10 @@ def single_node_applies(*tensors: Tensor) -> bool:
     return all(t.layout == torch.strided for t in tensors)
 
 
-@functools.lru_cache(maxsize=None)
-def configured_kernel(function: Callable[..., Sequence["Tensor | None"]], **config: Hashable) -> tuple[WeightGradKernel, Hashable]:
+@functools.cache
+def configured_kernel(
+    function: Callable[..., Sequence[Tensor | None]], **config: Hashable
+) -> tuple[WeightGradKernel, Hashable]:
     """``functools.partial(function, **config)`` and its :func:`kernel_group`, built once per
     configuration instead of on every patched call. The cache keeps ``config`` alive: plain
     values only (shapes, dtypes, flags), never tensors or modules."""
@@ -223,9 +235,10 @@ class _WeightGradTap(torch.autograd.Function):
         return guarded if len(guarded) > 1 else guarded[0]
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple["Tensor | None", ...]:
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
         spec: _TapSpec = ctx.spec
-        param_grads = spec.deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, ctx.saved_tensors, grad_outputs)
+        deferral, saved = spec.deferral, ctx.saved_tensors
+        param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, grad_outputs)
         return (None, None, *grad_outputs, *param_grads)
 
 
@@ -248,7 +261,9 @@ def _carries_tangents(ctx: Any, grad_outputs: Sequence[Tensor]) -> bool:
     output gradients have some. One lookup when no ``forward_ad.dual_level`` is open."""
     if forward_ad._current_level < 0:
         return False
-    return getattr(ctx, "saw_tangents", False) or any(forward_ad.unpack_dual(g).tangent is not None for g in grad_outputs)
+    if getattr(ctx, "saw_tangents", False):
+        return True
+    return any(forward_ad.unpack_dual(g).tangent is not None for g in grad_outputs)
 
 
 class _TangentGuard(torch.autograd.Function):
@@ -262,8 +277,8 @@ class _TangentGuard(torch.autograd.Function):
         return tangent
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
-        primal_edges = zip(ctx.next_functions[1:], ctx.needs_input_grad[1:])
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        primal_edges = zip(ctx.next_functions[1:], ctx.needs_input_grad[1:], strict=True)
         if any(need and _decide(node) != "skip" for (node, _), need in primal_edges):
             raise RuntimeError(
                 "twobp: backward through a forward-mode AD tangent of a patched module "
@@ -275,7 +290,7 @@ class _TangentGuard(torch.autograd.Function):
         return (grad, *(None for _ in ctx.needs_input_grad[1:]))
 
 
-def guard_tangent(tangent: Tensor, primals: Sequence["Tensor | None"], *, bump_version: bool = False) -> Tensor:
+def guard_tangent(tangent: Tensor, primals: Sequence[Tensor | None], *, bump_version: bool = False) -> Tensor:
     """``tangent``, re-parented in place onto a :class:`_TangentGuard` when autograd records
     and one of ``primals`` requires grad; else as it is, its version bumped if asked (what
     the guard's re-parenting does)."""
@@ -287,7 +302,7 @@ def guard_tangent(tangent: Tensor, primals: Sequence["Tensor | None"], *, bump_v
     return tangent
 
 
-def _decide(param_node: Any) -> str:
+def _decide(param_node: Any) -> Decision:
     """'defer' when this backward accumulates into the parameter, 'skip' when it does not
     reach it, 'now' when its gradient must be returned at once (autograd.grad asks for it)."""
     try:
@@ -300,12 +315,12 @@ def _decide(param_node: Any) -> str:
 
 
 def defer_weight_grads(
-    outputs: "Tensor | tuple[Tensor, ...]",
-    params: Sequence["torch.nn.Parameter | None"],
+    outputs: Tensor | tuple[Tensor, ...],
+    params: Sequence[Tensor | None],
     saved: Sequence[Tensor],
     kernel: WeightGradKernel,
     *,
-    concatenate: "bool | None" = None,
+    concatenate: bool | None = None,
     group: Hashable = None,
 ) -> Any:
     """Defer the gradients of ``params`` for an op whose ``outputs`` were computed with the
@@ -341,13 +356,13 @@ def defer_weight_grads(
     return tapped
 
 
-def param_inputs(params: Sequence["Tensor | None"]) -> tuple[Tensor, ...]:
+def param_inputs(params: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
     """The parameters as a custom Function's tensor inputs: one per parameter, a placeholder
     for None (a None argument gets no edge, which would shift every later one)."""
     return tuple(_NO_PARAM if p is None else p for p in params)
 
 
-def param_from_input(input: Tensor) -> "Tensor | None":
+def param_from_input(input: Tensor) -> Tensor | None:
     """Inverse of :func:`param_inputs` for one input, inside the Function's forward."""
     return None if input is _NO_PARAM else input
 

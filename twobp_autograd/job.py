@@ -37,7 +37,7 @@ class WeightGradJob:
         kernel: WeightGradKernel,
         group: Hashable,
         concatenate: bool | None,
-        params: tuple[torch.nn.Parameter | None, ...],
+        params: tuple[Tensor | None, ...],
         saved: tuple[Tensor, ...],
         grad_outputs: tuple[Tensor, ...],
         tag: Hashable = None,

@@ -9,7 +9,7 @@ import functools
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from .registry import DeferredForward, module_class, rule_for
 
 __all__ = ["patch", "unpatch", "PatchReport"]
 
-Selector = Union[type, str]
+Selector = type | str
 
 
 @dataclass
@@ -91,8 +91,8 @@ _warned: set[tuple[type, str]] = set()
 def patch(
     model: nn.Module,
     *,
-    include: "Iterable[Selector] | None" = None,
-    exclude: "Iterable[Selector] | None" = None,
+    include: Iterable[Selector] | None = None,
+    exclude: Iterable[Selector] | None = None,
     report: bool = False,
 ) -> Any:
     """Defer the weight gradients of every registered module of ``model``, in place.

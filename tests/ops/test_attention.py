@@ -30,7 +30,7 @@ class Attend(nn.Module):
         self.call_kwargs = call_kwargs
         self.calls = 0
 
-    def forward(self, query: Tensor, memory: Tensor, value: Tensor) -> tuple[Tensor, "Tensor | None"]:
+    def forward(self, query: Tensor, memory: Tensor, value: Tensor) -> tuple[Tensor, Tensor | None]:
         torch.manual_seed(1000 + self.calls)
         self.calls += 1
         if self.kind == "self":
@@ -83,8 +83,8 @@ class Setting:
     module_kwargs: dict[str, Any] = field(default_factory=dict)
     kind: str = "self"  # "self": q is k is v; "memory": k is v; "distinct": three tensors
     batched: bool = True
-    key_padding_mask: "MaskMaker | None" = None
-    attn_mask: "MaskMaker | None" = None
+    key_padding_mask: MaskMaker | None = None
+    attn_mask: MaskMaker | None = None
     float_masks: bool = False
     is_causal: bool = False
 
@@ -149,10 +149,16 @@ SETTINGS = [
     Setting("causal-batch-first-float", dict(batch_first=True), attn_mask=causal, float_masks=True, is_causal=True),
     Setting("causal-key-padding", attn_mask=causal, key_padding_mask=key_padding, is_causal=True),
     Setting("dropout", dict(dropout=0.3)),
-    Setting("dropout-memory-masks", dict(dropout=0.3, batch_first=True), kind="memory", key_padding_mask=key_padding, attn_mask=attn_2d),
+    Setting(
+        "dropout-memory-masks", dict(dropout=0.3, batch_first=True), kind="memory",
+        key_padding_mask=key_padding, attn_mask=attn_2d,
+    ),
     Setting("bias-kv", dict(add_bias_kv=True)),
     Setting("zero-attn", dict(add_zero_attn=True)),
-    Setting("bias-kv-zero-attn-masks", dict(add_bias_kv=True, add_zero_attn=True), kind="memory", key_padding_mask=key_padding, attn_mask=attn_3d),
+    Setting(
+        "bias-kv-zero-attn-masks", dict(add_bias_kv=True, add_zero_attn=True), kind="memory",
+        key_padding_mask=key_padding, attn_mask=attn_3d,
+    ),
     Setting("bias-kv-kdim-vdim-batch-first", dict(add_bias_kv=True, kdim=5, vdim=6, batch_first=True), kind="distinct"),
     Setting("bias-kv-unbatched", dict(add_bias_kv=True, add_zero_attn=True), batched=False, attn_mask=attn_2d),
 ]
@@ -167,11 +173,15 @@ DTYPES = {"fp32": torch.float32, "fp64": torch.float64}
 settings = pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
 weights = pytest.mark.parametrize("need", WEIGHTS.values(), ids=WEIGHTS.keys())
 # Averaging over heads only changes what plain autograd does to the returned weights.
-weights_for_grads = pytest.mark.parametrize("need", [WEIGHTS["sdpa"], WEIGHTS["weights-averaged"]], ids=["sdpa", "weights"])
+weights_for_grads = pytest.mark.parametrize(
+    "need", [WEIGHTS["sdpa"], WEIGHTS["weights-averaged"]], ids=["sdpa", "weights"]
+)
 dtypes = pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 
 
-def attend(setting: Setting, dtype: torch.dtype, need: dict[str, bool]) -> tuple[Attend, Callable[[], tuple[Tensor, ...]]]:
+def attend(
+    setting: Setting, dtype: torch.dtype, need: dict[str, bool]
+) -> tuple[Attend, Callable[[], tuple[Tensor, ...]]]:
     attention = setting.make_module(dtype)
     for name in ("in_proj_bias", "bias_k", "bias_v"):  # non-zero, so a mixed-up slice shows
         param = getattr(attention, name)
@@ -210,7 +220,7 @@ def test_outputs_weights_and_input_grads_match(setting, need, dtype):
         assert attn_weights is None and expected_weights is None
     torch.autograd.backward((output.sum(),), inputs=[t for t in inputs if t.requires_grad])
     torch.autograd.backward((expected.sum(),), inputs=[t for t in twin if t.requires_grad])
-    for got, want in zip(inputs, twin):
+    for got, want in zip(inputs, twin, strict=True):
         if want.requires_grad:
             torch.testing.assert_close(got.grad, want.grad, rtol=rtol, atol=atol)
     assert twobp.pending().jobs == 0, "backward(inputs=...) not asking for weights queued work"

@@ -13,8 +13,8 @@ import torch
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
-from twobp_autograd.ops import conv as conv_ops
 from tests.utils import assert_grads_match, assert_no_grads, check_against_autograd
+from twobp_autograd.ops import conv as conv_ops
 
 
 class OutputSized(nn.Module):
@@ -70,7 +70,9 @@ SETTINGS = [
         (2, 3, 8, 7),
     ),
     Setting("conv2d-same-even-kernel", lambda: nn.Conv2d(3, 4, (2, 4), padding="same"), (2, 3, 6, 7)),
-    Setting("conv2d-same-mixed-dilated", lambda: nn.Conv2d(3, 4, (3, 2), padding="same", dilation=(2, 3)), (2, 3, 7, 8)),
+    Setting(
+        "conv2d-same-mixed-dilated", lambda: nn.Conv2d(3, 4, (3, 2), padding="same", dilation=(2, 3)), (2, 3, 7, 8)
+    ),
     Setting("conv2d-valid", lambda: nn.Conv2d(3, 4, 3, padding="valid"), (2, 3, 6, 6)),
     Setting("conv2d-groups", lambda: nn.Conv2d(4, 6, 3, groups=2, padding=1), (2, 4, 6, 5)),
     Setting("conv2d-depthwise", lambda: nn.Conv2d(4, 4, 3, groups=4, padding=1, stride=2), (2, 4, 7, 7)),
@@ -78,7 +80,9 @@ SETTINGS = [
     Setting("conv2d-replicate", lambda: nn.Conv2d(3, 4, 3, padding=1, padding_mode="replicate"), (2, 3, 6, 6)),
     Setting("conv2d-circular", lambda: nn.Conv2d(3, 4, 3, padding=(2, 1), padding_mode="circular"), (2, 3, 6, 6)),
     Setting(
-        "conv2d-same-even-circular", lambda: nn.Conv2d(3, 4, (4, 2), padding="same", padding_mode="circular"), (2, 3, 6, 6)
+        "conv2d-same-even-circular",
+        lambda: nn.Conv2d(3, 4, (4, 2), padding="same", padding_mode="circular"),
+        (2, 3, 6, 6),
     ),
     Setting("conv2d-no-bias", lambda: nn.Conv2d(3, 4, 3, bias=False, padding=1), (2, 3, 6, 6)),
     Setting("conv2d-unbatched", lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 6, 5)),
@@ -86,7 +90,11 @@ SETTINGS = [
     Setting("conv2d-1x1", lambda: nn.Conv2d(5, 3, 1), (2, 5, 4, 4)),
     # Conv3d
     Setting("conv3d", lambda: nn.Conv3d(2, 3, 3), (2, 2, 5, 5, 4)),
-    Setting("conv3d-stride-pad-dil", lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1, dilation=(2, 1, 1)), (2, 2, 5, 5, 4)),
+    Setting(
+        "conv3d-stride-pad-dil",
+        lambda: nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1, dilation=(2, 1, 1)),
+        (2, 2, 5, 5, 4),
+    ),
     Setting("conv3d-same-even-kernel", lambda: nn.Conv3d(2, 3, (2, 3, 4), padding="same"), (2, 2, 4, 5, 5)),
     Setting("conv3d-groups", lambda: nn.Conv3d(4, 2, 3, groups=2, padding=1), (2, 4, 4, 4, 3)),
     Setting("conv3d-replicate", lambda: nn.Conv3d(2, 3, 3, padding=1, padding_mode="replicate"), (2, 2, 4, 4, 4)),
@@ -111,10 +119,22 @@ SETTINGS = [
     ),
     Setting("convT2d-depthwise", lambda: nn.ConvTranspose2d(4, 4, 3, groups=4, stride=2), (2, 4, 4, 4)),
     Setting("convT2d-unbatched", lambda: nn.ConvTranspose2d(3, 4, 3, stride=2), (3, 4, 3)),
-    Setting("convT2d-output-size", lambda: OutputSized(nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), [8, 9]), (2, 3, 4, 5)),
+    Setting(
+        "convT2d-output-size",
+        lambda: OutputSized(nn.ConvTranspose2d(3, 4, 3, stride=2, padding=1), [8, 9]),
+        (2, 3, 4, 5),
+    ),
     Setting("convT3d", lambda: nn.ConvTranspose3d(2, 3, 2, stride=2), (2, 2, 3, 3, 2)),
-    Setting("convT3d-groups-pad", lambda: nn.ConvTranspose3d(4, 2, 3, groups=2, padding=1, stride=(1, 2, 1)), (2, 4, 3, 3, 3)),
-    Setting("convT3d-output-size", lambda: OutputSized(nn.ConvTranspose3d(2, 3, 2, stride=2), [7, 6, 5]), (2, 2, 3, 3, 2)),
+    Setting(
+        "convT3d-groups-pad",
+        lambda: nn.ConvTranspose3d(4, 2, 3, groups=2, padding=1, stride=(1, 2, 1)),
+        (2, 4, 3, 3, 3),
+    ),
+    Setting(
+        "convT3d-output-size",
+        lambda: OutputSized(nn.ConvTranspose3d(2, 3, 2, stride=2), [7, 6, 5]),
+        (2, 2, 3, 3, 2),
+    ),
 ]
 
 
@@ -148,7 +168,11 @@ def test_micro_batches_of_different_sizes_run_one_kernel_call(monkeypatch: pytes
     "make, shape, memory_format",
     [
         (lambda: nn.Conv2d(3, 4, 3, padding=1), (2, 3, 6, 5), torch.channels_last),
-        (lambda: nn.Conv2d(4, 4, 3, groups=4, padding="same", padding_mode="reflect"), (2, 4, 6, 5), torch.channels_last),
+        (
+            lambda: nn.Conv2d(4, 4, 3, groups=4, padding="same", padding_mode="reflect"),
+            (2, 4, 6, 5),
+            torch.channels_last,
+        ),
         (lambda: nn.ConvTranspose2d(3, 4, 3, stride=2), (2, 3, 4, 5), torch.channels_last),
         (lambda: nn.Conv3d(2, 3, 2, padding="same"), (2, 2, 4, 3, 4), torch.channels_last_3d),
     ],
@@ -170,7 +194,7 @@ def test_channels_last(make, shape, memory_format) -> None:
     assert twobp.pending().jobs == 3
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
-    for p, q in zip(patched.parameters(), reference.parameters()):
+    for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
         assert p.grad.stride() == q.grad.stride()
 
 
@@ -373,7 +397,7 @@ def test_parametrization_registered_after_patch(make, shape, parametrize) -> Non
     assert twobp.pending().jobs == 0
     assert_grads_match(model, reference)
     for (name, b), (_, c) in zip(model.named_buffers(), reference.named_buffers(), strict=True):
-        torch.testing.assert_close(b, c, msg=lambda m: f"buffer {name}: {m}")
+        torch.testing.assert_close(b, c, msg=lambda m, name=name: f"buffer {name}: {m}")
 
 
 @parametrizations

@@ -53,7 +53,9 @@ SETTINGS = [
     Setting("padding-idx-negative", lambda: nn.Embedding(NUM, DIM, padding_idx=PAD - NUM), (2, 5)),
     Setting("padding-idx-negative-set-later", negative_padding_after_construction, (2, 5)),
     Setting("scale-grad-by-freq", lambda: nn.Embedding(NUM, DIM, scale_grad_by_freq=True), (2, 5)),
-    Setting("scale-grad-by-freq-padding", lambda: nn.Embedding(NUM, DIM, padding_idx=PAD, scale_grad_by_freq=True), (3, 4)),
+    Setting(
+        "scale-grad-by-freq-padding", lambda: nn.Embedding(NUM, DIM, padding_idx=PAD, scale_grad_by_freq=True), (3, 4)
+    ),
     Setting("unbatched", lambda: nn.Embedding(NUM, DIM, padding_idx=PAD), (7,)),
     Setting("scalar-index", lambda: nn.Embedding(NUM, DIM), ()),
     Setting("scalar-index-scale-grad-by-freq", lambda: nn.Embedding(NUM, DIM, scale_grad_by_freq=True), ()),
@@ -125,7 +127,7 @@ def test_unsupported_options_keep_plain_autograd(option, reason):
         for m in (model, reference):
             m(indices).pow(2).sum().backward()
     assert twobp.pending().jobs == 0
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         assert p.grad.layout == q.grad.layout
         torch.testing.assert_close(p.grad.to_dense(), q.grad.to_dense())
         torch.testing.assert_close(p, q)  # max_norm renormalised both the same way

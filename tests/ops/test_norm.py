@@ -18,7 +18,6 @@ import torch
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
-from twobp_autograd.ops import norm as norm_ops
 from tests.utils import (
     TOLERANCES,
     assert_grads_match,
@@ -26,6 +25,7 @@ from tests.utils import (
     check_against_autograd,
     patched_and_reference,
 )
+from twobp_autograd.ops import norm as norm_ops
 
 
 @dataclass(frozen=True)
@@ -111,7 +111,7 @@ def run_micro_batches(
     setting: Setting,
     *,
     dtype: torch.dtype,
-    input_dtype: "torch.dtype | None" = None,
+    input_dtype: torch.dtype | None = None,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     device: str = "cpu",
 ) -> None:
@@ -140,7 +140,7 @@ def run_micro_batches(
     assert twobp.pending() == (0, 0)
     assert_grads_match(patched, reference, dtype)
     for (name, b), (_, c) in zip(patched.named_buffers(), reference.named_buffers(), strict=True):
-        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m: f"buffer {name}: {m}")
+        torch.testing.assert_close(b, c, rtol=rtol, atol=atol, msg=lambda m, name=name: f"buffer {name}: {m}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -301,7 +301,9 @@ def test_unpatch_restores_plain_autograd(setting: Setting) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fast_dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")])
+@pytest.mark.parametrize(
+    "fast_dtype", [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
+)
 @pytest.mark.parametrize("setting", AUTOCAST, ids=_ids(AUTOCAST))
 def test_cuda_autocast(setting: Setting, fast_dtype: torch.dtype) -> None:
     # CUDA autocast runs layer_norm and group_norm in float32: the deferred forward must too.
@@ -309,7 +311,12 @@ def test_cuda_autocast(setting: Setting, fast_dtype: torch.dtype) -> None:
         return torch.autocast("cuda", dtype=fast_dtype)
 
     run_micro_batches(
-        setting.module(torch.float32), setting, dtype=torch.bfloat16, input_dtype=fast_dtype, context=autocast, device="cuda"
+        setting.module(torch.float32),
+        setting,
+        dtype=torch.bfloat16,
+        input_dtype=fast_dtype,
+        context=autocast,
+        device="cuda",
     )
 
 
@@ -332,9 +339,10 @@ def test_autocast_casts_follow_the_public_op(monkeypatch: pytest.MonkeyPatch) ->
     x, w, i, d = torch.randn(2, 3), torch.randn(3), torch.arange(3), torch.randn(3, dtype=torch.float64)
     monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "layer_norm", lambda x: x.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast = norm_ops._as_autocast_casts("layer_norm", x.bfloat16(), w.bfloat16(), i, d, None)
-    assert [t.dtype for t in cast[:4]] == [torch.float32, torch.float32, torch.int64, torch.float64]
-    assert cast[4] is None
+        cast_input, cast_params = norm_ops._as_autocast_casts("layer_norm", x.bfloat16(), w.bfloat16(), i, d, None)
+    assert cast_input.dtype == torch.float32
+    assert [t.dtype for t in cast_params[:3]] == [torch.float32, torch.int64, torch.float64]
+    assert cast_params[3] is None
     assert norm_ops._as_autocast_casts("layer_norm", x.bfloat16())[0].dtype == torch.bfloat16  # autocast off
     target.cache_clear()
 

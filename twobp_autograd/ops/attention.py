@@ -35,7 +35,7 @@ __all__ = ["multihead_attention", "in_projection_weight_grad", "kv_bias_grad"]
 
 def in_projection_weight_grad(
     saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, packed_weight: bool
-) -> list["Tensor | None"]:
+) -> list[Tensor | None]:
     """Gradients of an in-projection made of one linear per (rows, output) pair.
 
     ``packed_weight``: params are ``(in_proj_weight, in_proj_bias)``, each product using a
@@ -45,19 +45,20 @@ def in_projection_weight_grad(
     need_weights = [needs[0]] * len(saved) if packed_weight else list(needs[:-1])
     per_product = [
         linear_weight_grad((rows,), (grad,), (need_weight, need_bias))
-        for rows, grad, need_weight in zip(saved, grad_outputs, need_weights)
+        for rows, grad, need_weight in zip(saved, grad_outputs, need_weights, strict=True)
     ]
-    bias_grad = torch.cat([b for _, b in per_product]) if need_bias else None
+    # Where a gradient is needed every product returned one.
+    bias_grad = torch.cat([b for _, b in per_product if b is not None]) if need_bias else None
     if packed_weight:
-        weight_grads = [torch.cat([w for w, _ in per_product]) if needs[0] else None]
+        weight_grads = [torch.cat([w for w, _ in per_product if w is not None]) if needs[0] else None]
     else:
         weight_grads = [w for w, _ in per_product]
     return [*weight_grads, bias_grad]
 
 
-def kv_bias_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
+def kv_bias_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor | None]:
     """``bias_k`` / ``bias_v`` were repeated once per sample as (N, 1, E): sum over dim 0."""
-    return [grad.sum(0, keepdim=True) if need else None for grad, need in zip(grad_outputs, needs)]
+    return [grad.sum(0, keepdim=True) if need else None for grad, need in zip(grad_outputs, needs, strict=True)]
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -67,16 +68,16 @@ def _rows(x: Tensor) -> Tensor:
 def _deferred_products(
     inputs: Sequence[Tensor],
     weights: Sequence[Tensor],
-    biases: Sequence["Tensor | None"],
-    params: Sequence["Tensor | None"],
+    biases: Sequence[Tensor | None],
+    params: Sequence[Tensor | None],
     packed_weight: bool,
 ) -> tuple[Tensor, ...]:
     """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``."""
-    products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases))
-    saved = tuple(_rows(x).detach().to(p.dtype) for x, p in zip(inputs, products))
+    products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases, strict=True))
+    saved = tuple(_rows(x).detach().to(p.dtype) for x, p in zip(inputs, products, strict=True))
     kernel, group = configured_kernel(in_projection_weight_grad, packed_weight=packed_weight)
     tapped = defer_weight_grads(products, params, saved, kernel, group=group)
-    return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped))
+    return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped, strict=True))
 
 
 def _split_packed(proj: Tensor, parts: int, embed_dim: int) -> tuple[Tensor, ...]:
@@ -130,12 +131,12 @@ def multihead_attention(
     query: Tensor,
     key: Tensor,
     value: Tensor,
-    key_padding_mask: "Tensor | None" = None,
+    key_padding_mask: Tensor | None = None,
     need_weights: bool = True,
-    attn_mask: "Tensor | None" = None,
+    attn_mask: Tensor | None = None,
     average_attn_weights: bool = True,
     is_causal: bool = False,
-) -> tuple[Tensor, "Tensor | None"]:
+) -> tuple[Tensor, Tensor | None]:
     # (Outside its inference fast path PyTorch refuses nested tensors, and softmax complex ones:
     # the plain forward says so.) The parameters need no look: they meet the inputs in a GEMM,
     # which refuses mixed dtypes.
@@ -154,11 +155,18 @@ def multihead_attention(
         target_type=query.dtype,
     )
     attn_mask = F._canonical_mask(
-        mask=attn_mask, mask_name="attn_mask", other_type=None, other_name="", target_type=query.dtype, check_other=False
+        mask=attn_mask,
+        mask_name="attn_mask",
+        other_type=None,
+        other_name="",
+        target_type=query.dtype,
+        check_other=False,
     )
     # F.multi_head_attention_forward, training=True
     num_heads, embed_dim = module.num_heads, module.embed_dim
-    is_batched = F._mha_shape_check(query, key, value, key_padding_mask, attn_mask, num_heads)
+    is_batched = F._mha_shape_check(  # type: ignore[attr-defined]  # private: absent from torch's stubs
+        query, key, value, key_padding_mask, attn_mask, num_heads
+    )
     if query.shape[-1] != embed_dim:
         raise AssertionError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}")
     if module._qkv_same_embed_dim and key.shape != value.shape:
@@ -210,7 +218,8 @@ def multihead_attention(
             attn_mask = attn_mask.unsqueeze(0)
         elif attn_mask.shape != (bsz * num_heads, tgt_len, src_len):
             raise RuntimeError(
-                f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {(bsz * num_heads, tgt_len, src_len)}."
+                f"The shape of the 3D attn_mask is {attn_mask.shape}, "
+                f"but should be {(bsz * num_heads, tgt_len, src_len)}."
             )
     if module.bias_k is not None and module.bias_v is not None:
         bias_k, bias_v = _deferred_kv_bias(module, bsz)
@@ -236,7 +245,9 @@ def multihead_attention(
     src_len = k.size(1)
     if key_padding_mask is not None:
         if key_padding_mask.shape != (bsz, src_len):
-            raise AssertionError(f"Expected key_padding_mask of shape {(bsz, src_len)}, but got {tuple(key_padding_mask.shape)}")
+            raise AssertionError(
+                f"Expected key_padding_mask of shape {(bsz, src_len)}, but got {tuple(key_padding_mask.shape)}"
+            )
         key_padding_mask = (
             key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1).reshape(bsz * num_heads, 1, src_len)
         )

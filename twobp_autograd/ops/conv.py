@@ -52,8 +52,8 @@ def conv_weight_grad(
     transposed: bool,
     output_padding: IntTuple,
     groups: int,
-    extra_right_padding: "IntTuple | None" = None,
-) -> list["Tensor | None"]:
+    extra_right_padding: IntTuple | None = None,
+) -> list[Tensor | None]:
     """Weight and bias gradients of a convolution with the given (hashable) configuration.
 
     ``extra_right_padding`` is an ``F.pad`` argument (last dim first) of zeros added after the
@@ -88,14 +88,14 @@ def conv_weight_grad(
     return [weight_grad if need_weight else None, bias_grad if need_bias else None]
 
 
-def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, "IntTuple | None"]:
+def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, IntTuple | None]:
     """``padding='same'`` as symmetric per-dim padding plus the extra right-side zeros."""
     reversed_pairs = module._reversed_padding_repeated_twice  # (left, right) per dim, last dim first
     lefts = reversed_pairs[0::2]
     rights = reversed_pairs[1::2]
     symmetric = tuple(reversed(lefts))
     extra: list[int] = []
-    for left, right in zip(lefts, rights):
+    for left, right in zip(lefts, rights, strict=True):
         extra += [0, right - left]
     return symmetric, (tuple(extra) if any(extra) else None)
 
@@ -128,7 +128,7 @@ class _DeferredConvolution(torch.autograd.Function):
         return functional(input, weight, param_from_input(bias_input), *functional_args)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         input, weight = ctx.saved_tensors
         grad_input = None
         if ctx.needs_input_grad[4]:
@@ -145,7 +145,7 @@ def _deferred_conv(
     module: nn.modules.conv._ConvNd,
     input: Tensor,
     weight: Tensor,
-    bias: "Tensor | None",
+    bias: Tensor | None,
     functional_args: Sequence[Any],
     kernel_config: dict[str, Any],
 ) -> Tensor:
@@ -196,15 +196,15 @@ def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     if reason is not None:
         return plain_forward(module, reason, input)
     zeros = (0,) * len(module.kernel_size)
-    conv_padding: "str | IntTuple" = module.padding  # what the module passes to F.convNd
+    conv_padding: str | IntTuple = module.padding  # what the module passes to F.convNd
     kernel_padding: IntTuple = zeros  # the same, as symmetric numbers for the weight kernel
-    extra: "IntTuple | None" = None
+    extra: IntTuple | None = None
     if module.padding_mode != "zeros":
         input = F.pad(input, module._reversed_padding_repeated_twice, mode=module.padding_mode)
         conv_padding = zeros
     elif module.padding == "same":
         kernel_padding, extra = _same_padding(module)
-    elif module.padding != "valid":
+    elif not isinstance(module.padding, str):  # 'valid' pads nothing
         kernel_padding = tuple(module.padding)
     config = dict(
         stride=tuple(module.stride),
@@ -218,7 +218,7 @@ def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
 
 
 def conv_transpose_forward(
-    module: nn.modules.conv._ConvTransposeNd, input: Tensor, output_size: "list[int] | None" = None
+    module: nn.modules.conv._ConvTransposeNd, input: Tensor, output_size: list[int] | None = None
 ) -> Tensor:
     """The forward of ``nn.ConvTranspose1d/2d/3d`` with deferred weight gradients."""
     if module.padding_mode != "zeros":
@@ -262,5 +262,5 @@ _CONV_FUNCTIONALS: dict[tuple[bool, int], Callable[..., Tensor]] = {
 
 for _conv_type in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
     register(_conv_type, conv_forward)
-for _conv_type in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    register(_conv_type, conv_transpose_forward)
+for _transposed_type in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
+    register(_transposed_type, conv_transpose_forward)

@@ -33,7 +33,7 @@ def embedding_weight_grad(
     embedding_dim: int,
     padding_idx: int,
     scale_grad_by_freq: bool,
-) -> list["Tensor | None"]:
+) -> list[Tensor | None]:
     if not needs[0]:
         return [None]
     (indices,) = saved
@@ -43,7 +43,8 @@ def embedding_weight_grad(
     return [torch.ops.aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)]
 
 
-def _unsupported(module: nn.Embedding) -> "str | None":
+def _unsupported(module: nn.Module) -> str | None:
+    assert isinstance(module, nn.Embedding)  # registered for nn.Embedding only
     if module.sparse:
         return "sparse=True (sparse gradients)"
     if module.max_norm is not None:
@@ -58,7 +59,13 @@ def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     if reason is not None:
         return plain_forward(module, reason, input)
     output = F.embedding(
-        input, detached(weight), module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse
+        input,
+        detached(weight),
+        module.padding_idx,
+        module.max_norm,
+        module.norm_type,
+        module.scale_grad_by_freq,
+        module.sparse,
     )
     padding_idx = module.padding_idx
     if padding_idx is None:

@@ -21,7 +21,7 @@ from torch.overrides import has_torch_function_variadic
 __all__ = ["plain_forward", "unsupported_tensors"]
 
 
-def unsupported_tensors(*tensors: "Tensor | None") -> "str | None":
+def unsupported_tensors(*tensors: Tensor | None) -> str | None:
     """Why a call with these tensors (inputs and parameters) cannot be deferred, or None."""
     for t in tensors:  # runs on every patched call: one pass, no allocations
         if t is not None and (t.is_nested or t.is_complex()):

@@ -18,7 +18,9 @@ from .precision import accumulation_dtype
 __all__ = ["linear_forward", "linear_weight_grad"]
 
 
-def linear_weight_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list["Tensor | None"]:
+def linear_weight_grad(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
+) -> list[Tensor | None]:
     """Summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
     (rows,) = saved
     (grad,) = grad_outputs  # rows already, as the forward computed them
@@ -48,7 +50,7 @@ class _DeferredLinear(torch.autograd.Function):
         return F.linear(rows, weight, param_from_input(bias_input))
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
         grad_rows = _rows_grad(grad, rows, weight) if ctx.needs_input_grad[1] else None
         deferral: ParamDeferral = ctx.deferral
@@ -64,7 +66,7 @@ def _rows_grad(grad: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
     return grad.mm(weight)
 
 
-def linear_forward(input: Tensor, weight: Tensor, bias: "Tensor | None") -> Tensor:
+def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
     # On rows, as aten::linear itself computes a >2-D product with a bias (addmm, then a view):
     # tapping that view instead would make autograd rebase its history onto the base, and

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.autograd import forward_ad
 from torch._prims_common import suggest_memory_format
+from torch.autograd import forward_ad
 
 from ..deferral import (
     ParamDeferral,
@@ -66,8 +66,8 @@ _AUTOCAST_PROBES: dict[str, Callable[[Tensor], Tensor]] = {
 }
 
 
-@functools.lru_cache(maxsize=None)
-def _autocast_target(op: str, device_type: str, fast_dtype: torch.dtype) -> "torch.dtype | None":
+@functools.cache
+def _autocast_target(op: str, device_type: str, fast_dtype: torch.dtype) -> torch.dtype | None:
     """float32 if autocast runs ``op`` in float32, ``fast_dtype`` if in the fast dtype, None if
     it leaves the op alone (the case of every norm under CPU autocast)."""
     probe = _AUTOCAST_PROBES[op]
@@ -83,19 +83,20 @@ def _autocast_target(op: str, device_type: str, fast_dtype: torch.dtype) -> "tor
     return None
 
 
-def _as_autocast_casts(op: str, *tensors: "Tensor | None") -> tuple["Tensor | None", ...]:
-    """The arguments as autocast would hand them to ``op``: every floating tensor but float64
-    cast to the op's autocast dtype (differentiably for the input, as autocast's cast is)."""
-    device_type = tensors[0].device.type  # type: ignore[union-attr]
+def _as_autocast_casts(op: str, input: Tensor, *params: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
+    """The input and parameters as autocast would hand them to ``op``: every floating tensor but
+    float64 cast to the op's autocast dtype (differentiably for the input, as autocast's cast is)."""
+    device_type = input.device.type
     if not torch.is_autocast_enabled(device_type):
-        return tensors
+        return input, list(params)
     target = _autocast_target(op, device_type, torch.get_autocast_dtype(device_type))
     if target is None:
-        return tensors
-    return tuple(
-        t.to(target) if t is not None and t.is_floating_point() and t.dtype != torch.float64 else t
-        for t in tensors
-    )
+        return input, list(params)
+
+    def cast(t: Tensor) -> Tensor:
+        return t.to(target) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+    return cast(input), [None if p is None else cast(p) for p in params]
 
 
 # -- BatchNorm -------------------------------------------------------------------------------
@@ -112,7 +113,7 @@ class _TrainingBatchNorm(torch.autograd.Function):
         ctx: Any,
         eps: float,
         momentum: float,
-        running_stats: tuple["Tensor | None", "Tensor | None"],
+        running_stats: tuple[Tensor | None, Tensor | None],
         deferral: ParamDeferral,
         input: Tensor,
         weight_input: Tensor,
@@ -121,7 +122,7 @@ class _TrainingBatchNorm(torch.autograd.Function):
         # `input` comes cast already (autocast's cast of it is differentiable); the parameters
         # are cast here, so the Function keeps its edges to them.
         weight, bias = param_from_input(weight_input), param_from_input(bias_input)
-        _, weight, bias = _as_autocast_casts("batch_norm", input, weight, bias)
+        _, (weight, bias) = _as_autocast_casts("batch_norm", input, weight, bias)
         # The op torch.batch_norm runs in training on CPU (on CUDA it may pick cuDNN: same result
         # up to rounding). It updates the running statistics in place, once per forward.
         output, save_mean, save_invstd = torch.native_batch_norm(
@@ -140,13 +141,17 @@ class _TrainingBatchNorm(torch.autograd.Function):
         primals = ctx.saved_tensors  # input, weight, bias as the op saw them
         with forward_ad._set_fwd_grad_enabled(True):
             duals = [
-                None if p is None else forward_ad.make_dual(p.detach(), t.to(p.dtype)) for p, t in zip(primals, tangents)
+                None if p is None else forward_ad.make_dual(p.detach(), t.to(p.dtype))
+                for p, t in zip(primals, tangents, strict=True)
             ]
-            tangent = forward_ad.unpack_dual(torch.native_batch_norm(*duals, None, None, True, 0.0, ctx.eps)[0]).tangent
+            input, weight, bias = duals
+            assert input is not None
+            output = torch.native_batch_norm(input, weight, bias, None, None, True, 0.0, ctx.eps)[0]
+            tangent = forward_ad.unpack_dual(output).tangent
         return guard_tangent(tangent, primals)
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple["Tensor | None", ...]:
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         deferral: ParamDeferral = ctx.deferral
         decisions = deferral.decide(ctx)  # refuses create_graph=True
         input, weight, save_mean, save_invstd = ctx.saved_tensors
@@ -159,7 +164,7 @@ class _TrainingBatchNorm(torch.autograd.Function):
                     grad_output, input, weight, None, None, save_mean, save_invstd, True, ctx.eps, mask
                 )
             )
-        grads = [g if wanted else None for g, wanted in zip(grads, mask)]
+        grads = [g if wanted else None for g, wanted in zip(grads, mask, strict=True)]
         return (None, None, None, None, grads[0], *deferral.defer_finished(decisions, grads[1:]))
 
 
@@ -168,13 +173,14 @@ def _zero_grads(
     grad_outputs: Sequence[Tensor],
     needs: Sequence[bool],
     *,
-    shapes: tuple["torch.Size | None", ...],
+    shapes: tuple[torch.Size | None, ...],
 ) -> Grads:
     """The weight kernel of a call on an empty batch: what plain autograd gives, zeros."""
-    return [grad_outputs[0].new_zeros(shape) if need else None for shape, need in zip(shapes, needs)]
+    zeros = grad_outputs[0].new_zeros
+    return [zeros(shape) if need and shape is not None else None for shape, need in zip(shapes, needs, strict=True)]
 
 
-def _check_num_features(input: Tensor, **tensors: "Tensor | None") -> None:
+def _check_num_features(input: Tensor, **tensors: Tensor | None) -> None:
     """torch.batch_norm's own checks, which native_batch_norm lacks: called directly with the
     wrong number of channels, it reads and writes past the end of the statistics."""
     channels = input.shape[1]
@@ -195,12 +201,12 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     # F.batch_norm's own checks for training.
-    F._verify_batch_size(input.size())
+    F._verify_batch_size(input.size())  # type: ignore[attr-defined]  # private: absent from torch's stubs
     if module.eps <= 0.0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {module.eps}")
     running_mean = module.running_mean if module.track_running_stats else None
     running_var = module.running_var if module.track_running_stats else None
-    (x,) = _as_autocast_casts("batch_norm", input)
+    x, _ = _as_autocast_casts("batch_norm", input)
     params = (weight, bias)
     if x.numel() == 0:
         # native_batch_norm refuses an empty batch; torch.batch_norm returns the input scaled by
@@ -266,7 +272,7 @@ class _DeferredLayerNorm(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple["Tensor | None", ...]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, mean, rstd, weight, bias = ctx.saved_tensors
         shape: tuple[int, ...] = ctx.shape
         grad_x = None
@@ -295,9 +301,9 @@ def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
     shape = tuple(module.normalized_shape)
     if single_node_applies(input):
         deferral = ParamDeferral.at_forward(params)
-        kernel = _layer_norm_kernel(shape, *params)
-        return _DeferredLayerNorm.apply(deferral, kernel, shape, module.eps, input, *param_inputs(params))
-    x, weight, bias = _as_autocast_casts("layer_norm", input, *map(detached, params))
+        configured = _layer_norm_kernel(shape, *params)
+        return _DeferredLayerNorm.apply(deferral, configured, shape, module.eps, input, *param_inputs(params))
+    x, (weight, bias) = _as_autocast_casts("layer_norm", input, *map(detached, params))
     # torch.layer_norm is this op and nothing else.
     output, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, module.eps)
     kernel, group = _layer_norm_kernel(shape, weight, bias)
@@ -305,11 +311,13 @@ def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
 
 
 def _layer_norm_kernel(
-    shape: tuple[int, ...], weight: "Tensor | None", bias: "Tensor | None"
+    shape: tuple[int, ...], weight: Tensor | None, bias: Tensor | None
 ) -> tuple[WeightGradKernel, Hashable]:
     """The weight kernel (and its group) for parameters of these dtypes (autocast's, if it cast them)."""
     assert weight is not None  # a LayerNorm without weight has no parameter to defer
-    return configured_kernel(layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None)
+    return configured_kernel(
+        layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None
+    )
 
 
 # -- GroupNorm -------------------------------------------------------------------------------
@@ -343,8 +351,10 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
     # F.group_norm's own checks.
     if input.dim() < 2:
         raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
-    F._verify_batch_size([input.size(0) * input.size(1) // groups, groups] + list(input.size()[2:]))
-    x, weight, bias = _as_autocast_casts("group_norm", input, *map(detached, params))
+    F._verify_batch_size(  # type: ignore[attr-defined]  # private: absent from torch's stubs
+        [input.size(0) * input.size(1) // groups, groups] + list(input.size()[2:])
+    )
+    x, (weight, bias) = _as_autocast_casts("group_norm", input, *map(detached, params))
     batch, channels = x.shape[:2]
     # What torch.group_norm hands the native op: CPU keeps channels_last, other devices do not.
     x = x.contiguous(memory_format=suggest_memory_format(x)) if x.device.type == "cpu" else x.contiguous()
@@ -370,7 +380,7 @@ def rms_norm_weight_grad(
     grad_outputs: Sequence[Tensor],
     needs: Sequence[bool],
     *,
-    eps: "float | None",
+    eps: float | None,
     weight_dtype: torch.dtype,
 ) -> Grads:
     """F.rms_norm's composite: ``(x.to(opmath) * rsqrt(mean(x^2) + eps) * w).type_as(x)``.
@@ -397,7 +407,7 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     if reason is not None:
         return plain_forward(module, reason, x)
     shape = tuple(module.normalized_shape)
-    x, weight = _as_autocast_casts("rms_norm", x, detached(param))
+    x, (weight,) = _as_autocast_casts("rms_norm", x, detached(param))
     # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
     output = F.rms_norm(x, shape, weight, module.eps)
     kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]

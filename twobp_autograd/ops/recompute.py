@@ -32,12 +32,13 @@ def _plain_forward(module: nn.Module, inputs: Sequence[Tensor], params: dict[str
 
 def recompute_weight_grad(
     saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, module: nn.Module
-) -> list["Tensor | None"]:
+) -> list[Tensor | None]:
     names = [name for name, _ in module.named_parameters()]
     with torch.enable_grad():
-        leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(module.named_parameters(), needs)}
+        named = module.named_parameters()
+        leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(named, needs, strict=True)}
         outputs = _plain_forward(module, [t.detach() for t in saved], leaves)
-        wanted = [leaves[n] for n, need in zip(names, needs) if need]
+        wanted = [leaves[n] for n, need in zip(names, needs, strict=True) if need]
         grads = iter(torch.autograd.grad(outputs, wanted, grad_outputs[: len(outputs)], allow_unused=True))
     return [next(grads) if need else None for need in needs]
 
@@ -47,7 +48,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
-        reason: "str | None" = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
+        reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
     else:
         reason = unsupported_tensors(*inputs, *params.values())
     if reason is not None:
