@@ -48,7 +48,7 @@ warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a vi
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_model_arguments(parser, batch_size=8, batch_help="samples per rank per step")
+    add_model_arguments(parser, batch_size=16, batch_help="samples per rank per step")
     parser.set_defaults(model="transformer")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--sync-each", action="store_true", help="reduce-scatter after every micro-batch (FSDP2's default)")
@@ -107,6 +107,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches)))
     cap = None if args.max_pending_mib is None else int(args.max_pending_mib * 2**20)
     queue = twobp.WeightGradQueue(max_pending_bytes=cap)
+    held_before_flush: list[int] = []  # bytes the deferred work keeps alive when backward ends
 
     def step(side: str, *, update: bool = True) -> float:
         model, optimizer = models[side], optimizers[side]
@@ -118,6 +119,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
             with twobp.use_queue(queue):
                 (loss_fn(model(x), y) / len(micro)).backward()
         if side == "fsdp2_2bp":
+            held_before_flush.append(queue.pending().bytes)
             queue.flush()
         if update:
             optimizer.step()
@@ -145,6 +147,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
             memory[side]["total"] = max(memory[side]["total"], sampler.peak)
     slowest = {side: [max(column) for column in zip(*_gathered(ts))] for side, ts in times.items()}
     highest = {side: {key: max(r[key] for r in _gathered(m)) for key in m} for side, m in memory.items()}
+    highest["fsdp2_2bp"]["deferred_work"] = max(max(held) for held in _gathered(held_before_flush))
     if rank == 0:
         _report(args, slowest, highest)
 
@@ -171,6 +174,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
     for side in SIDES:
         mib = {key: value / 2**20 for key, value in memory[side].items()}
         print(f"  {side:>10}: {medians[side] * 1e3:8.1f} ms   peak heap {mib['over_start']:7.1f} MiB over the step's start, {mib['total']:7.1f} MiB in all")
+    print(f"  deferred work held when the last backward ends: {memory['fsdp2_2bp']['deferred_work'] / 2**20:.1f} MiB")
     for name, value in ratios.items():
         print(f"  2bp/plain {name}: {value:.3f}")
     write_results(args.json, WORLD, {"arguments": vars(args), "median_step_time": medians, "peak_memory_bytes": memory, "ratios": ratios, "step_times": times})
