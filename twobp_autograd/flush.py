@@ -12,7 +12,7 @@ how to run them: one entry point, :func:`run_jobs`, so a new option is added onc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -77,7 +77,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions
         return
     for job in jobs:
         job.check_unmodified()
-    grouped: dict[tuple, list[WeightGradJob]] = {}
+    grouped: dict[Hashable, list[WeightGradJob]] = {}  # (kernel group, parameters, shapes) -> jobs
     for job in jobs:
         shapes = tuple((t.shape[1:], t.dtype, t.device) for t in job.tensors())
         grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
@@ -131,7 +131,8 @@ def _add_group_grads(
         if param is None or grad is None:
             continue
         entry = summing.get(id(param))
-        summing[id(param)] = (param, _sum(entry[1] if entry else None, grad.to(param.dtype)))  # type: ignore[arg-type]
+        grad = grad.to(param.dtype)
+        summing[id(param)] = (param, entry[1].add(grad) if entry else _Sum(grad))
 
 
 def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
@@ -163,7 +164,7 @@ class _HandOver(torch.autograd.Function):
     instead of a copy (``torch.autograd.backward(params, grads)`` would copy every one)."""
 
     @staticmethod
-    def forward(ctx: Any, handover: list, *params: Tensor) -> Tensor:
+    def forward(ctx: Any, handover: list[list[Tensor]], *params: Tensor) -> Tensor:
         ctx.handover = handover
         return params[0].new_zeros(())
 

@@ -14,6 +14,7 @@ device threads, not the caller's.
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 import threading
 import warnings
@@ -96,7 +97,7 @@ class WeightGradQueue:
         self.max_pending_bytes = max_pending_bytes
         self._offload = HostOffload() if offload_to_host else None
         self._jobs: list[WeightGradJob] = []
-        self._held: dict[tuple, list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
+        self._held: dict[tuple[int, torch.device], list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
         self._lock = threading.Lock()
         self._running_backwards: dict[int, int] = {}  # graph task id -> thread ident
@@ -139,10 +140,14 @@ class WeightGradQueue:
             if task >= 0 and task not in self._running_backwards:
                 self._running_backwards[task] = threading.get_ident()
                 torch.autograd.Variable._execution_engine.queue_callback(
-                    lambda: self._running_backwards.pop(task, None)
+                    functools.partial(self._backward_finished, task)
                 )
         if not self._cap_deferred:
             self._enforce_cap()
+
+    def _backward_finished(self, task: int) -> None:
+        """Run by autograd's engine when the backward ``task`` ends."""
+        self._running_backwards.pop(task, None)
 
     @contextlib.contextmanager
     def cap_enforced_after(self) -> Iterator[WeightGradQueue]:
@@ -272,7 +277,7 @@ class WeightGradQueue:
 
 
 def _storage_key(t: Tensor) -> tuple[int, torch.device]:
-    return (t.data_ptr() - t.storage_offset() * t.element_size(), t.device)
+    return (t.data_ptr() - int(t.storage_offset()) * t.element_size(), t.device)
 
 
 class _ThreadState(threading.local):

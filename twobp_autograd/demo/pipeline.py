@@ -54,7 +54,8 @@ class StageSide(Side):
         self.optimizer.step()
         if isinstance(report, StepReport):
             self.step_seconds.append(report.step_time)
-            self.losses.append(float(report.loss))  # type: ignore[arg-type]
+            assert report.loss is not None  # the last stage's loss, which rank 0 reports
+            self.losses.append(report.loss)
             self.timeline = [m.events for m in report.ranks]
 
     @torch.no_grad()
@@ -93,6 +94,13 @@ def _receive(src: int, device: torch.device) -> Tensor:
     return tensor
 
 
+def _own_group(world: int) -> dist.ProcessGroup:
+    """A group of every rank for one runtime: its own messages, nothing shared."""
+    group = dist.new_group(list(range(world)))
+    assert isinstance(group, dist.ProcessGroup)  # every rank is a member, so never NON_GROUP_MEMBER
+    return group
+
+
 def _sides(model: nn.Module, args: argparse.Namespace, sample: Tensor) -> list[StageSide]:
     """Both pipelines' stages of this rank, cut at the same blocks (by forward+backward time
     averaged over the ranks), the plain one from a copy of the same initial weights."""
@@ -110,7 +118,7 @@ def _sides(model: nn.Module, args: argparse.Namespace, sample: Tensor) -> list[S
             num_micro_batches=args.micro_batches,
             loss_fn=F.cross_entropy,
             twobp=twobp,
-            group=dist.new_group(list(range(world))),  # its own messages, nothing shared
+            group=_own_group(world),
             device=sample.device,
             timeout=TIMEOUT,
         )

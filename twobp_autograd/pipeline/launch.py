@@ -35,7 +35,7 @@ def free_port() -> int:
 def spawn_ranks(
     target: Callable[..., None],
     nprocs: int,
-    args: tuple = (),
+    args: tuple[Any, ...] = (),
     *,
     deadline: float | None = None,
     stop_on_failure: bool = True,
