@@ -6,7 +6,6 @@ import torch
 from twobp_autograd.queue import current_queue, queues_with_work
 from twobp_autograd.registry import rules_restored_after
 
-
 # One thread: on a loaded 2-core machine two OpenMP threads per process spin against each
 # other and run many times slower; the tests' figures do not depend on it.
 torch.set_num_threads(1)
