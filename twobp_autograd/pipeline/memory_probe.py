@@ -13,19 +13,27 @@ import ctypes
 import functools
 import resource
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from ..queue import WeightGradQueue
+from ..queue import PendingWork
 
 __all__ = ["MemoryProbe", "heap_in_use", "peak_rss"]
+
+
+class PendingSource(Protocol):
+    """What the probe reads queued work from: a :class:`~twobp_autograd.WeightGradQueue`, or
+    several stages' queues counted as one."""
+
+    def pending(self) -> PendingWork: ...
 
 
 class MemoryProbe:
     """Created at a step's start; :meth:`sample` after each action."""
 
-    def __init__(self, device: torch.device, queue: WeightGradQueue) -> None:
+    def __init__(self, device: torch.device, queue: PendingSource) -> None:
         self.device = device
         self.queue = queue
         self.deferred_jobs = 0  # most weight-gradient jobs queued at once
