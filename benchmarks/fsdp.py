@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -36,8 +37,6 @@ from torch.distributed.fsdp import fully_shard
 import twobp_autograd as twobp
 from twobp_autograd.pipeline.memory_probe import heap_in_use
 from twobp_autograd.pipeline.zoo import build_model
-
-from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
 
 WORLD = 2
 SIDES = ("fsdp2", "fsdp2_2bp")
@@ -51,9 +50,14 @@ def parse_args() -> argparse.Namespace:
     add_model_arguments(parser, batch_size=16, batch_help="samples per rank per step")
     parser.set_defaults(model="transformer")
     parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--sync-each", action="store_true", help="reduce-scatter after every micro-batch (FSDP2's default)")
     parser.add_argument(
-        "--max-pending-mib", type=float, default=None, help="2BP side: a queue with this max_pending_bytes (early flushes bound its memory)"
+        "--sync-each", action="store_true", help="reduce-scatter after every micro-batch (FSDP2's default)"
+    )
+    parser.add_argument(
+        "--max-pending-mib",
+        type=float,
+        default=None,
+        help="2BP side: a queue with this max_pending_bytes (early flushes bound its memory)",
     )
     parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
     parser.add_argument("--memory-steps", type=int, default=2, help="steps per side with the memory sampler")
@@ -89,7 +93,7 @@ class _HeapSampler:
             self.peak = max(self.peak, heap_in_use() or 0)
             time.sleep(self.interval)
 
-    def __enter__(self) -> "_HeapSampler":
+    def __enter__(self) -> _HeapSampler:
         self._thread.start()
         return self
 
@@ -104,7 +108,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     models = {"fsdp2": _sharded(args, patched=False), "fsdp2_2bp": _sharded(args, patched=True)}
     optimizers = {side: torch.optim.AdamW(model.parameters(), lr=1e-4) for side, model in models.items()}
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1 + rank))
-    micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches)))
+    micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches), strict=True))
     cap = None if args.max_pending_mib is None else int(args.max_pending_mib * 2**20)
     queue = twobp.WeightGradQueue(max_pending_bytes=cap)
     held_before_flush: list[int] = []  # bytes the deferred work keeps alive when backward ends
@@ -145,7 +149,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
                 step(side)
             memory[side]["over_start"] = max(memory[side]["over_start"], sampler.peak - sampler.start)
             memory[side]["total"] = max(memory[side]["total"], sampler.peak)
-    slowest = {side: [max(column) for column in zip(*_gathered(ts))] for side, ts in times.items()}
+    slowest = {side: [max(column) for column in zip(*_gathered(ts), strict=True)] for side, ts in times.items()}
     highest = {side: {key: max(r[key] for r in _gathered(m)) for key in m} for side, m in memory.items()}
     highest["fsdp2_2bp"]["deferred_work"] = max(max(held) for held in _gathered(held_before_flush))
     if rank == 0:
@@ -167,17 +171,31 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
     }
     sync = "every micro-batch" if args.sync_each else "the last micro-batch"
     cap = "" if args.max_pending_mib is None else f", 2BP queue capped at {args.max_pending_mib:g} MiB"
+    rows = args.batch_size // args.micro_batches
     print(
-        f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of {args.batch_size // args.micro_batches}, "
+        f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of {rows}, "
         f"sync on {sync}{cap}, median of {args.steps} steps"
     )
     for side in SIDES:
         mib = {key: value / 2**20 for key, value in memory[side].items()}
-        print(f"  {side:>10}: {medians[side] * 1e3:8.1f} ms   peak heap {mib['over_start']:7.1f} MiB over the step's start, {mib['total']:7.1f} MiB in all")
+        print(
+            f"  {side:>10}: {medians[side] * 1e3:8.1f} ms   peak heap {mib['over_start']:7.1f} MiB over the step's "
+            f"start, {mib['total']:7.1f} MiB in all"
+        )
     print(f"  deferred work held when the last backward ends: {memory['fsdp2_2bp']['deferred_work'] / 2**20:.1f} MiB")
     for name, value in ratios.items():
         print(f"  2bp/plain {name}: {value:.3f}")
-    write_results(args.json, WORLD, {"arguments": vars(args), "median_step_time": medians, "peak_memory_bytes": memory, "ratios": ratios, "step_times": times})
+    write_results(
+        args.json,
+        WORLD,
+        {
+            "arguments": vars(args),
+            "median_step_time": medians,
+            "peak_memory_bytes": memory,
+            "ratios": ratios,
+            "step_times": times,
+        },
+    )
 
 
 if __name__ == "__main__":

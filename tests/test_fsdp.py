@@ -26,11 +26,11 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import twobp_autograd as twobp
+from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.utils import close_to_reference
 from twobp_autograd import fsdp_hooks
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.flush import watch_flushes
-from tests.ranks import gloo_rank_main, read_results, run_ranks
-from tests.utils import close_to_reference
 
 WORLD = 2
 MICRO_BATCHES = 3
@@ -84,7 +84,7 @@ class Setting:
     order: str = "patch_then_shard"  # or "shard_then_patch"
     reshard_after_forward: bool = True
     accumulate: str = "sync_each"  # or "sync_last": set_requires_gradient_sync(False) but for the last
-    mixed_precision: bool = False  # bf16 parameters, fp32 reduction
+    precision: str = "fp32"  # or a key of POLICIES: bf16 parameters, or a bf16 reduction
     checkpoint: bool = False  # non-reentrant checkpoint_wrapper around each block
     shard_head: bool = False  # fully_shard on the head Linear itself: its class becomes FSDPLinear
     capped: bool = False  # a queue with max_pending_bytes: the oldest work is flushed inside backward
@@ -92,7 +92,12 @@ class Setting:
     @property
     def id(self) -> str:
         parts = [self.order, f"reshard_{self.reshard_after_forward}", self.accumulate]
-        parts += ["bf16"] * self.mixed_precision + ["checkpoint"] * self.checkpoint + ["head_sharded"] * self.shard_head + ["capped"] * self.capped
+        parts += (
+            [self.precision] * (self.precision != "fp32")
+            + ["checkpoint"] * self.checkpoint
+            + ["head_sharded"] * self.shard_head
+            + ["capped"] * self.capped
+        )
         return "-".join(parts)
 
 
@@ -103,12 +108,20 @@ SETTINGS = [
     Setting(reshard_after_forward=False),
     Setting(accumulate="sync_last"),
     Setting(order="shard_then_patch", reshard_after_forward=False, accumulate="sync_last"),
-    Setting(mixed_precision=True),
+    Setting(precision="bf16_params"),
+    Setting(precision="bf16_reduce", accumulate="sync_last"),
     Setting(checkpoint=True),
     Setting(order="shard_then_patch", checkpoint=True, accumulate="sync_last"),
     Setting(capped=True),
     Setting(capped=True, accumulate="sync_last", reshard_after_forward=False),
 ]
+
+
+POLICIES = {
+    "fp32": MixedPrecisionPolicy(),
+    "bf16_params": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16_reduce": MixedPrecisionPolicy(reduce_dtype=torch.bfloat16),
+}
 
 
 def _data(rank: int, micro: int) -> tuple[Tensor, Tensor]:
@@ -129,7 +142,7 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
     if patched and setting.order == "patch_then_shard":
         twobp.patch(model)
     mesh = init_device_mesh("cpu", (WORLD,))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if setting.mixed_precision else MixedPrecisionPolicy()
+    policy = POLICIES[setting.precision]
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=setting.reshard_after_forward, mp_policy=policy)
     if setting.shard_head:
@@ -142,7 +155,7 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
     return model
 
 
-def _train_step(model: nn.Module, setting: Setting, rank: int, queue: "twobp.WeightGradQueue | None" = None) -> None:
+def _train_step(model: nn.Module, setting: Setting, rank: int, queue: twobp.WeightGradQueue | None = None) -> None:
     for micro in range(MICRO_BATCHES):
         if setting.accumulate == "sync_last":
             model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
@@ -150,15 +163,15 @@ def _train_step(model: nn.Module, setting: Setting, rank: int, queue: "twobp.Wei
             _loss(model, *_data(rank, micro)).backward()
 
 
-def _sharded_grads(model: nn.Module) -> dict[str, "Tensor | None"]:
-    grads: dict[str, "Tensor | None"] = {}
+def _sharded_grads(model: nn.Module) -> dict[str, Tensor | None]:
+    grads: dict[str, Tensor | None] = {}
     for name, p in model.named_parameters():
         assert isinstance(p, DTensor), f"{name} is not sharded"
         grads[name] = None if p.grad is None else p.grad.to_local().clone()
     return grads
 
 
-def _full_grads(model: nn.Module) -> dict[str, "Tensor | None"]:
+def _full_grads(model: nn.Module) -> dict[str, Tensor | None]:
     return {name: None if p.grad is None else p.grad.full_tensor() for name, p in model.named_parameters()}
 
 
@@ -183,7 +196,9 @@ def _run_setting(setting: Setting, rank: int) -> dict:
         "ours_full": _full_grads(ours),
         "plain_full": _full_grads(plain),
         "events": events,
-        "unsharded_freed": (freed_while_queued, _unsharded_storage_freed(ours)) if setting.reshard_after_forward else None,
+        "unsharded_freed": (freed_while_queued, _unsharded_storage_freed(ours))
+        if setting.reshard_after_forward
+        else None,
     }
     # A second step, after an optimizer step on both: parameters equal, so the step used .grad.
     for model in (ours, plain):
@@ -292,11 +307,14 @@ def _assert_all_close(ours: dict, theirs: dict, what: str, check: Callable[[Tens
         a, b = ours[name], theirs[name]
         assert (a is None) == (b is None), f"{what} {name}: one .grad is None, the other is not"
         if a is not None:
-            assert a.dtype == b.dtype and a.shape == b.shape, f"{what} {name}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
+            assert a.dtype == b.dtype and a.shape == b.shape, (
+                f"{what} {name}: {a.dtype} {a.shape} vs {b.dtype} {b.shape}"
+            )
             assert check(a, b), f"{what} {name}: largest difference {(a - b).abs().max().item():.3g}"
 
 
-FP32_SETTINGS = [s for s in SETTINGS if not s.mixed_precision]
+FP32_SETTINGS = [s for s in SETTINGS if s.precision == "fp32"]
+BF16_SETTINGS = [s for s in SETTINGS if s.precision != "fp32"]
 
 
 @pytest.mark.parametrize("setting", FP32_SETTINGS, ids=[s.id for s in FP32_SETTINGS])
@@ -315,14 +333,14 @@ def test_gathered_grads_equal_one_process(ranks: list[dict], setting: Setting) -
     _assert_all_close(ranks[0][setting.id]["ours_full"], reference, "gathered", close_to_reference)
 
 
-def test_bf16_mixed_precision_within_plain_fsdp2s_own_error(ranks: list[dict]) -> None:
-    setting = next(s for s in SETTINGS if s.mixed_precision)
+@pytest.mark.parametrize("setting", BF16_SETTINGS, ids=[s.id for s in BF16_SETTINGS])
+def test_bf16_mixed_precision_within_plain_fsdp2s_own_error(ranks: list[dict], setting: Setting) -> None:
     reference = _one_process_grads(setting)
     result = ranks[0][setting.id]
     assert result["queued"] > 0
     for name, expected in reference.items():
         ours, plain = result["ours_full"][name], result["plain_full"][name]
-        assert ours.dtype == plain.dtype == torch.float32, name  # reduced in fp32, kept in the sharded dtype
+        assert ours.dtype == plain.dtype == torch.float32, name  # kept in the sharded parameters' dtype
         plain_error = (plain - expected).abs().max().item()
         our_error = (ours - expected).abs().max().item()
         assert close_to_reference(ours, expected, torch.bfloat16), f"{name}: error {our_error:.3g}"

@@ -47,7 +47,16 @@ class Scale(nn.Module):
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        *(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), Scale(2 * WIDTH), nn.Linear(2 * WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(BLOCKS))
+        *(
+            nn.Sequential(
+                nn.Linear(WIDTH, 2 * WIDTH),
+                nn.GELU(),
+                Scale(2 * WIDTH),
+                nn.Linear(2 * WIDTH, WIDTH),
+                nn.LayerNorm(WIDTH),
+            )
+            for _ in range(BLOCKS)
+        )
     )
 
 
@@ -63,10 +72,14 @@ def shard(module: nn.Sequential, mesh: DeviceMesh) -> nn.Sequential:
     return module
 
 
-def gathered(modules: list[nn.Module]) -> dict[str, "Tensor | None"]:
+def gathered(modules: list[nn.Module]) -> dict[str, Tensor | None]:
     """The stages' gradients gathered over the data-parallel pair, by their names in the model
     (a slice of a Sequential keeps them)."""
-    return {name: None if p.grad is None else p.grad.full_tensor() for module in modules for name, p in module.named_parameters()}
+    return {
+        name: None if p.grad is None else p.grad.full_tensor()
+        for module in modules
+        for name, p in module.named_parameters()
+    }
 
 
 # -- PyTorch's schedules with our dw_builder -----------------------------------------------------
@@ -99,8 +112,21 @@ def _torch_schedule(setting: TorchSetting, mesh: DeviceMesh) -> dict:
         builder = dw_builder(module)
         shapes = {}
         if setting.static_shapes:
-            shapes = {"input_args": torch.empty(ROWS, WIDTH, requires_grad=index > 0), "output_args": torch.empty(ROWS, WIDTH, requires_grad=True)}
-        stages.append(PipelineStage(module, index, TORCH_STAGES, torch.device("cpu"), group=mesh.get_group("pp"), dw_builder=builder, **shapes))
+            shapes = {
+                "input_args": torch.empty(ROWS, WIDTH, requires_grad=index > 0),
+                "output_args": torch.empty(ROWS, WIDTH, requires_grad=True),
+            }
+        stages.append(
+            PipelineStage(
+                module,
+                index,
+                TORCH_STAGES,
+                torch.device("cpu"),
+                group=mesh.get_group("pp"),
+                dw_builder=builder,
+                **shapes,
+            )
+        )
         modules[index], builders = module, [*builders, builder]
     runner = TORCH_SCHEDULES[setting.schedule](stages, n_microbatches=MICRO_BATCHES, loss_fn=F.mse_loss)
     inputs, targets = replica_data(replica, MICRO_BATCHES)
@@ -132,13 +158,18 @@ def _runtime(name: str, twobp_on: bool, mesh: DeviceMesh) -> dict:
     )  # fmt: skip
     inputs, targets = replica_data(replica, m)
     report = runtime.step(inputs if pp_rank == 0 else None, targets if pp_rank == PIPELINE - 1 else None, gather=False)
-    return {"deferred": [report.deferred_jobs], "pending": [tuple(runtime.queue.pending())], "grads": gathered([stage]), "m": m}
+    return {
+        "deferred": [report.deferred_jobs],
+        "pending": [tuple(runtime.queue.pending())],
+        "grads": gathered([stage]),
+        "m": m,
+    }
 
 
 def _scenario(rank: int) -> dict:
     mesh = init_device_mesh("cpu", (PIPELINE, REPLICAS), mesh_dim_names=("pp", "dp"))
     results = {setting.id: _torch_schedule(setting, mesh) for setting in TORCH_SETTINGS}
-    for (name, on), setting_id in zip(RUNTIME_SETTINGS, RUNTIME_IDS):
+    for (name, on), setting_id in zip(RUNTIME_SETTINGS, RUNTIME_IDS, strict=True):
         results[setting_id] = _runtime(name, on, mesh)
     return results
 
@@ -159,7 +190,7 @@ def one_process_grads(micro_batches: int) -> dict[str, Tensor]:
     model = make_model()
     for replica in range(REPLICAS):
         inputs, targets = replica_data(replica, micro_batches)
-        for x, y in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches)):
+        for x, y in zip(inputs.chunk(micro_batches), targets.chunk(micro_batches), strict=True):
             (F.mse_loss(model(x), y) / (micro_batches * REPLICAS)).backward()
     return {name: p.grad for name, p in model.named_parameters()}
 
@@ -179,4 +210,6 @@ def test_pipelined_sharded_gradients_equal_one_process(ranks: list[dict], settin
         for name, grad in result["grads"].items():
             assert grad is not None, f"rank {rank} {name}: no gradient"
             expected = reference[name]
-            assert close_to_reference(grad, expected), f"rank {rank} {name}: largest difference {(grad - expected).abs().max().item():.3g}"
+            assert close_to_reference(grad, expected), (
+                f"rank {rank} {name}: largest difference {(grad - expected).abs().max().item():.3g}"
+            )

@@ -78,12 +78,12 @@ class GradientSynchroniser:
         self,
         module: nn.Module,
         *,
-        group: "dist.ProcessGroup | None" = None,
+        group: dist.ProcessGroup | None = None,
         bucket_bytes: int = 25 << 20,
-        queue: "WeightGradQueue | None" = None,
+        queue: WeightGradQueue | None = None,
         broadcast_buffers: bool = True,
         sync_initial_state: bool = True,
-        timeout: "float | None" = None,
+        timeout: float | None = None,
     ) -> None:
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
@@ -118,13 +118,13 @@ class GradientSynchroniser:
 
     # -- the step -------------------------------------------------------------------------
 
-    def synchronise(self, queue: "WeightGradQueue | None" = None) -> None:
+    def synchronise(self, queue: WeightGradQueue | None = None) -> None:
         """Flush all queued weight work with the all-reduce overlapped, and wait until every
         gradient is the mean over ranks. Call it where a DDP user's backward would end."""
         self.flush(queue)
         self.finish()
 
-    def flush(self, queue: "WeightGradQueue | None" = None, tags: "Sequence[Hashable] | None" = None) -> None:
+    def flush(self, queue: WeightGradQueue | None = None, tags: Sequence[Hashable] | None = None) -> None:
         """Run the queued work of ``tags`` (all when None), launching each bucket's all-reduce
         once its gradients are final. Call only when no more backward passes will add to
         this step's gradients; later work queued for a parameter keeps it waiting. A flush that
@@ -143,7 +143,8 @@ class GradientSynchroniser:
         self._final = delivered - later
         self._armed = True
         try:
-            run_jobs(jobs, dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4)))
+            bucketed = dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4))
+            run_jobs(jobs, bucketed)
         finally:
             self._armed = False
             self._final = set()
@@ -237,7 +238,9 @@ class GradientSynchroniser:
             p = self.params[i]
             grad = p.grad
             if grad is not None and grad.layout != torch.strided:
-                raise RuntimeError(f"GradientSynchroniser reduces dense gradients only; parameter {i} has a {grad.layout} one")
+                raise RuntimeError(
+                    f"GradientSynchroniser reduces dense gradients only; parameter {i} has a {grad.layout} one"
+                )
             pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel()))
             flags.append(grad is not None)
         flat = torch.cat([*pieces, torch.tensor(flags, dtype=bucket.dtype, device=bucket.device)])
@@ -248,7 +251,7 @@ class GradientSynchroniser:
         offset = 0
         used = flat[bucket.numel :].tolist()
         with torch.no_grad():
-            for i, anyone in zip(bucket.params, used):
+            for i, anyone in zip(bucket.params, used, strict=True):
                 p = self.params[i]
                 mean = flat[offset : offset + p.numel()].view(p.shape)
                 offset += p.numel()
@@ -283,7 +286,7 @@ class GradientSynchroniser:
                 broadcast_tensors(list(module.buffers()), group=self.group)
 
 
-def broadcast_tensors(tensors: Iterable[Tensor], *, group: "dist.ProcessGroup | None" = None) -> None:
+def broadcast_tensors(tensors: Iterable[Tensor], *, group: dist.ProcessGroup | None = None) -> None:
     """Overwrite ``tensors`` in place with those of the group's first rank, one broadcast per
     dtype and device (not one per tensor)."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}

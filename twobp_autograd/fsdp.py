@@ -106,7 +106,7 @@ def _reduce_now(groups: dict[int, Any]) -> None:
     fsdp_hooks.wait_for_reductions(reduced)
 
 
-def _watch(params: Sequence[Tensor]) -> "_GroupReductions | None":
+def _watch(params: Sequence[Tensor]) -> _GroupReductions | None:
     if not fsdp_hooks.fsdp_in_use():
         return None
     sharded = fsdp_hooks.sharded_params_of(list(params))
@@ -150,7 +150,7 @@ class ShardedGradientSync:
         self.module = module
         self._set_sync(False)
 
-    def flush(self, queue: WeightGradQueue, tags: "Sequence[Hashable] | None") -> None:
+    def flush(self, queue: WeightGradQueue, tags: Sequence[Hashable] | None) -> None:
         self._set_sync(True)
         queue.flush(tags)
 

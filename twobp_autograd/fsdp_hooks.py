@@ -82,7 +82,7 @@ def _fsdp_params() -> Iterator[tuple[Any, Any]]:
                 yield group, fsdp_param
 
 
-def sharded_params_of(params: "list[Tensor]") -> dict[int, ShardedParam]:
+def sharded_params_of(params: list[Tensor]) -> dict[int, ShardedParam]:
     """``id(param) -> ShardedParam`` for those of ``params`` that are FSDP2 unsharded
     parameters (the tensors a sharded module computes with between unshard and reshard)."""
     if not fsdp_in_use():
@@ -96,7 +96,7 @@ def sharded_params_of(params: "list[Tensor]") -> dict[int, ShardedParam]:
     return found
 
 
-def unsharded_params_of(params: "list[Tensor]") -> list[Tensor]:
+def unsharded_params_of(params: list[Tensor]) -> list[Tensor]:
     """The unsharded parameters standing in for those of ``params`` that are FSDP2-sharded."""
     if not fsdp_in_use():
         return []
@@ -141,7 +141,7 @@ def reduce_group(group: Any) -> None:
         group.post_backward()
 
 
-def wait_for_reductions(groups: "list[Any]") -> None:
+def wait_for_reductions(groups: list[Any]) -> None:
     """Make the current stream wait for the reductions ``groups`` launched, and release their
     reduce-scatter input buffers, as FSDP2 does at the end of a backward (no-ops on a CPU)."""
     if not groups:

@@ -49,12 +49,14 @@ class WeightGradRunner:
     """One micro-batch's W step of one stage: the weight-gradient work its backward queued."""
 
     def __init__(self, jobs: list[WeightGradJob], queue: WeightGradQueue) -> None:
-        self.jobs: "list[WeightGradJob] | None" = jobs
+        self.jobs: list[WeightGradJob] | None = jobs
         self.queue = queue
 
     def __call__(self) -> None:
         if self.jobs is None:
-            raise RuntimeError("twobp: this weight-gradient runner already ran; running it twice would add its gradients twice.")
+            raise RuntimeError(
+                "twobp: this weight-gradient runner already ran; running it twice would add its gradients twice."
+            )
         jobs, self.jobs = self.jobs, None  # release the saved activations as soon as possible
         # Delivered all at the end: PyTorch's schedule reads .grad only after the step.
         run_jobs(jobs, dataclasses.replace(self.queue.flush_options, delivery_bucket_bytes=None))
@@ -64,7 +66,7 @@ class StageWeightGrads:
     """The ``dw_builder`` of one stage module: routes the module's forwards to its own queue;
     each call takes the work queued since the previous call and returns its runner."""
 
-    def __init__(self, module: nn.Module, queue: "WeightGradQueue | None" = None) -> None:
+    def __init__(self, module: nn.Module, queue: WeightGradQueue | None = None) -> None:
         # Weak: the module holds this builder through its hooks, and the registry of builders
         # must not keep the module alive.
         self._module = weakref.ref(module)
@@ -79,7 +81,7 @@ class StageWeightGrads:
         ]
 
     @property
-    def module(self) -> "nn.Module | None":
+    def module(self) -> nn.Module | None:
         return self._module()
 
     def _enter_queue(self, module: nn.Module, args: Any) -> None:
@@ -130,10 +132,10 @@ def _inert_hook() -> Callable[..., None]:
     return _ignore
 
 
-_builders: "weakref.WeakKeyDictionary[nn.Module, StageWeightGrads]" = weakref.WeakKeyDictionary()
+_builders: weakref.WeakKeyDictionary[nn.Module, StageWeightGrads] = weakref.WeakKeyDictionary()
 
 
-def dw_builder(stage_module: nn.Module, queue: "WeightGradQueue | None" = None) -> StageWeightGrads:
+def dw_builder(stage_module: nn.Module, queue: WeightGradQueue | None = None) -> StageWeightGrads:
     """The ``dw_builder`` for ``PipelineStage(stage_module, ..., dw_builder=...)``; call after
     :func:`twobp_autograd.patch`. One builder per module: asking again returns the same one."""
     if not isinstance(stage_module, nn.Module):
@@ -141,7 +143,9 @@ def dw_builder(stage_module: nn.Module, queue: "WeightGradQueue | None" = None) 
     existing = _builders.get(stage_module)
     if existing is not None:
         if queue is not None and queue is not existing.queue:
-            raise ValueError("twobp: this stage module already has a dw_builder with another queue; call .remove() on it first.")
+            raise ValueError(
+                "twobp: this stage module already has a dw_builder with another queue; call .remove() on it first."
+            )
         return existing
     builder = _builders[stage_module] = StageWeightGrads(stage_module, queue)
     return builder
