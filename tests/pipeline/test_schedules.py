@@ -324,8 +324,9 @@ def test_zbv_never_holds_more_than_max_pending_weight_grads_per_stage(max_pendin
 
 
 def test_zbv_concatenates_what_is_left_once_a_rank_has_no_backward_left() -> None:
-    last_rank = schedule("zbv", 2, 8)[1]
-    assert last_rank[-2:] == [W(6, 7, stage=1), W(7, stage=2)]
+    first_rank, last_rank = schedule("zbv", 2, 8)
+    assert first_rank[-1] == W(6, 7, stage=0)
+    assert last_rank[-2:] == [W(6, 7, stage=1), W(6, 7, stage=2)]
 
 
 def test_interleaved_needs_whole_groups_of_micro_batches() -> None:

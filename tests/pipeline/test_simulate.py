@@ -149,3 +149,22 @@ def test_busy_and_idle_add_up(name: str, twobp: bool) -> None:
 def test_deadlock_is_reported() -> None:
     with pytest.raises(ScheduleError, match="deadlock"):
         simulate([[F(0), B(0), F(1), B(1)], [F(0), F(1), B(0), B(1)]], UNIT)
+
+
+def test_two_stages_per_rank_shrink_the_fill_and_drain() -> None:
+    """The model cut into 4 stages of half the work on 2 ranks: each hop of the fill costs half.
+    Rank 1 starts one half-unit late and has 24 of work, so 25 is the least possible."""
+    half, whole = StageCosts(1, 1, 1), StageCosts(2, 2, 2)
+    assert simulate(schedule("zbv", 2, 4), half).step_time == 25
+    assert simulate(schedule("interleaved-1f1b", 2, 4), half).step_time == 25
+    assert simulate(schedule("1f1b-2", 2, 4), whole).step_time == 26
+    assert simulate(schedule("gpipe", 2, 4, twobp=False), whole).step_time == 30
+    zbv = simulate(schedule("zbv", 2, 4), half)
+    assert zbv.peak_graphs == [4, 4] and zbv.peak_pending_weight_grads == [4, 4]  # 1F1B's: p full stages
+
+
+def test_a_hand_over_inside_a_rank_pays_no_latency() -> None:
+    ranks = schedule("zbv", 1, 1)  # both stages on one rank: nothing crosses
+    assert simulate(ranks, StageCosts(1, 1, 1), p2p_latency=5.0).step_time == 6
+    with pytest.raises(ValueError, match="3 stage costs for 4 stages"):
+        simulate(schedule("zbv", 2, 4), [StageCosts(1, 1, 1)] * 3)

@@ -9,7 +9,9 @@ rank p − 1). Every action names its stage.
 ``zbv`` is found, like ``zb``, by replaying the step with F = I = W = 1: each rank runs, when
 free, a ready ``I`` (the critical path), else a ready ``F`` while fewer than ``max_in_flight``
 micro-batches have entered it and not left through its first stage's ``I``, else the oldest
-pending ``W``; before an ``I`` that would leave ``max_pending`` micro-batches of that stage
+pending ``W``. (The bound 2p holds no more graphs than 2p − 1 on 2 ranks and runs ahead of it
+once messages take time: replayed with F = I = W = 1 and 0.3 latency, m = 8, 1.081 against
+1.056 over GPipe without 2BP); before an ``I`` that would leave ``max_pending`` micro-batches of that stage
 waiting for their ``W``, the oldest one's ``W`` runs first. Once a rank has no ``I`` left, each
 stage's pending work runs as one ``W`` over those micro-batches, concatenated.
 """
@@ -192,9 +194,9 @@ def zero_bubble_v(
 ) -> list[RankActions]:
     """ZB-V's shape with 2BP (see the module's docstring). ``max_pending`` (default p)
     bounds each stage's micro-batches waiting for their ``W``; ``max_in_flight`` (default
-    2p − 1) those a rank holds between its first stage's ``F`` and ``I``."""
+    2p) those a rank holds between its first stage's ``F`` and ``I``."""
     max_pending = num_ranks if max_pending is None else max_pending
-    max_in_flight = 2 * num_ranks - 1 if max_in_flight is None else max_in_flight
+    max_in_flight = 2 * num_ranks if max_in_flight is None else max_in_flight
     if max_pending < 1 or max_in_flight < 1:
         raise ValueError(f"max_pending and max_in_flight must be at least 1, got {max_pending} and {max_in_flight}")
     owner = placement("zbv", num_ranks)
