@@ -66,7 +66,10 @@ def watch_flushes(watcher: FlushWatcher) -> Callable[[], None]:
     return lambda: _watchers.remove(watcher)
 
 
-def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = FlushOptions()) -> None:
+_DEFAULT_OPTIONS = FlushOptions()  # frozen: one shared instance is safe as a default
+
+
+def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPTIONS) -> None:
     """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd.
 
     A parameter's gradient is delivered once its last group has run: all at the end, or with
