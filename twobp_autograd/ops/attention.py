@@ -147,13 +147,7 @@ def multihead_attention(
             key_padding_mask, need_weights, attn_mask, average_attn_weights, is_causal,
         )
     # MultiheadAttention.forward
-    key_padding_mask = F._canonical_mask(
-        mask=key_padding_mask,
-        mask_name="key_padding_mask",
-        other_type=F._none_or_dtype(attn_mask),
-        other_name="attn_mask",
-        target_type=query.dtype,
-    )
+    key_padding_mask = _canonical_key_padding_mask(key_padding_mask, attn_mask, query)
     attn_mask = F._canonical_mask(
         mask=attn_mask,
         mask_name="attn_mask",
@@ -163,39 +157,13 @@ def multihead_attention(
         check_other=False,
     )
     # F.multi_head_attention_forward, training=True
-    num_heads, embed_dim = module.num_heads, module.embed_dim
-    is_batched = F._mha_shape_check(  # type: ignore[attr-defined]  # private: absent from torch's stubs
-        query, key, value, key_padding_mask, attn_mask, num_heads
-    )
-    if query.shape[-1] != embed_dim:
-        raise AssertionError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}")
-    if module._qkv_same_embed_dim and key.shape != value.shape:
-        raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
-    if not module._qkv_same_embed_dim and key.shape[:-1] != value.shape[:-1]:
-        raise AssertionError(f"key's sequence and batch dims {key.shape[:-1]} do not match value's {value.shape[:-1]}")
-
-    if not is_batched:
-        def to_seq_first(t: Tensor) -> Tensor:
-            return t.unsqueeze(1)
-
-        if key_padding_mask is not None:
-            key_padding_mask = key_padding_mask.unsqueeze(0)
-    elif module.batch_first:
-        def to_seq_first(t: Tensor) -> Tensor:
-            return t.transpose(0, 1)
-    else:
-        def to_seq_first(t: Tensor) -> Tensor:
-            return t
-
+    is_batched = _checked_is_batched(module, query, key, value, key_padding_mask, attn_mask)
+    to_seq_first = _seq_first(is_batched, module.batch_first)
+    if not is_batched and key_padding_mask is not None:
+        key_padding_mask = key_padding_mask.unsqueeze(0)
     tgt_len, bsz = to_seq_first(query).shape[:2]
     src_len = to_seq_first(key).shape[0]
-    key_padding_mask = F._canonical_mask(
-        mask=key_padding_mask,
-        mask_name="key_padding_mask",
-        other_type=F._none_or_dtype(attn_mask),
-        other_name="attn_mask",
-        target_type=query.dtype,
-    )
+    key_padding_mask = _canonical_key_padding_mask(key_padding_mask, attn_mask, query)
     if is_causal and attn_mask is None:
         raise RuntimeError(
             "Need attn_mask if specifying the is_causal hint. You may use the Transformer module method "
@@ -205,96 +173,170 @@ def multihead_attention(
         attn_mask = None  # SDPA applies the causal mask itself
     elif key_padding_mask is not None:
         is_causal = False  # the merged mask is no longer causal
-    head_dim = embed_dim // num_heads
 
     q, k, v = _in_projection(module, query, key, value, to_seq_first)
+    attn_mask = _checked_attn_mask(attn_mask, tgt_len, src_len, bsz * module.num_heads)
+    q, k, v, attn_mask = _per_head(module, q, k, v, attn_mask, key_padding_mask)
+    if need_weights:
+        attn_output, weights = _explicit_attention(module, q, k, v, attn_mask, average_attn_weights)
+        if not is_batched:
+            weights = weights.squeeze(0)
+    else:
+        attn_output, weights = _sdpa_attention(module, q, k, v, attn_mask, is_causal), None
+    attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
+    if not is_batched:
+        attn_output = attn_output.squeeze(1)
+    # back to MultiheadAttention.forward
+    if module.batch_first and is_batched:
+        attn_output = attn_output.transpose(1, 0)
+    return attn_output, weights
 
-    if attn_mask is not None:
-        if attn_mask.dim() == 2:
-            if attn_mask.shape != (tgt_len, src_len):
-                raise RuntimeError(
-                    f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
-                )
-            attn_mask = attn_mask.unsqueeze(0)
-        elif attn_mask.shape != (bsz * num_heads, tgt_len, src_len):
+
+def _canonical_key_padding_mask(
+    key_padding_mask: Tensor | None, attn_mask: Tensor | None, query: Tensor
+) -> Tensor | None:
+    return F._canonical_mask(
+        mask=key_padding_mask,
+        mask_name="key_padding_mask",
+        other_type=F._none_or_dtype(attn_mask),
+        other_name="attn_mask",
+        target_type=query.dtype,
+    )
+
+
+def _checked_is_batched(
+    module: nn.MultiheadAttention,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    key_padding_mask: Tensor | None,
+    attn_mask: Tensor | None,
+) -> bool:
+    """F.multi_head_attention_forward's shape checks, with its messages; whether the call is batched."""
+    is_batched: bool = F._mha_shape_check(  # type: ignore[attr-defined]  # private: absent from torch's stubs
+        query, key, value, key_padding_mask, attn_mask, module.num_heads
+    )
+    embed_dim = module.embed_dim
+    if query.shape[-1] != embed_dim:
+        raise AssertionError(f"was expecting embedding dimension of {embed_dim}, but got {query.shape[-1]}")
+    if module._qkv_same_embed_dim and key.shape != value.shape:
+        raise AssertionError(f"key shape {key.shape} does not match value shape {value.shape}")
+    if not module._qkv_same_embed_dim and key.shape[:-1] != value.shape[:-1]:
+        raise AssertionError(f"key's sequence and batch dims {key.shape[:-1]} do not match value's {value.shape[:-1]}")
+    return is_batched
+
+
+def _seq_first(is_batched: bool, batch_first: bool) -> Callable[[Tensor], Tensor]:
+    """A tensor in the caller's layout as (L, N, E), the layout PyTorch's forward computes in."""
+    if not is_batched:
+        return lambda t: t.unsqueeze(1)
+    if batch_first:
+        return lambda t: t.transpose(0, 1)
+    return lambda t: t
+
+
+def _checked_attn_mask(attn_mask: Tensor | None, tgt_len: int, src_len: int, batch_heads: int) -> Tensor | None:
+    """A 2-D mask as (1, L, S); a 3-D one checked as (N * heads, L, S)."""
+    if attn_mask is None:
+        return None
+    if attn_mask.dim() == 2:
+        if attn_mask.shape != (tgt_len, src_len):
             raise RuntimeError(
-                f"The shape of the 3D attn_mask is {attn_mask.shape}, "
-                f"but should be {(bsz * num_heads, tgt_len, src_len)}."
+                f"The shape of the 2D attn_mask is {attn_mask.shape}, but should be {(tgt_len, src_len)}."
             )
+        return attn_mask.unsqueeze(0)
+    if attn_mask.shape != (batch_heads, tgt_len, src_len):
+        raise RuntimeError(
+            f"The shape of the 3D attn_mask is {attn_mask.shape}, but should be {(batch_heads, tgt_len, src_len)}."
+        )
+    return attn_mask
+
+
+def _per_head(
+    module: nn.MultiheadAttention,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None,
+    key_padding_mask: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+    """q, k, v as (N * heads, L or S, head_dim), with ``bias_k``/``bias_v`` and the zero
+    attention appended to k and v, and the key padding merged into the attention mask."""
+    tgt_len, bsz = q.shape[:2]
+    batch_heads, head_dim = bsz * module.num_heads, module.embed_dim // module.num_heads
     if module.bias_k is not None and module.bias_v is not None:
         bias_k, bias_v = _deferred_kv_bias(module, bsz)
-        k = torch.cat([k, bias_k])
-        v = torch.cat([v, bias_v])
-        if attn_mask is not None:
-            attn_mask = F.pad(attn_mask, (0, 1))
-        if key_padding_mask is not None:
-            key_padding_mask = F.pad(key_padding_mask, (0, 1))
-
+        k, v = torch.cat([k, bias_k]), torch.cat([v, bias_v])
+        attn_mask, key_padding_mask = _pad_masks(attn_mask, key_padding_mask)
     # reshape, not view: with batch_first the projections are transposed views
-    q = q.reshape(tgt_len, bsz * num_heads, head_dim).transpose(0, 1)
-    k = k.reshape(k.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
-    v = v.reshape(v.shape[0], bsz * num_heads, head_dim).transpose(0, 1)
+    q = q.reshape(tgt_len, batch_heads, head_dim).transpose(0, 1)
+    k = k.reshape(k.shape[0], batch_heads, head_dim).transpose(0, 1)
+    v = v.reshape(v.shape[0], batch_heads, head_dim).transpose(0, 1)
     if module.add_zero_attn:
-        zero_attn_shape = (bsz * num_heads, 1, head_dim)
+        zero_attn_shape = (batch_heads, 1, head_dim)
         k = torch.cat([k, torch.zeros(zero_attn_shape, dtype=k.dtype, device=k.device)], dim=1)
         v = torch.cat([v, torch.zeros(zero_attn_shape, dtype=v.dtype, device=v.device)], dim=1)
-        if attn_mask is not None:
-            attn_mask = F.pad(attn_mask, (0, 1))
-        if key_padding_mask is not None:
-            key_padding_mask = F.pad(key_padding_mask, (0, 1))
+        attn_mask, key_padding_mask = _pad_masks(attn_mask, key_padding_mask)
     src_len = k.size(1)
     if key_padding_mask is not None:
         if key_padding_mask.shape != (bsz, src_len):
             raise AssertionError(
                 f"Expected key_padding_mask of shape {(bsz, src_len)}, but got {tuple(key_padding_mask.shape)}"
             )
-        key_padding_mask = (
-            key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, num_heads, -1, -1).reshape(bsz * num_heads, 1, src_len)
-        )
+        expanded = key_padding_mask.view(bsz, 1, 1, src_len).expand(-1, module.num_heads, -1, -1)
+        key_padding_mask = expanded.reshape(batch_heads, 1, src_len)
         attn_mask = key_padding_mask if attn_mask is None else attn_mask + key_padding_mask
-    dropout_p = module.dropout
-    out_proj = module.out_proj
+    return q, k, v, attn_mask
 
-    if need_weights:
-        q_scaled = q * math.sqrt(1.0 / float(head_dim))
-        if attn_mask is not None:
-            attn_output_weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
-        else:
-            attn_output_weights = torch.bmm(q_scaled, k.transpose(-2, -1))
-        attn_output_weights = F.softmax(attn_output_weights, dim=-1)
-        if dropout_p > 0.0:
-            attn_output_weights = F.dropout(attn_output_weights, p=dropout_p)
-        attn_output = torch.bmm(attn_output_weights, v)
-        attn_output = attn_output.transpose(0, 1).reshape(tgt_len * bsz, embed_dim)
-        attn_output = linear_forward(attn_output, out_proj.weight, out_proj.bias)
-        attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
-        attn_output_weights = attn_output_weights.view(bsz, num_heads, tgt_len, src_len)
-        if average_attn_weights:
-            attn_output_weights = attn_output_weights.mean(dim=1)
-        if not is_batched:
-            attn_output = attn_output.squeeze(1)
-            attn_output_weights = attn_output_weights.squeeze(0)
+
+def _pad_masks(attn_mask: Tensor | None, key_padding_mask: Tensor | None) -> tuple[Tensor | None, Tensor | None]:
+    """Both masks with one more (unmasked) key position."""
+    return (
+        None if attn_mask is None else F.pad(attn_mask, (0, 1)),
+        None if key_padding_mask is None else F.pad(key_padding_mask, (0, 1)),
+    )
+
+
+def _explicit_attention(
+    module: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, average_weights: bool
+) -> tuple[Tensor, Tensor]:
+    """The ``need_weights`` path: softmax(q k^T / sqrt(d) + mask), dropout, times v, then
+    ``out_proj`` on rows; and the attention weights per head or averaged."""
+    batch_heads, tgt_len, head_dim = q.shape
+    bsz, src_len = batch_heads // module.num_heads, k.size(1)
+    q_scaled = q * math.sqrt(1.0 / float(head_dim))
+    if attn_mask is not None:
+        weights = torch.baddbmm(attn_mask, q_scaled, k.transpose(-2, -1))
     else:
-        if attn_mask is not None:
-            if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
-                attn_mask = attn_mask.unsqueeze(0)
-            else:
-                attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
-        q = q.view(bsz, num_heads, tgt_len, head_dim)
-        k = k.view(bsz, num_heads, src_len, head_dim)
-        v = v.view(bsz, num_heads, src_len, head_dim)
-        attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, dropout_p, is_causal)
-        attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
-        attn_output = linear_forward(attn_output, out_proj.weight, out_proj.bias)
-        attn_output = attn_output.view(tgt_len, bsz, attn_output.size(1))
-        attn_output_weights = None
-        if not is_batched:
-            attn_output = attn_output.squeeze(1)
+        weights = torch.bmm(q_scaled, k.transpose(-2, -1))
+    weights = F.softmax(weights, dim=-1)
+    if module.dropout > 0.0:
+        weights = F.dropout(weights, p=module.dropout)
+    attn_output = torch.bmm(weights, v)
+    attn_output = attn_output.transpose(0, 1).reshape(tgt_len * bsz, module.embed_dim)
+    attn_output = linear_forward(attn_output, module.out_proj.weight, module.out_proj.bias)
+    weights = weights.view(bsz, module.num_heads, tgt_len, src_len)
+    return attn_output, weights.mean(dim=1) if average_weights else weights
 
-    # back to MultiheadAttention.forward
-    if module.batch_first and is_batched:
-        attn_output = attn_output.transpose(1, 0)
-    return attn_output, attn_output_weights
+
+def _sdpa_attention(
+    module: nn.MultiheadAttention, q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool
+) -> Tensor:
+    """The path without weights: scaled_dot_product_attention, then ``out_proj`` on rows."""
+    batch_heads, tgt_len, head_dim = q.shape
+    num_heads = module.num_heads
+    bsz, src_len = batch_heads // num_heads, k.size(1)
+    if attn_mask is not None:
+        if attn_mask.size(0) == 1 and attn_mask.dim() == 3:
+            attn_mask = attn_mask.unsqueeze(0)
+        else:
+            attn_mask = attn_mask.view(bsz, num_heads, -1, src_len)
+    q = q.view(bsz, num_heads, tgt_len, head_dim)
+    k = k.view(bsz, num_heads, src_len, head_dim)
+    v = v.view(bsz, num_heads, src_len, head_dim)
+    attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, module.dropout, is_causal)
+    attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, module.embed_dim)
+    return linear_forward(attn_output, module.out_proj.weight, module.out_proj.bias)
 
 
 @register(NonDynamicallyQuantizableLinear)
