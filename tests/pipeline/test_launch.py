@@ -41,6 +41,7 @@ def test_a_failing_rank_ends_its_peers_and_a_hung_one_is_killed_at_the_deadline(
 def test_run_as_ranks_reports_failed_ranks_and_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
-    with pytest.raises(RuntimeError, match=r"\{1: 5"):
+    # Rank 0 may have been ended (-9) or have exited cleanly by the time rank 1's failure is seen.
+    with pytest.raises(RuntimeError, match=r"[{ ]1: 5[,}]"):
         run_as_ranks(_fail_on_rank_one, None, 2)
     assert not {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"} & set(os.environ)
