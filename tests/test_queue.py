@@ -1,4 +1,4 @@
-"""The queue: byte accounting, tags, separate queues, and DESIGN.md contract point 5 (misuse
+"""The queue: byte accounting, tags, separate queues, and README contract point 5 (misuse
 gets a clear error, never a silent wrong step)."""
 
 import copy
