@@ -74,6 +74,15 @@ class GradientSynchroniser:
     may take before :meth:`finish` raises.
     """
 
+    # One step's progress, set by reset().
+    _ready: list[bool]
+    _missing: list[int]
+    _next_bucket: int
+    _works: list[tuple[object, _Bucket, Tensor]]
+    _observed: list[int]
+    _armed: bool
+    _final: set[int]
+
     def __init__(
         self,
         module: nn.Module,
@@ -171,10 +180,10 @@ class GradientSynchroniser:
         self._ready = [False] * len(self.params)
         self._missing = [len(b.params) for b in self._buckets]
         self._next_bucket = 0
-        self._works: list[tuple[object, _Bucket, Tensor]] = []
-        self._observed: list[int] = []
+        self._works = []
+        self._observed = []
         self._armed = False
-        self._final: set[int] = set()
+        self._final = set()
 
     def close(self) -> None:
         """Remove the hooks this synchroniser put on the parameters and the module."""

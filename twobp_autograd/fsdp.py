@@ -168,4 +168,4 @@ class ShardedGradientSync:
         self._set_sync(False)
 
     def _set_sync(self, sync: bool) -> None:
-        self.module.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        self.module.set_requires_gradient_sync(sync)
