@@ -8,7 +8,9 @@ resharding after backward goes on as usual). This module, imported with the pack
 every flush: once the flush has made the last of a group's gradients, it runs the group's own
 post-backward again, which reduce-scatters them into the sharded ``.grad`` (or accumulates them
 unsharded under ``set_requires_gradient_sync(False)``) in FSDP2's reduce dtype, while the flush
-goes on with the next layers. The training loop is FSDP2's, with a flush before the step::
+goes on with the next layers (on a GPU the reduction runs on FSDP2's reduce-scatter stream; gloo
+on a CPU reduces synchronously, as FSDP2 itself does there). The training loop is FSDP2's, with
+a flush before the step::
 
     twobp.patch(model)                   # before or after fully_shard
     for block in model.blocks:
