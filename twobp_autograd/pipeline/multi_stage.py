@@ -26,7 +26,7 @@ from .actions import Action, ActionKind, B, F, I, Message, Payload, W
 
 __all__ = ["MULTI_STAGE_SCHEDULES", "placement", "interleaved_one_f_one_b", "zero_bubble_v"]
 
-#: schedule name -> (stages per rank, placement); placement(stage, ranks) -> rank
+#: The schedules whose ranks hold several stages each (see :func:`placement`).
 MULTI_STAGE_SCHEDULES: tuple[str, ...] = ("interleaved-1f1b", "zbv")
 
 RankActions = list[Action]

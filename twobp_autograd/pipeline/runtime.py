@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .. import WeightGradQueue, patch, unpatch, use_queue
+from ..queue import PendingWork
 from .actions import Action, ActionKind, Message, Payload
 from .memory_probe import MemoryProbe, peak_rss
 from .metrics import RankMetrics, StepReport, StepTimer
@@ -43,7 +44,10 @@ __all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed
 
 _MAX_DIMS = 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
-_SHAPE_TAG = 1 << 20  # gloo matches messages by tag; NCCL by order, which the schedules keep equal
+# gloo matches messages by tag; NCCL by order, which the schedules keep equal per pair of
+# stages. Between two ranks that hold several stages each, ``zbv`` interleaves its pairs'
+# messages in different orders on the two sides: it runs on gloo (tags), not yet on NCCL.
+_SHAPE_TAG = 1 << 20
 
 
 class GradientSync(Protocol):
@@ -92,9 +96,9 @@ class _Queues:
     def __init__(self, queues: Iterable[WeightGradQueue]) -> None:
         self.queues = list(queues)
 
-    def pending(self) -> Any:
+    def pending(self) -> PendingWork:
         work = [queue.pending() for queue in self.queues]
-        return type(work[0])(sum(w.jobs for w in work), sum(w.bytes for w in work))
+        return PendingWork(sum(w.jobs for w in work), sum(w.bytes for w in work))
 
 
 @dataclass
@@ -201,7 +205,7 @@ class PipelineRuntime:
             inputs=list(inputs.tensor_split(m)) if self.first else [],
             targets=list(targets.tensor_split(m)) if self.last else [],
             shape_key=self._agree_on_step_shape(inputs),
-            memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),  # type: ignore[arg-type]
+            memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),
             timer=StepTimer(self.rank, self.device),
         )
         try:

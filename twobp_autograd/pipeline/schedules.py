@@ -311,7 +311,7 @@ def stage_owners(ranks: Sequence[Sequence[Action]]) -> dict[int, int]:
 def validate_rank(actions: Sequence[Action], num_micro_batches: int, rank: int = 0) -> None:
     """The checks one rank can make alone: each of its stages does every micro-batch's work
     once and in order (see :func:`validate_schedule`)."""
-    ranks = [[] for _ in range(rank)] + [list(actions)]
+    ranks: list[list[Action]] = [[] for _ in range(rank)] + [list(actions)]
     for stage in dict.fromkeys(action.stage_on(rank) for action in actions):
         _check_stage(ranks, rank, stage, num_micro_batches)
     if not actions:

@@ -73,7 +73,7 @@ class TorchPipeline:
         stages = []
         for index in sorted(modules):
             example_in, example_out = stage_shapes[index]
-            extra = {} if dw_builders is None else {"dw_builder": dw_builders[index]}
+            extra: dict[str, Any] = {} if dw_builders is None else {"dw_builder": dw_builders[index]}
             stages.append(
                 pipelining.PipelineStage(
                     modules[index], index, num_stages, device,
