@@ -22,7 +22,15 @@ from torch import Tensor
 from .job import WeightGradJob
 from .streams import LaunchedGroups
 
-__all__ = ["FlushStrategy", "FlushOptions", "run_jobs", "DeliveryWatch", "FlushWatcher", "watch_flushes"]
+__all__ = [
+    "FlushStrategy",
+    "FlushOptions",
+    "run_jobs",
+    "DeliveryWatch",
+    "FlushWatcher",
+    "PartlyDelivered",
+    "watch_flushes",
+]
 
 FlushStrategy = Literal["concat", "loop", "auto"]
 
@@ -41,6 +49,11 @@ class FlushOptions:
             raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {self.strategy!r}")
         if self.weight_grad_streams < 1:
             raise ValueError(f"weight_grad_streams must be >= 1, not {self.weight_grad_streams}")
+
+
+class PartlyDelivered(RuntimeError):
+    """A flush failed after handing part of its gradients over: that part is in ``.grad``, the
+    rest of its work is dropped (queued again, it would be added twice on a retry)."""
 
 
 class DeliveryWatch(Protocol):
@@ -91,31 +104,41 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
     ready: list[tuple[Tensor, Tensor]] = []
     ready_bytes = 0
-    with torch.no_grad():
-        launched = None
-        if options.weight_grad_streams > 1:
-            launched = LaunchedGroups(
-                [(group[0].device, [t for job in group for t in job.tensors()]) for group in groups],
-                lambda index: _run_group(groups[index], options),
-                options.weight_grad_streams,
-            )
-        for index, group in enumerate(groups):
-            if launched is None:
-                _add_group_grads(summing, group[0].params, _run_group(group, options))
-            else:
-                _add_group_grads(summing, group[0].params, launched.take(index))
-            for param in group[0].params:
-                if param is not None and last_group[id(param)] == index and id(param) in summing:
-                    done, total = summing.pop(id(param))
-                    ready.append((done, total.tensor))
-                    del total
-                    ready_bytes += param.numel() * param.element_size()
-            if ready and (
-                watches or (options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes)
-            ):
-                _deliver(ready, watches)
-                ready_bytes = 0
-    _deliver(ready, watches)
+    handed_over = False
+    try:
+        with torch.no_grad():
+            launched = None
+            if options.weight_grad_streams > 1:
+                launched = LaunchedGroups(
+                    [(group[0].device, [t for job in group for t in job.tensors()]) for group in groups],
+                    lambda index: _run_group(groups[index], options),
+                    options.weight_grad_streams,
+                )
+            for index, group in enumerate(groups):
+                if launched is None:
+                    _add_group_grads(summing, group[0].params, _run_group(group, options))
+                else:
+                    _add_group_grads(summing, group[0].params, launched.take(index))
+                for param in group[0].params:
+                    if param is not None and last_group[id(param)] == index and id(param) in summing:
+                        done, total = summing.pop(id(param))
+                        ready.append((done, total.tensor))
+                        del total
+                        ready_bytes += param.numel() * param.element_size()
+                bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
+                if ready and (watches or bucket_full):
+                    handed_over = True
+                    _deliver(ready, watches)
+                    ready_bytes = 0
+        _deliver(ready, watches)
+    except Exception as error:
+        if handed_over:
+            raise PartlyDelivered(
+                "twobp: a flush failed after handing part of its gradients over (delivery buckets, or "
+                "FSDP2's reduction group by group): .grad holds part of that work and the rest is "
+                "dropped. Zero the gradients (optimizer.zero_grad()) and run the step again."
+            ) from error
+        raise
     for watch in watches:
         watch.finished()
 

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .flush import FlushOptions, FlushStrategy, run_jobs
+from .flush import FlushOptions, FlushStrategy, PartlyDelivered, run_jobs
 from .job import WeightGradJob
 from .offload import HostOffload
 
@@ -239,22 +239,24 @@ class WeightGradQueue:
     def flush(self, tags: Sequence[Hashable] | None = None) -> None:
         """Run the queued weight-gradient work (all of it, or that of ``tags``) into ``.grad``.
 
-        Without ``delivery_bucket_bytes``, nothing reaches ``.grad`` unless every job ran, and a
-        flush that raises leaves its work queued (so ``optimizer.step()`` stays refused) until
-        a good flush or :meth:`clear`. With it, a flush that raises midway has delivered part
-        of its work and drops the rest: the step's gradients are incomplete."""
+        A flush that raises before any gradient reached ``.grad`` leaves its work queued (so
+        ``optimizer.step()`` stays refused) until a good flush or :meth:`clear`. With delivery
+        buckets (or FSDP2's reduction, which takes each group as it completes), one that raises
+        midway has delivered part of its work, drops the rest and raises
+        :class:`~twobp_autograd.flush.PartlyDelivered`: the step's gradients are incomplete."""
         self._run(self.take(tags))
 
     def _run(self, jobs: list[WeightGradJob]) -> None:
         """Run jobs already taken out of the queue; on failure put them back, oldest first,
-        unless bucketed delivery may already have put part of them into ``.grad``."""
+        unless part of them already reached ``.grad`` (:class:`PartlyDelivered`)."""
         try:
             run_jobs(jobs, self.flush_options)
+        except PartlyDelivered:
+            raise
         except BaseException:
-            if self.flush_options.delivery_bucket_bytes is None:
-                with self._lock:
-                    self._jobs[:0] = jobs
-                    self._count(jobs, +1)
+            with self._lock:
+                self._jobs[:0] = jobs
+                self._count(jobs, +1)
             raise
 
     def _check_no_backward_elsewhere(self) -> None:
