@@ -4,8 +4,9 @@
 FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters a parameter group's gradients
 in the group's post-backward hook, which runs before any deferred weight gradient exists.
 Its public API has no "reduce this group now": the flush therefore calls the group's own
-post-backward itself (:func:`reduce_group`), so the reduction is FSDP2's in every respect
-(reduce dtype, divide factor, ``set_requires_gradient_sync``, HSDP, CPU offload). What that
+post-backward itself (:func:`reduce_group`), so the reduction is FSDP2's own: its reduce dtype,
+divide factor and ``set_requires_gradient_sync`` (HSDP and CPU offload take the same path, but
+are not tested here). What that
 needs: the live FSDP2 states (to find the group owning an unsharded parameter), each group's
 training state, and the events and buffers FSDP2 itself waits on at the end of a backward.
 
