@@ -82,7 +82,8 @@ class ParamDeferral(NamedTuple):
     @classmethod
     def at_forward(cls, params: Sequence[Tensor | None]) -> ParamDeferral:
         queue = current_queue()
-        return cls(tuple([p if p is not None and p.is_leaf else None for p in params]), queue, queue._tag)
+        leaves = tuple([p if p is not None and p.is_leaf else None for p in params])
+        return tuple.__new__(cls, (leaves, queue, queue._tag))  # NamedTuple's own __new__ is a Python frame
 
     def decide(self, ctx: Any) -> list[Decision]:
         """Refuse ``create_graph=True``; then per parameter 'defer' (this backward accumulates
@@ -188,9 +189,16 @@ def single_node_applies(*tensors: Tensor) -> bool:
     (instead of the op under autograd plus a tap): only where that formula is all plain autograd
     would do, with no autocast cast around the op, no forward-mode AD (the tap's ``jvp`` and
     tangent guards stay on the tap path) and dense strided tensors."""
-    if forward_ad._current_level >= 0 or torch._C._is_any_autocast_enabled():
+    if forward_ad._current_level >= 0 or _any_autocast_enabled():
         return False
-    return all(t.layout == torch.strided for t in tensors)
+    for t in tensors:
+        if t.layout != _STRIDED:
+            return False
+    return True
+
+
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+_STRIDED = torch.strided
 
 
 @functools.cache
@@ -359,7 +367,7 @@ def defer_weight_grads(
 def param_inputs(params: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
     """The parameters as a custom Function's tensor inputs: one per parameter, a placeholder
     for None (a None argument gets no edge, which would shift every later one)."""
-    return tuple(_NO_PARAM if p is None else p for p in params)
+    return tuple([_NO_PARAM if p is None else p for p in params])
 
 
 def param_from_input(input: Tensor) -> Tensor | None:
