@@ -86,7 +86,7 @@ def _batch(rank: int, step: int, micro: int) -> tuple[Tensor, Tensor]:
     return torch.randint(0, VOCAB, (6,), generator=g), torch.randint(0, VOCAB, (6,), generator=g)
 
 
-def _grads(model: nn.Module) -> dict[str, "Tensor | None"]:
+def _grads(model: nn.Module) -> dict[str, Tensor | None]:
     return {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
 
 
@@ -128,7 +128,7 @@ def _versus_ddp(rank: int) -> dict:
         ddp_optimizer.step()
         optimizer.zero_grad()
         ddp_optimizer.zero_grad()
-    result["params"] = ({n: p.detach().clone() for n, p in model.named_parameters()}, {n: p.detach().clone() for n, p in reference.named_parameters()})
+    result["params"] = tuple({n: p.detach().clone() for n, p in net.named_parameters()} for net in (model, reference))
     result["buffers"] = (dict(model.named_buffers()), dict(reference.named_buffers()))
     return result
 
@@ -155,7 +155,7 @@ def _pipeline_times_data(rank: int, stages: int = 2, replicas: int = 2) -> dict:
     mesh = dist.device_mesh.init_device_mesh("cpu", (replicas, stages), mesh_dim_names=("dp", "pp"))
     replica, stage_index = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
     results = {}
-    for (name, twobp_on), setting_id in zip(PIPELINE_SETTINGS, PIPELINE_IDS):
+    for (name, twobp_on), setting_id in zip(PIPELINE_SETTINGS, PIPELINE_IDS, strict=True):
         torch.manual_seed(0)
         model = _mlp()
         reference = copy.deepcopy(model)
@@ -178,7 +178,7 @@ def _pipeline_times_data(rank: int, stages: int = 2, replicas: int = 2) -> dict:
             deferred.append(own.deferred_jobs)
             for r in range(replicas):  # one process: every replica's micro-batches, mean over all
                 x_all, y_all = _pipeline_data(r, step)
-                for x, y in zip(x_all.tensor_split(m), y_all.tensor_split(m)):
+                for x, y in zip(x_all.tensor_split(m), y_all.tensor_split(m), strict=True):
                     (F.mse_loss(reference(x), y) / (m * replicas)).backward()
         reference_stage = split(reference, stages)[stage_index]
         results[setting_id] = {"deferred": deferred, "grads": (_grads(stage), _grads(reference_stage))}
@@ -199,14 +199,15 @@ def pipeline_times_data(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return launch(_pipeline_times_data, 4, str(tmp_path_factory.mktemp("pp_dp")))
 
 
-def _assert_same(ours: dict[str, "Tensor | None"], theirs: dict[str, "Tensor | None"], what: str) -> None:
+def _assert_same(ours: dict[str, Tensor | None], theirs: dict[str, Tensor | None], what: str) -> None:
     rtol, atol = TOLERANCES[torch.float32]
     assert ours.keys() == theirs.keys()
     for name in ours:
         a, b = ours[name], theirs[name]
         assert (a is None) == (b is None), f"{what} {name}: ours is {a is None and 'None' or 'set'}, DDP's is not"
         if a is not None:
-            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m: f"{what} {name}: {m}")
+            label = f"{what} {name}"
+            torch.testing.assert_close(a, b, rtol=rtol, atol=atol, msg=lambda m, label=label: f"{label}: {m}")
 
 
 @pytest.mark.parametrize("rank", [0, 1])

@@ -69,7 +69,10 @@ SETTINGS = [
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        *(nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH), nn.LayerNorm(WIDTH)) for _ in range(BLOCKS))
+        *(
+            nn.Sequential(nn.Linear(WIDTH, 2 * WIDTH), nn.GELU(), nn.Linear(2 * WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+            for _ in range(BLOCKS)
+        )
     )
 
 
@@ -102,7 +105,7 @@ class RecordingBuilder:
     def __init__(self, builder: StageWeightGrads) -> None:
         self.builder = builder
         self.jobs_per_runner: list[int] = []
-        self.untouched_before_first_w: "bool | None" = None
+        self.untouched_before_first_w: bool | None = None
 
     def __call__(self) -> Any:
         runner: WeightGradRunner = self.builder()
@@ -146,10 +149,12 @@ def run_setting(setting: Setting, rank: int) -> dict[str, Any]:
             for index, module in modules.items()
             for name, p in module.named_parameters()
         },
-        "pending": {index: tuple(r.builder.queue.pending()) for index, r in zip(indices, recorders)},
+        "pending": {index: tuple(r.builder.queue.pending()) for index, r in zip(indices, recorders, strict=True)},
         "default_pending": tuple(twobp.pending()),
-        "jobs_per_runner": {index: r.jobs_per_runner for index, r in zip(indices, recorders)},
-        "untouched_before_first_w": {index: r.untouched_before_first_w for index, r in zip(indices, recorders)},
+        "jobs_per_runner": {index: r.jobs_per_runner for index, r in zip(indices, recorders, strict=True)},
+        "untouched_before_first_w": {
+            index: r.untouched_before_first_w for index, r in zip(indices, recorders, strict=True)
+        },
     }
     for recorder in recorders:
         recorder.builder.remove()
@@ -159,7 +164,11 @@ def run_setting(setting: Setting, rank: int) -> dict[str, Any]:
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=datetime.timedelta(seconds=60),
     )
     try:
         results = {setting.id: run_setting(setting, rank) for setting in SETTINGS}
@@ -184,17 +193,19 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
     merged: dict[str, dict[str, Any]] = {}
     for setting in SETTINGS:
         parts = [results[setting.id] for results in per_rank]
-        merged[setting.id] = {key: {k: v for part in parts for k, v in part[key].items()} for key in parts[0] if key != "default_pending"}
+        merged[setting.id] = {
+            key: {k: v for part in parts for k, v in part[key].items()} for key in parts[0] if key != "default_pending"
+        }
         merged[setting.id]["default_pending"] = [part["default_pending"] for part in parts]
     return merged
 
 
 @pytest.fixture(scope="module")
-def reference_grads() -> dict[str, "torch.Tensor | None"]:
+def reference_grads() -> dict[str, torch.Tensor | None]:
     """The same step in one process on plain autograd: mean of the micro-batch losses."""
     model = make_model()
     inputs, targets = make_data()
-    for x, y in zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES)):
+    for x, y in zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True):
         (F.mse_loss(model(x), y) / MICRO_BATCHES).backward()
     return {f"{s}.{name}": p.grad for s in range(STAGES) for name, p in stage_module(model, s).named_parameters()}
 
@@ -206,7 +217,7 @@ def test_step_gradients_match_one_process(setting: Setting, pipelined: dict, ref
     rtol, atol = TOLERANCES[torch.float32]
     for name, expected in reference_grads.items():
         assert grads[name] is not None, f"{name}: no gradient after the step"
-        torch.testing.assert_close(grads[name], expected, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], expected, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
@@ -221,13 +232,15 @@ def test_each_runner_holds_one_micro_batch_of_deferred_work(setting: Setting, pi
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
 def test_backward_input_leaves_weight_grads_to_the_runner(setting: Setting, pipelined: dict) -> None:
-    assert all(pipelined[setting.id]["untouched_before_first_w"].values()), pipelined[setting.id]["untouched_before_first_w"]
+    untouched = pipelined[setting.id]["untouched_before_first_w"]
+    assert all(untouched.values()), untouched
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
 def test_nothing_stays_queued_after_the_step(setting: Setting, pipelined: dict) -> None:
     assert all(p == (0, 0) for p in pipelined[setting.id]["pending"].values()), pipelined[setting.id]["pending"]
-    assert all(p == (0, 0) for p in pipelined[setting.id]["default_pending"]), "work leaked into a thread's default queue"
+    leaked = pipelined[setting.id]["default_pending"]
+    assert all(p == (0, 0) for p in leaked), "work leaked into the default queue"
 
 
 # -- one process: the builder and its hooks ---------------------------------------------------
