@@ -1,6 +1,6 @@
 """Per-block F, B, I and W(n) times of each pipeline stage, and the p2p latency between ranks.
 
-The simulator and DESIGN.md's performance model need the per-micro-batch cost of every term
+The simulator and the performance model (docs/performance.md) need the per-micro-batch cost of every term
 of a step: F (forward, 2BP off and on), B (full backward, 2BP off), I (backward-p1) and W(n)
 (backward-p2 over n concatenated micro-batches, so W' = W(n)/n). They are measured the way
 ``bench pipeline`` ran the step: the same model, seed and stage cut (read from its JSON), two

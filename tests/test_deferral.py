@@ -1,4 +1,4 @@
-"""DESIGN.md contract point 1 (and 5's create_graph): .grad untouched by backward-p1, equal to
+"""README contract point 1 (and 5's create_graph): .grad untouched by backward-p1, equal to
 plain autograd after the flush, for every way autograd can be driven, and with the autograd
 features a training step combines with it (hooks, retain_grad, anomaly mode, version counters,
 vmapped backward, the recompute rule)."""

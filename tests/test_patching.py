@@ -1,4 +1,4 @@
-"""DESIGN.md contract points 2 and 3: patching changes nothing a user can see but the timing of
+"""README contract points 2 and 3: patching changes nothing a user can see but the timing of
 weight gradients, and every path where no weight gradient can be wanted stays plain."""
 
 import copy
