@@ -25,7 +25,7 @@ from tests.utils import (
     check_against_autograd,
     patched_and_reference,
 )
-from twobp_autograd.ops import norm as norm_ops
+from twobp_autograd.ops import autocast
 
 
 @dataclass(frozen=True)
@@ -323,11 +323,11 @@ def test_cuda_autocast(setting: Setting, fast_dtype: torch.dtype) -> None:
 def test_autocast_casts_follow_the_public_op(monkeypatch: pytest.MonkeyPatch) -> None:
     """What autocast does to the public op is read off the op itself, so the native op the
     forward calls gets the same arguments on any device; CPU autocast leaves the norms alone."""
-    target = norm_ops._autocast_target
+    target = autocast.autocast_target
     target.cache_clear()
-    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "fp32-listed", lambda x: x.float())
-    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "fast-listed", lambda x: x.to(torch.bfloat16))
-    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "unlisted", lambda x: x)
+    monkeypatch.setitem(autocast.AUTOCAST_PROBES, "fp32-listed", lambda x: x.float())
+    monkeypatch.setitem(autocast.AUTOCAST_PROBES, "fast-listed", lambda x: x.to(torch.bfloat16))
+    monkeypatch.setitem(autocast.AUTOCAST_PROBES, "unlisted", lambda x: x)
     assert target("fp32-listed", "cpu", torch.bfloat16) == torch.float32
     assert target("fast-listed", "cpu", torch.bfloat16) == torch.bfloat16
     assert target("unlisted", "cpu", torch.bfloat16) is None
@@ -337,13 +337,13 @@ def test_autocast_casts_follow_the_public_op(monkeypatch: pytest.MonkeyPatch) ->
     target.cache_clear()
 
     x, w, i, d = torch.randn(2, 3), torch.randn(3), torch.arange(3), torch.randn(3, dtype=torch.float64)
-    monkeypatch.setitem(norm_ops._AUTOCAST_PROBES, "layer_norm", lambda x: x.float())
+    monkeypatch.setitem(autocast.AUTOCAST_PROBES, "layer_norm", lambda x: x.float())
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        cast_input, cast_params = norm_ops._as_autocast_casts("layer_norm", x.bfloat16(), w.bfloat16(), i, d, None)
+        cast_input, cast_params = autocast.as_autocast_casts("layer_norm", x.bfloat16(), w.bfloat16(), i, d, None)
     assert cast_input.dtype == torch.float32
     assert [t.dtype for t in cast_params[:3]] == [torch.float32, torch.int64, torch.float64]
     assert cast_params[3] is None
-    assert norm_ops._as_autocast_casts("layer_norm", x.bfloat16())[0].dtype == torch.bfloat16  # autocast off
+    assert autocast.as_autocast_casts("layer_norm", x.bfloat16())[0].dtype == torch.bfloat16  # autocast off
     target.cache_clear()
 
 

@@ -1,6 +1,6 @@
 """Deferred forwards of the built-in op families; importing this registers them all."""
 
-from . import attention, conv, embedding, linear, norm  # noqa: F401
+from . import attention, batch_norm, conv, embedding, group_norm, layer_norm, linear, rms_norm  # noqa: F401
 from .recompute import recompute
 
 __all__ = ["recompute"]

@@ -1,0 +1,73 @@
+"""nn.GroupNorm: the forward calls ``native_group_norm``, the very op the module's own forward
+reaches, with the parameters detached, so the input gradient is PyTorch's own. The op hands
+back its per-group statistics for free; they are saved with the input so the weight kernel
+never recomputes them. Each sample is normalised on its own, so the saved tensors concatenate
+on the batch dimension and one kernel call serves all queued micro-batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch._prims_common import suggest_memory_format
+
+from ..deferral import configured_kernel, defer_weight_grads, detached
+from ..registry import register
+from .autocast import as_autocast_casts
+from .fallback import plain_forward, unsupported_tensors
+
+__all__ = ["group_norm", "group_norm_weight_grad"]
+
+
+def group_norm_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    num_groups: int,
+    weight_dtype: torch.dtype,
+) -> list[Tensor | None]:
+    input, mean, rstd = saved  # (N, C, *), (N, groups), (N, groups)
+    need_weight, need_bias = needs
+    batch, channels = input.shape[:2]
+    weight = torch.ones(channels, dtype=weight_dtype, device=input.device)
+    _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
+        grad_outputs[0], input, mean, rstd, weight, batch, channels, math.prod(input.shape[2:]), num_groups,
+        [False, need_weight, need_bias],
+    )
+    return [weight_grad if need_weight else None, bias_grad if need_bias else None]
+
+
+@register(nn.GroupNorm)
+def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
+    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, *params)
+    if reason is not None:
+        return plain_forward(module, reason, input)
+    groups = module.num_groups
+    # F.group_norm's own checks.
+    if input.dim() < 2:
+        raise RuntimeError(f"Expected at least 2 dimensions for input tensor but received {input.dim()}")
+    F._verify_batch_size(  # type: ignore[attr-defined]  # private: absent from torch's stubs
+        [input.size(0) * input.size(1) // groups, groups] + list(input.size()[2:])
+    )
+    x, (weight, bias) = as_autocast_casts("group_norm", input, *map(detached, params))
+    batch, channels = x.shape[:2]
+    # What torch.group_norm hands the native op: CPU keeps channels_last, other devices do not.
+    x = x.contiguous(memory_format=suggest_memory_format(x)) if x.device.type == "cpu" else x.contiguous()
+    output, mean, rstd = torch.native_group_norm(
+        x,
+        None if weight is None else weight.contiguous(),
+        None if bias is None else bias.contiguous(),
+        batch,
+        channels,
+        math.prod(x.shape[2:]),
+        groups,
+        module.eps,
+    )
+    kernel, group = configured_kernel(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    return defer_weight_grads(output, params, (x, mean, rstd), kernel, group=group)

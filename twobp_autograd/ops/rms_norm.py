@@ -1,0 +1,65 @@
+"""nn.RMSNorm: the forward calls the public ``F.rms_norm`` with the weight detached, so the
+input gradient is PyTorch's own. On CPU that op is a composite of elementwise ops that hands
+back no statistics: the weight kernel recomputes 1/rms at flush time, off backward-p1's
+critical path. Each sample is normalised on its own, so the saved rows concatenate and one
+kernel call serves all queued micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..deferral import configured_kernel, defer_weight_grads, detached
+from ..registry import register
+from .autocast import as_autocast_casts
+from .fallback import plain_forward, unsupported_tensors
+from .precision import accumulation_dtype
+
+__all__ = ["rms_norm", "rms_norm_weight_grad"]
+
+
+def rms_norm_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    eps: float | None,
+    weight_dtype: torch.dtype,
+) -> list[Tensor | None]:
+    """F.rms_norm's composite: ``(x.to(opmath) * rsqrt(mean(x^2) + eps) * w).type_as(x)``.
+    Its weight gradient is ``sum over rows of grad * x_hat``, in the product's dtype."""
+    (need_weight,) = needs
+    if not need_weight:
+        return [None]
+    (rows,) = saved
+    compute = accumulation_dtype(rows.dtype)
+    upcast = rows.to(compute)
+    if eps is None:
+        eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
+    dims = tuple(range(1, rows.dim()))
+    normalized = upcast * torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
+    product = torch.promote_types(compute, weight_dtype)
+    grad = grad_outputs[0].reshape(rows.shape).to(product)
+    return [(grad * normalized).sum(0)]
+
+
+@register(nn.RMSNorm)
+def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
+    """Its argument is ``x``, as in ``nn.RMSNorm.forward``: callers may pass it by name."""
+    param = module.weight  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(x, param)
+    if reason is not None:
+        return plain_forward(module, reason, x)
+    shape = tuple(module.normalized_shape)
+    x, (weight,) = as_autocast_casts("rms_norm", x, detached(param))
+    # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
+    output = F.rms_norm(x, shape, weight, module.eps)
+    kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    rows = x.reshape(-1, *shape)
+    if rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
+        rows = rows.clone()
+    return defer_weight_grads(output, (param,), (rows,), kernel, group=group)
