@@ -23,17 +23,16 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
-from .linear import linear, linear_forward, linear_weight_grad
+from .linear import linear_forward, linear_weight_grad
 
-__all__ = ["multihead_attention", "in_projection_weight_grad", "kv_bias_grad"]
+__all__ = ["multihead_attention", "attention_in_projection_weight_grad", "attention_kv_bias_weight_grad"]
 
 
-def in_projection_weight_grad(
+def attention_in_projection_weight_grad(
     saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, packed_weight: bool
 ) -> list[Tensor | None]:
     """Gradients of an in-projection made of one linear per (rows, output) pair.
@@ -41,22 +40,25 @@ def in_projection_weight_grad(
     ``packed_weight``: params are ``(in_proj_weight, in_proj_bias)``, each product using a
     consecutive block of rows of both; else ``(q_w, k_w, v_w, in_proj_bias)``.
     """
-    need_bias = needs[-1]
-    need_weights = [needs[0]] * len(saved) if packed_weight else list(needs[:-1])
+    *need_weights, need_bias = needs  # one weight if packed, else q, k, v
+    need_product_weights = need_weights * len(saved) if packed_weight else need_weights
     per_product = [
         linear_weight_grad((rows,), (grad,), (need_weight, need_bias))
-        for rows, grad, need_weight in zip(saved, grad_outputs, need_weights, strict=True)
+        for rows, grad, need_weight in zip(saved, grad_outputs, need_product_weights, strict=True)
     ]
     # Where a gradient is needed every product returned one.
     bias_grad = torch.cat([b for _, b in per_product if b is not None]) if need_bias else None
     if packed_weight:
-        weight_grads = [torch.cat([w for w, _ in per_product if w is not None]) if needs[0] else None]
+        (need_packed_weight,) = need_weights
+        weight_grads = [torch.cat([w for w, _ in per_product if w is not None]) if need_packed_weight else None]
     else:
         weight_grads = [w for w, _ in per_product]
     return [*weight_grads, bias_grad]
 
 
-def kv_bias_grad(saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]) -> list[Tensor | None]:
+def attention_kv_bias_weight_grad(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
+) -> list[Tensor | None]:
     """``bias_k`` / ``bias_v`` were repeated once per sample as (N, 1, E): sum over dim 0."""
     return [grad.sum(0, keepdim=True) if need else None for grad, need in zip(grad_outputs, needs, strict=True)]
 
@@ -75,7 +77,7 @@ def _deferred_products(
     """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``."""
     products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases, strict=True))
     saved = tuple(_rows(x).detach().to(p.dtype) for x, p in zip(inputs, products, strict=True))
-    kernel, group = configured_kernel(in_projection_weight_grad, packed_weight=packed_weight)
+    kernel, group = configured_kernel(attention_in_projection_weight_grad, packed_weight=packed_weight)
     tapped = defer_weight_grads(products, params, saved, kernel, group=group)
     return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped, strict=True))
 
@@ -121,7 +123,7 @@ def _deferred_kv_bias(module: nn.MultiheadAttention, bsz: int) -> tuple[Tensor, 
     assert bias_k is not None and bias_v is not None
     # Repeated with the batch on dim 0, as (N, 1, E), so micro-batches concatenate.
     repeated = (detached(bias_k).repeat(bsz, 1, 1), detached(bias_v).repeat(bsz, 1, 1))
-    k_rows, v_rows = defer_weight_grads(repeated, (bias_k, bias_v), (), kv_bias_grad)
+    k_rows, v_rows = defer_weight_grads(repeated, (bias_k, bias_v), (), attention_kv_bias_weight_grad)
     return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
 
 
@@ -337,10 +339,3 @@ def _sdpa_attention(
     attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, module.dropout, is_causal)
     attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, module.embed_dim)
     return linear_forward(attn_output, module.out_proj.weight, module.out_proj.bias)
-
-
-@register(NonDynamicallyQuantizableLinear)
-def out_projection(module: NonDynamicallyQuantizableLinear, input: Tensor) -> Tensor:
-    """MHA's ``out_proj`` is only reached through its owner's rule above; called directly, it is
-    an nn.Linear."""
-    return linear(module, input)

@@ -34,7 +34,7 @@ from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
-__all__ = ["conv_weight_grad", "conv_forward", "conv_transpose_forward"]
+__all__ = ["conv", "conv_transpose", "conv_weight_grad"]
 
 IntTuple = tuple[int, ...]
 
@@ -67,8 +67,7 @@ def conv_weight_grad(
     input, grad_output = input.to(accumulate), grad_output.to(accumulate)
     if extra_right_padding is not None:
         input = F.pad(input, extra_right_padding)
-    need_weight = needs[0]
-    need_bias = len(needs) > 1 and needs[1]
+    need_weight, need_bias = needs
     # Never read (its gradient is not asked for): only its shape and layout steer the backend.
     weight = torch.empty_strided(weight_shape, weight_stride, dtype=input.dtype, device=input.device)
     bias_sizes = [grad_output.shape[1]] if need_bias else None
@@ -189,7 +188,8 @@ def _deferred_conv(
     return output.squeeze(0) if unbatched else output
 
 
-def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
+@register((nn.Conv1d, nn.Conv2d, nn.Conv3d))
+def conv(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     """The forward of ``nn.Conv1d/2d/3d`` (``_conv_forward``) with deferred weight gradients."""
     weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, weight)
@@ -217,7 +217,8 @@ def conv_forward(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     return _deferred_conv(module, input, weight, bias, args, config)
 
 
-def conv_transpose_forward(
+@register((nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d))
+def conv_transpose(
     module: nn.modules.conv._ConvTransposeNd, input: Tensor, output_size: list[int] | None = None
 ) -> Tensor:
     """The forward of ``nn.ConvTranspose1d/2d/3d`` with deferred weight gradients."""
@@ -258,9 +259,3 @@ _CONV_FUNCTIONALS: dict[tuple[bool, int], Callable[..., Tensor]] = {
     (True, 2): F.conv_transpose2d,
     (True, 3): F.conv_transpose3d,
 }
-
-
-for _conv_type in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-    register(_conv_type, conv_forward)
-for _transposed_type in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    register(_transposed_type, conv_transpose_forward)

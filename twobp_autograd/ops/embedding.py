@@ -21,7 +21,7 @@ from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 
-__all__ = ["embedding_weight_grad"]
+__all__ = ["embedding", "embedding_weight_grad"]
 
 
 def embedding_weight_grad(
@@ -34,7 +34,8 @@ def embedding_weight_grad(
     padding_idx: int,
     scale_grad_by_freq: bool,
 ) -> list[Tensor | None]:
-    if not needs[0]:
+    (need_weight,) = needs
+    if not need_weight:
         return [None]
     (indices,) = saved
     # One row per index (scalar lookups join into a flat gradient); the width spelled out, as

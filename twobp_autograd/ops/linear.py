@@ -1,4 +1,5 @@
-"""nn.Linear: dX by PyTorch's own linear derivative; dW = g^T x, db = sum(g) over all rows of
+"""nn.Linear (and MultiheadAttention's ``out_proj``, an nn.Linear subclass that only changes
+quantization): dX by PyTorch's own linear derivative; dW = g^T x, db = sum(g) over all rows of
 all queued micro-batches in one GEMM."""
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs, single_node_applies
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
-__all__ = ["linear_forward", "linear_weight_grad"]
+__all__ = ["linear", "linear_forward", "linear_weight_grad"]
 
 
 def linear_weight_grad(
@@ -24,16 +26,17 @@ def linear_weight_grad(
     """Summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
     (rows,) = saved
     (grad,) = grad_outputs  # rows already, as the forward computed them
+    need_weight, need_bias = needs
     accumulate = accumulation_dtype(grad.dtype)
     weight_grad = None
-    if needs[0]:
+    if need_weight:
         if accumulate == grad.dtype:
             weight_grad = grad.t().mm(rows)
         elif grad.is_cuda:  # reduced-precision GEMM, fp32 result
             weight_grad = torch.mm(grad.t(), rows, out_dtype=accumulate)
         else:
             weight_grad = grad.t().to(accumulate).mm(rows.to(accumulate))
-    bias_grad = grad.sum(0, dtype=accumulate) if len(needs) > 1 and needs[1] else None
+    bias_grad = grad.sum(0, dtype=accumulate) if need_bias else None
     return [weight_grad, bias_grad]
 
 
@@ -90,8 +93,10 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     return output.view(shape) if bias is not None else torch.ops.aten._unsafe_view(output, shape)
 
 
-@register(nn.Linear)
+@register((nn.Linear, NonDynamicallyQuantizableLinear))
 def linear(module: nn.Linear, input: Tensor) -> Tensor:
+    """``nn.Linear.forward``. MultiheadAttention's ``out_proj`` is only reached through its
+    owner's rule, which never calls its forward; called directly, it is an nn.Linear."""
     weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, weight)
     if reason is not None:
