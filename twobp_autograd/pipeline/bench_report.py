@@ -27,7 +27,7 @@ def report(
     batch_size: int,
     costs: list[float],
     device: torch.device,
-    wall: "dict[tuple[str, bool], list[float]] | None" = None,
+    wall: dict[tuple[str, bool], list[float]] | None = None,
 ) -> None:
     """Print the table; write the JSON (``--json``) and the traces (``--trace``). ``wall``:
     every run's step times between barriers (PyTorch's runs have only those)."""
@@ -65,7 +65,7 @@ def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> lis
     return rows
 
 
-def _with_wall_times(rows: list[dict[str, Any]], wall: "dict[tuple[str, bool], list[float]]", num_micro: dict[str, int]) -> list[dict[str, Any]]:
+def _with_wall_times(rows: list[dict[str, Any]], wall: dict[tuple[str, bool], list[float]], num_micro: dict[str, int]) -> list[dict[str, Any]]:
     """Each row's median step time between barriers, PyTorch's rows added, and every row's
     throughput over PyTorch's GPipe (its step time over the row's)."""
     by_run = {(row["schedule"], row["twobp"]): row for row in rows}

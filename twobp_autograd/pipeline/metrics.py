@@ -30,7 +30,7 @@ class RankMetrics:
     deferred_jobs: int  # most weight-gradient jobs queued at once (0 with 2BP off)
     peak_bytes: int  # see memory_probe.MemoryProbe
     peak_rss: int  # bytes, the process's peak resident set so far
-    loss: "float | None"  # on the rank of the last stage
+    loss: float | None  # on the rank of the last stage
     peak_pending_bytes: int = 0  # most bytes the weight-gradient queue held after an action
 
 
@@ -43,7 +43,7 @@ class StepReport:
     idle: list[float] = field(init=False)  # per rank: receive waits plus the time it finished early
     bubble_ratio: float = field(init=False)  # idle / (ranks x step time)
     throughput: float = field(init=False)  # samples per second
-    loss: "float | None" = field(init=False)
+    loss: float | None = field(init=False)
 
     def __post_init__(self) -> None:
         self.step_time = max(m.step_time for m in self.ranks)

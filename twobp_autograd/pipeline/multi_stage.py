@@ -100,7 +100,7 @@ def _w_after_cooldown(actions: RankActions, cooldown_start: int) -> RankActions:
     return placed + _concatenated_w(pending)
 
 
-def _concatenated_w(pending: "deque[tuple[int, int]] | list[tuple[int, int]]") -> RankActions:
+def _concatenated_w(pending: deque[tuple[int, int]] | list[tuple[int, int]]) -> RankActions:
     by_stage: dict[int, list[int]] = {}
     for stage, k in pending:
         by_stage.setdefault(stage, []).append(k)
@@ -137,10 +137,10 @@ class _Replay:
             for rank in range(self.num_ranks)
         ]
 
-    def ready(self, message: "Message | None", now: int) -> bool:
+    def ready(self, message: Message | None, now: int) -> bool:
         return message is None or self.arrives.get(message, now + 1) <= now
 
-    def next_action(self, rank: int, now: int) -> "Action | None":
+    def next_action(self, rank: int, now: int) -> Action | None:
         stages, m, last = self.stages[rank], self.num_micro_batches, len(self.owner) - 1
         for progress in stages:
             k, s = progress.backwarded, progress.stage
@@ -190,7 +190,7 @@ class _Replay:
 
 
 def zero_bubble_v(
-    num_ranks: int, num_micro_batches: int, *, max_pending: "int | None" = None, max_in_flight: "int | None" = None
+    num_ranks: int, num_micro_batches: int, *, max_pending: int | None = None, max_in_flight: int | None = None
 ) -> list[RankActions]:
     """ZB-V's shape with 2BP (see the module's docstring). ``max_pending`` (default p)
     bounds each stage's micro-batches waiting for their ``W``; ``max_in_flight`` (default

@@ -55,7 +55,7 @@ class GradientSync(Protocol):
     the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`, a
     failed step calls :meth:`reset`. See :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
 
-    def flush(self, queue: WeightGradQueue, tags: "Sequence[Hashable] | None") -> None: ...
+    def flush(self, queue: WeightGradQueue, tags: Sequence[Hashable] | None) -> None: ...
 
     def finish(self) -> None: ...
 
@@ -66,7 +66,7 @@ class PipelineError(RuntimeError):
     """A pipeline step could not finish: a peer failed, died, timed out or sent the wrong shape."""
 
 
-def init_distributed(*, timeout: float = 120.0, backend: "str | None" = None) -> torch.device:
+def init_distributed(*, timeout: float = 120.0, backend: str | None = None) -> torch.device:
     """Join the process group torchrun describes (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...):
     NCCL on CUDA, gloo on CPU, with ``timeout`` seconds for every collective. Returns the
     rank's device."""
@@ -132,18 +132,18 @@ class PipelineRuntime:
 
     def __init__(
         self,
-        stage: "nn.Module | Mapping[int, nn.Module]",
+        stage: nn.Module | Mapping[int, nn.Module],
         actions: Sequence[Action],
         *,
         num_micro_batches: int,
-        loss_fn: "Callable[[Tensor, Tensor], Tensor] | None" = None,
+        loss_fn: Callable[[Tensor, Tensor], Tensor] | None = None,
         twobp: bool = True,
-        group: "dist.ProcessGroup | None" = None,
-        device: "torch.device | None" = None,
+        group: dist.ProcessGroup | None = None,
+        device: torch.device | None = None,
         timeout: float = 60.0,
-        queue: "WeightGradQueue | Mapping[int, WeightGradQueue] | None" = None,
-        grad_sync: "GradientSync | None" = None,
-        placement: "Sequence[int] | None" = None,
+        queue: WeightGradQueue | Mapping[int, WeightGradQueue] | None = None,
+        grad_sync: GradientSync | None = None,
+        placement: Sequence[int] | None = None,
     ) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
@@ -190,8 +190,8 @@ class PipelineRuntime:
     # -- one step -----------------------------------------------------------------------
 
     def step(
-        self, inputs: "Tensor | None" = None, targets: "Tensor | None" = None, *, gather: bool = True
-    ) -> "StepReport | RankMetrics":
+        self, inputs: Tensor | None = None, targets: Tensor | None = None, *, gather: bool = True
+    ) -> StepReport | RankMetrics:
         """Run the schedule once over the batch: ``inputs`` on the first rank, ``targets`` on
         the last (split on dim 0 into the micro-batches). Returns the gathered
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
@@ -234,7 +234,7 @@ class PipelineRuntime:
         )
         if not gather:
             return metrics
-        gathered: "list[RankMetrics] | None" = [None] * self.world_size if self.rank == 0 else None  # type: ignore[list-item]
+        gathered: list[RankMetrics] | None = [None] * self.world_size if self.rank == 0 else None  # type: ignore[list-item]
         dist.gather_object(metrics, gathered, group_dst=0, group=self.group)
         return StepReport(gathered) if gathered is not None else metrics
 
@@ -267,7 +267,7 @@ class PipelineRuntime:
         else:
             self._flush(stage.queue, action.micro_batches, final=after_last_backward)
 
-    def _flush(self, queue: WeightGradQueue, tags: "Sequence[Hashable] | None", *, final: bool) -> None:
+    def _flush(self, queue: WeightGradQueue, tags: Sequence[Hashable] | None, *, final: bool) -> None:
         if self.grad_sync is not None and final:  # gradients can become final
             self.grad_sync.flush(queue, tags)
         else:
@@ -334,7 +334,7 @@ class PipelineRuntime:
 
     # -- shapes -------------------------------------------------------------------------
 
-    def _agree_on_step_shape(self, inputs: "Tensor | None") -> Hashable:
+    def _agree_on_step_shape(self, inputs: Tensor | None) -> Hashable:
         header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
         if self.first:
             header.copy_(_meta(inputs))  # type: ignore[arg-type]
@@ -384,7 +384,7 @@ class PipelineRuntime:
         self._wait(work, f"receiving {what} from rank {peer}", step.timer)
         return buffer
 
-    def _wait(self, work: Any, what: str, timer: "StepTimer | None") -> None:
+    def _wait(self, work: Any, what: str, timer: StepTimer | None) -> None:
         """Wait for ``work``; a step's waits count as its idle time on ``timer``."""
         start = time.perf_counter()
         try:
@@ -400,7 +400,7 @@ class PipelineRuntime:
 
 
 def _stages_of(
-    stage: "nn.Module | Mapping[int, nn.Module]", queue: "WeightGradQueue | Mapping[int, WeightGradQueue] | None", rank: int
+    stage: nn.Module | Mapping[int, nn.Module], queue: WeightGradQueue | Mapping[int, WeightGradQueue] | None, rank: int
 ) -> dict[int, _Stage]:
     modules = {rank: stage} if isinstance(stage, nn.Module) else dict(stage)
     if not modules:

@@ -8,8 +8,8 @@ not the schedule). Sends are non-blocking: a rank waits only for what it receive
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Sequence
 
 from .actions import Action, ActionKind, Held, Message, RankMemory, count_stages, peak_memory
 from .schedules import execution_order, stage_owners, validate_schedule

@@ -63,8 +63,8 @@ class TorchPipeline:
         loss_fn: Callable[[Tensor, Tensor], Tensor],
         device: torch.device,
         *,
-        dw_builders: "Mapping[int, Callable[[], Callable[[], None]]] | None" = None,
-    ) -> "TorchPipeline":
+        dw_builders: Mapping[int, Callable[[], Callable[[], None]]] | None = None,
+    ) -> TorchPipeline:
         """``stage_shapes[stage]``: an example (input, output) of one micro-batch;
         ``dw_builders[stage]``: :func:`.dw_builder` of the patched module, to run our W."""
         from torch.distributed import pipelining
@@ -85,7 +85,7 @@ class TorchPipeline:
         schedule = schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=num_micro_batches, loss_fn=loss_fn)
         return cls(name, dict(modules), schedule, num_stages, dw_builders is not None)
 
-    def step(self, inputs: "Tensor | None", targets: "Tensor | None") -> None:
+    def step(self, inputs: Tensor | None, targets: Tensor | None) -> None:
         """One step; ``inputs`` on the rank of stage 0, ``targets`` on the last stage's."""
         for module in self.modules.values():
             (patch if self.deferred else unpatch)(module)
@@ -103,7 +103,7 @@ def timed(step: Callable[[], Any]) -> float:
     return time.perf_counter() - start
 
 
-def stage_examples(stages: "list[nn.Module]", micro_batch: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
+def stage_examples(stages: list[nn.Module], micro_batch: Tensor) -> dict[int, tuple[Tensor, Tensor]]:
     """Each stage's input and output on ``micro_batch``, run through the stages in this process."""
     examples = {}
     x = micro_batch

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import twobp_autograd as twobp
-from twobp_autograd.patching import DeferredForwardCall
 from tests.ranks import gloo_rank_main, read_results, run_ranks
+from twobp_autograd.patching import DeferredForwardCall
 from twobp_autograd.pipeline.split import agreed_block_costs, measure_block_costs, parameter_costs
 
 

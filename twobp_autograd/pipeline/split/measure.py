@@ -73,7 +73,7 @@ def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats:
 
 
 def agreed_block_costs(
-    blocks: Sequence[nn.Module], sample: Tensor, *, group: "dist.ProcessGroup | None" = None, twobp: bool = False
+    blocks: Sequence[nn.Module], sample: Tensor, *, group: dist.ProcessGroup | None = None, twobp: bool = False
 ) -> list[float]:
     """:func:`measure_block_costs` on every rank of ``group``, averaged over them: the same
     costs on every rank (a collective: every rank calls it)."""
