@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,13 @@ from torch import Tensor, nn
 from ... import register
 from ...ops import recompute
 
-__all__ = ["Family", "LossFn", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
+__all__ = ["Family", "LossFn", "LibraryModel", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+
+#: A library's model (torchvision, Hugging Face, nn.Sequential), read by the attribute names of
+#: its layout (``model.layer1``, ``model.model.layers``): nn.Module's attributes are untyped.
+LibraryModel = Any
 
 
 class Family:
@@ -111,14 +116,14 @@ class _Chain(Family):
 
 
 class _Sequential(_Chain):
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
+    def blocks(self, model: LibraryModel) -> list[nn.Module]:
         return list(model)
 
 
 class _ResNet(_Chain):
     """Stem, each residual block, pooled head."""
 
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
+    def blocks(self, model: LibraryModel) -> list[nn.Module]:
         stem = nn.Sequential(model.conv1, model.bn1, model.relu, model.maxpool)
         body = [block for layer in (model.layer1, model.layer2, model.layer3, model.layer4) for block in layer]
         head = nn.Sequential(model.avgpool, nn.Flatten(1), model.fc)
@@ -126,7 +131,7 @@ class _ResNet(_Chain):
 
 
 class _VGG(_Chain):
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
+    def blocks(self, model: LibraryModel) -> list[nn.Module]:
         return _group_after_weighted([*model.features, model.avgpool, nn.Flatten(1), *model.classifier])
 
 
@@ -147,7 +152,7 @@ class _ViTStem(nn.Module):
     """Patches, class token and position embedding: VisionTransformer.forward up to its
     encoder's layers."""
 
-    def __init__(self, vit: nn.Module) -> None:
+    def __init__(self, vit: LibraryModel) -> None:
         super().__init__()
         self.conv_proj = vit.conv_proj
         self.class_token = vit.class_token
@@ -162,7 +167,7 @@ class _ViTStem(nn.Module):
 
 
 class _ViTHead(nn.Module):
-    def __init__(self, vit: nn.Module) -> None:
+    def __init__(self, vit: LibraryModel) -> None:
         super().__init__()
         self.ln, self.heads = vit.encoder.ln, vit.heads
 
@@ -171,5 +176,5 @@ class _ViTHead(nn.Module):
 
 
 class _ViT(_Chain):
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
+    def blocks(self, model: LibraryModel) -> list[nn.Module]:
         return [_ViTStem(model), *model.encoder.layers, _ViTHead(model)]

@@ -20,12 +20,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .families import Family, LossFn
+from .families import Family, LibraryModel, LossFn
 
 __all__ = ["hugging_face_family"]
 
 
-def hugging_face_family(model: nn.Module) -> "Family | None":
+def hugging_face_family(model: nn.Module) -> Family | None:
     """The family of ``model``'s exact type, or None."""
     from transformers import BertForMaskedLM, LlamaForCausalLM, MambaForCausalLM
 
@@ -39,7 +39,9 @@ class _HFStage(nn.Module):
     layers, and its final norm and head (last stage). Subclasses say how the model calls its
     layers."""
 
-    def __init__(self, config: Any, embed: "nn.Module | None", layers: Sequence[nn.Module], head: "nn.Module | None") -> None:
+    def __init__(
+        self, config: Any, embed: nn.Module | None, layers: Sequence[nn.Module], head: nn.Module | None
+    ) -> None:
         super().__init__()
         self.config = config
         self.embed = embed
@@ -72,7 +74,11 @@ class _LlamaStage(_HFStage):
         # As LlamaModel.forward does without a cache or explicit positions.
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
         )
         return {
             "attention_mask": mask,
@@ -89,7 +95,9 @@ class _BertStage(_HFStage):
 
         # As BertModel._create_attention_masks does without a padding mask or a cache.
         if self.config.is_decoder:
-            mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None)
+            mask = create_causal_mask(
+                config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None
+            )
         else:
             mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=None)
         return {"attention_mask": mask, "past_key_values": None}
@@ -132,19 +140,21 @@ class _HuggingFace(Family):
         layers = self.layers(model)
         n = len(layers)
         return [
-            self.stage(model, [layers[i - 1] for i in part if 1 <= i <= n], first=part.start == 0, last=part.stop == n + 2)
+            self.stage(
+                model, [layers[i - 1] for i in part if 1 <= i <= n], first=part.start == 0, last=part.stop == n + 2
+            )
             for part in parts
         ]
 
-    def loss(self, model: nn.Module) -> LossFn:
+    def loss(self, model: LibraryModel) -> LossFn:
         return functools.partial(model.loss_function, vocab_size=model.config.vocab_size)
 
 
 class _Llama(_HuggingFace):
-    def layers(self, model: nn.Module) -> nn.ModuleList:
+    def layers(self, model: LibraryModel) -> nn.ModuleList:
         return model.model.layers
 
-    def stage(self, model: nn.Module, layers: list[nn.Module], *, first: bool, last: bool) -> nn.Module:
+    def stage(self, model: LibraryModel, layers: list[nn.Module], *, first: bool, last: bool) -> nn.Module:
         inner = model.model
         embed = inner.embed_tokens if first else None
         head = nn.Sequential(inner.norm, model.lm_head) if last else None
@@ -157,21 +167,21 @@ class _Llama(_HuggingFace):
 
 
 class _Bert(_HuggingFace):
-    def layers(self, model: nn.Module) -> nn.ModuleList:
+    def layers(self, model: LibraryModel) -> nn.ModuleList:
         return model.bert.encoder.layer
 
-    def stage(self, model: nn.Module, layers: list[nn.Module], *, first: bool, last: bool) -> nn.Module:
+    def stage(self, model: LibraryModel, layers: list[nn.Module], *, first: bool, last: bool) -> nn.Module:
         return _BertStage(model.config, model.bert.embeddings if first else None, layers, model.cls if last else None)
 
-    def loss(self, model: nn.Module) -> LossFn:
+    def loss(self, model: LibraryModel) -> LossFn:
         return functools.partial(_masked_lm_loss, vocab_size=model.config.vocab_size)
 
 
 class _Mamba(_HuggingFace):
-    def layers(self, model: nn.Module) -> nn.ModuleList:
+    def layers(self, model: LibraryModel) -> nn.ModuleList:
         return model.backbone.layers
 
-    def stage(self, model: nn.Module, layers: list[nn.Module], *, first: bool, last: bool) -> nn.Module:
+    def stage(self, model: LibraryModel, layers: list[nn.Module], *, first: bool, last: bool) -> nn.Module:
         backbone = model.backbone
         head = _MambaHead(backbone.norm_f, model.lm_head) if last else None
         return _MambaStage(model.config, backbone.embeddings if first else None, layers, head)

@@ -29,7 +29,9 @@ def parameter_costs(blocks: Sequence[nn.Module]) -> list[float]:
     return [float(sum(p.numel() for p in block.parameters()) + 1) for block in blocks]
 
 
-def measure_block_costs(blocks: Sequence[nn.Module], sample: Tensor, *, repeats: int = 2, twobp: bool = False) -> list[float]:
+def measure_block_costs(
+    blocks: Sequence[nn.Module], sample: Tensor, *, repeats: int = 2, twobp: bool = False
+) -> list[float]:
     """Seconds of forward plus backward of each block on ``sample`` (the model's input: one
     micro-batch of the schedule), the fastest of ``repeats`` after one warm-up; with ``twobp``
     the block patched, its queued weight work flushed inside the time, and unpatched after.

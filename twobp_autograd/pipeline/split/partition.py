@@ -7,6 +7,7 @@ result can be asserted exactly.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 __all__ = ["partition"]
@@ -35,4 +36,4 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     for s in range(num_stages, 0, -1):
         bounds.append(cut[s][bounds[-1]])
     bounds.reverse()
-    return [range(a, b) for a, b in zip(bounds, bounds[1:])]
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]

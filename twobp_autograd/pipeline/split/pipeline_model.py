@@ -36,8 +36,8 @@ def split_model(
     model: nn.Module,
     num_stages: int,
     *,
-    costs: "Sequence[float] | None" = None,
-    sample: "Tensor | None" = None,
+    costs: Sequence[float] | None = None,
+    sample: Tensor | None = None,
 ) -> PipelineModel:
     """``num_stages`` stages of ``model`` (an ``nn.Sequential``, a torchvision ResNet, VGG or
     VisionTransformer, a Hugging Face ``LlamaForCausalLM``, ``BertForMaskedLM`` or

@@ -49,7 +49,7 @@ class TiedGradients:
     :meth:`all_reduce` after each step's last weight-gradient flush, before the optimizer step.
     """
 
-    def __init__(self, pipeline: "PipelineModel", *, group: "dist.ProcessGroup | None" = None) -> None:
+    def __init__(self, pipeline: PipelineModel, *, group: dist.ProcessGroup | None = None) -> None:
         rank = dist.get_rank(group)
         groups: dict[tuple[int, ...], Any] = {}
         self.reductions: list[tuple[nn.Parameter, Any]] = []
