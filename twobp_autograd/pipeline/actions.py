@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
-from enum import Enum
+from enum import Enum, EnumMeta
 from typing import NamedTuple
 
 __all__ = [
@@ -84,7 +84,8 @@ class ActionKind(str, Enum):
     def __str__(self) -> str:
         return self.value
 
-    __format__ = str.__format__
+    def __format__(self, format_spec: str) -> str:
+        return str.__format__(self, format_spec)
 
     @property
     def is_backward(self) -> bool:
@@ -115,7 +116,9 @@ class Action:
     stage: int | None = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", ActionKind(self.kind))
+        # ActionKind(letter), the by-value lookup, spelled through the metaclass: mypy reads a plain
+        # ActionKind(...) as a call to the five-argument __new__ that builds the members.
+        object.__setattr__(self, "kind", EnumMeta.__call__(ActionKind, self.kind))
         if self.kind is not ActionKind.BACKWARD_P2 and (self.micro_batches is None or len(self.micro_batches) != 1):
             raise ValueError(f"{self.kind} acts on exactly one micro-batch, got {self.micro_batches}")
 
@@ -164,7 +167,7 @@ def B(mb: int, stage: int | None = None) -> Action:
     return Action(ActionKind.BACKWARD, (mb,), stage)
 
 
-def I(mb: int, stage: int | None = None) -> Action:  # noqa: E741, N802 (the paper's name for backward-p1)
+def I(mb: int, stage: int | None = None) -> Action:  # noqa: E743 (the paper's name for backward-p1)
     return Action(ActionKind.BACKWARD_P1, (mb,), stage)
 
 

@@ -43,7 +43,7 @@ def report(
 
 
 def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> list[dict[str, Any]]:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (name, twobp), steps in reports.items():
         step_times = [r.step_time for r in steps]
         rows.append(
@@ -65,7 +65,9 @@ def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> lis
     return rows
 
 
-def _with_wall_times(rows: list[dict[str, Any]], wall: dict[tuple[str, bool], list[float]], num_micro: dict[str, int]) -> list[dict[str, Any]]:
+def _with_wall_times(
+    rows: list[dict[str, Any]], wall: dict[tuple[str, bool], list[float]], num_micro: dict[str, int]
+) -> list[dict[str, Any]]:
     """Each row's median step time between barriers, PyTorch's rows added, and every row's
     throughput over PyTorch's GPipe (its step time over the row's)."""
     by_run = {(row["schedule"], row["twobp"]): row for row in rows}
@@ -86,7 +88,9 @@ def _cell(row: dict[str, Any], key: str, form: str, scale: float = 1.0) -> str:
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, device: torch.device, threads: int) -> str:
     memory = "peak alloc MiB" if device.type == "cuda" else "peak heap MiB"
-    header = ["schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, "peak RSS MiB", "s/step", "vs torch GPipe"]
+    header = [
+        "schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, "peak RSS MiB", "s/step", "vs torch GPipe"
+    ]
     lines = [
         f"{args.model}: {world} ranks on {device.type}, {threads} thread(s) each, "
         f"median of {args.steps} step(s) after {args.warmup} warm-up, runs taking turns step by step",
@@ -108,7 +112,7 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, dev
         for row in rows
     ]
     widths = [max(len(r[i]) for r in table) for i in range(len(header))]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths, strict=True)) for r in table]
     return "\n".join(lines)
 
 
@@ -161,4 +165,5 @@ def _write_traces(directory: str, model: str, reports: Runs) -> None:
         timelines = [m.events for m in steps[-1].ranks]
         base = os.path.join(directory, _run_name(model, name, twobp))
         write_chrome_trace(base + ".json", timelines)
-        plot_timeline(timelines, base + ".png", title=f"{model}, {name}, 2BP {'on' if twobp else 'off'} (last measured step)")
+        title = f"{model}, {name}, 2BP {'on' if twobp else 'off'} (last measured step)"
+        plot_timeline(timelines, base + ".png", title=title)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,9 @@ MODELS = ("resnet152", "transformer", "mlp", "llama", "bert", "mamba")
 DEFAULT_BATCH = {"mlp": 32, "transformer": 16, "resnet152": 16, "llama": 16, "bert": 16, "mamba": 16}
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: "int | None", batch_help: "str | None" = None) -> None:
+def add_model_arguments(
+    parser: argparse.ArgumentParser, *, batch_size: int | None, batch_help: str | None = None
+) -> None:
     """The options :func:`build_model` reads, and the batch size."""
     parser.add_argument("--model", choices=MODELS, default="mlp")
     parser.add_argument("--batch-size", type=int, default=batch_size, help=batch_help)
@@ -90,7 +93,9 @@ class _FlattenTokens(nn.Module):
         return x.flatten(0, 1)
 
 
-ModelSpec = tuple[nn.Module, Callable[[int, torch.Generator], tuple[Tensor, Tensor]], Callable[[Tensor, Tensor], Tensor]]
+ModelSpec = tuple[
+    nn.Module, Callable[[int, torch.Generator], tuple[Tensor, Tensor]], Callable[[Tensor, Tensor], Tensor]
+]
 
 
 def build_model(name: str, args: argparse.Namespace, *, seed: int = 0) -> ModelSpec:
@@ -99,7 +104,8 @@ def build_model(name: str, args: argparse.Namespace, *, seed: int = 0) -> ModelS
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
     torch.manual_seed(seed)
-    model, make_batch, loss_fn = _hugging_face_model(name, args) if name in ("llama", "bert", "mamba") else _BUILDERS[name](args)
+    hugging_face = name in ("llama", "bert", "mamba")
+    model, make_batch, loss_fn = _hugging_face_model(name, args) if hugging_face else _BUILDERS[name](args)
     return model.train(), make_batch, loss_fn
 
 
@@ -156,24 +162,29 @@ def _hugging_face_model(name: str, args: argparse.Namespace) -> ModelSpec:
 
     width, depth, seq, vocab = args.width or 256, args.depth or 8, args.seq_len or 64, 1000
     heads = max(1, width // 64)
+    # PretrainedConfig takes attn_implementation through its **kwargs, which the config classes'
+    # typed signatures leave out; passed the same way here.
+    sdpa: dict[str, Any] = {"attn_implementation": "sdpa"}
     if name == "llama":
         model: nn.Module = transformers.LlamaForCausalLM(
             transformers.LlamaConfig(
                 vocab_size=vocab, hidden_size=width, intermediate_size=8 * width // 3, num_hidden_layers=depth,
                 num_attention_heads=heads, num_key_value_heads=heads, max_position_embeddings=seq,
-                tie_word_embeddings=True, attn_implementation="sdpa",
+                tie_word_embeddings=True, **sdpa,
             )
         )  # fmt: skip
     elif name == "bert":
         model = transformers.BertForMaskedLM(
             transformers.BertConfig(
                 vocab_size=vocab, hidden_size=width, intermediate_size=4 * width, num_hidden_layers=depth,
-                num_attention_heads=heads, max_position_embeddings=seq, attn_implementation="sdpa",
+                num_attention_heads=heads, max_position_embeddings=seq, **sdpa,
             )
         )  # fmt: skip
     else:
         model = transformers.MambaForCausalLM(
-            transformers.MambaConfig(vocab_size=vocab, hidden_size=width, num_hidden_layers=depth, state_size=16, expand=2)
+            transformers.MambaConfig(
+                vocab_size=vocab, hidden_size=width, num_hidden_layers=depth, state_size=16, expand=2
+            )
         )
 
     def make_batch(b: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
