@@ -19,6 +19,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 from tests.ranks import gloo_rank_main, read_results, run_ranks
@@ -54,15 +55,50 @@ def conv_bn() -> nn.Module:
     )  # fmt: skip
 
 
+class _ReentrantCheckpointed(nn.Module):
+    """A block under reentrant checkpointing (Hugging Face's default): its forward runs again
+    inside the backward, so its weight work is queued there, not in the stage's forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(width, width), nn.LayerNorm(width), nn.GELU())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+
+
+def reentrant_mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(8, 16), *(_ReentrantCheckpointed(16) for _ in range(3)), nn.Linear(16, 4))
+
+
 def _mse(output: Tensor, target: Tensor) -> Tensor:
     return F.mse_loss(output, target)
 
 
-MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[int, torch.Generator], Tensor], Callable[[int, torch.Generator], Tensor], Callable]] = {
-    "mlp": (mlp, lambda b, g: torch.randn(b, 8, generator=g), lambda b, g: torch.randn(b, 4, generator=g), _mse),
-    "conv_bn": (conv_bn, lambda b, g: torch.randn(b, 3, 5, 5, generator=g), lambda b, g: torch.randint(0, 3, (b,), generator=g), F.cross_entropy),
+MakeBatch = Callable[[int, torch.Generator], Tensor]
+
+
+def _features(width: int) -> MakeBatch:
+    return lambda b, g: torch.randn(b, width, generator=g)
+
+
+#: model, inputs, targets, loss
+MODELS: dict[str, tuple[Callable[[], nn.Module], MakeBatch, MakeBatch, Callable]] = {
+    "mlp": (mlp, _features(8), _features(4), _mse),
+    "reentrant_mlp": (reentrant_mlp, _features(8), _features(4), _mse),
+    "conv_bn": (
+        conv_bn,
+        lambda b, g: torch.randn(b, 3, 5, 5, generator=g),
+        lambda b, g: torch.randint(0, 3, (b,), generator=g),
+        F.cross_entropy,
+    ),
 }
-SETTINGS = [(model, name, twobp) for model in MODELS for name in SCHEDULES + MULTI_STAGE_SCHEDULES for twobp in (False, True)]
+SETTINGS = [
+    (model, name, twobp)
+    for model in ("mlp", "conv_bn")
+    for name in SCHEDULES + MULTI_STAGE_SCHEDULES
+    for twobp in (False, True)
+] + [("reentrant_mlp", name, True) for name in ("gpipe", "1f1b-2")]
 SETTING_IDS = [f"{model}-{name}-{'2bp' if twobp else 'plain'}" for model, name, twobp in SETTINGS]
 
 
@@ -98,7 +134,7 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
         result["peak_bytes"].append(own.peak_bytes)
         result["events"].append([e.action for e in own.events])
         reference_loss = 0.0
-        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
+        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
             loss = loss_fn(reference(x), y) / m
             loss.backward()
             reference_loss += loss.item()
@@ -109,7 +145,11 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
             result["throughput"] = report.throughput
             result["ranks_reported"] = [r.rank for r in report.ranks]
     result["actions"] = actions
-    result["mismatches"] = [found for index, reference_stage in zip(mine, reference_stages) for found in _mismatches(stages[index], reference_stage)]
+    result["mismatches"] = [
+        found
+        for index, reference_stage in zip(mine, reference_stages, strict=True)
+        for found in _mismatches(stages[index], reference_stage)
+    ]
     return result
 
 
@@ -129,14 +169,16 @@ def _mismatches(stage: nn.Module, reference: nn.Module) -> list[str]:
 
 
 def _correctness(rank: int) -> dict:
-    return {setting_id: _check_setting(rank, *setting) for setting_id, setting in zip(SETTING_IDS, SETTINGS)}
+    return {
+        setting_id: _check_setting(rank, *setting) for setting_id, setting in zip(SETTING_IDS, SETTINGS, strict=True)
+    }
 
 
 def _three_ranks(rank: int) -> dict:
     """A middle rank both receives and sends, in each direction."""
     return {
         setting_id: _check_setting(rank, *setting, world=3)
-        for setting_id, setting in zip(SETTING_IDS, SETTINGS)
+        for setting_id, setting in zip(SETTING_IDS, SETTINGS, strict=True)
         if setting[0] == "mlp"
     }
 
@@ -176,7 +218,10 @@ def _failure(rank: int, culprit: nn.Module, culprit_rank: int) -> dict:
     torch.manual_seed(0)
     stage = nn.Sequential(nn.Linear(4, 4), culprit) if rank == culprit_rank else nn.Sequential(nn.Linear(4, 4))
     m = 2
-    runtime = PipelineRuntime(stage, schedule("gpipe", WORLD, m, True)[rank], num_micro_batches=m, loss_fn=lambda o, t: o.sum(), timeout=FAILURE_TIMEOUT)
+    actions = schedule("gpipe", WORLD, m, True)[rank]
+    runtime = PipelineRuntime(
+        stage, actions, num_micro_batches=m, loss_fn=lambda o, t: o.sum(), timeout=FAILURE_TIMEOUT
+    )
     inputs, targets = torch.randn(4, 4), torch.zeros(4)
     runtime.step(inputs, targets)  # a healthy first step fixes the shapes
     culprit.armed = True

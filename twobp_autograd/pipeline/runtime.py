@@ -110,7 +110,8 @@ class _Step:
     shape_key: Hashable  # the step's input shape: activation shapes are exchanged once per key
     memory: MemoryProbe
     timer: StepTimer
-    held: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)  # (stage, micro-batch): input, output or loss
+    # (stage, micro-batch): its input, and its output (or loss on the last stage)
+    held: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
     handed_over: dict[Message, Tensor] = field(default_factory=dict)  # between two stages of this rank
     sends: list[tuple[Any, Tensor, str]] = field(default_factory=list)  # posted, each tensor alive until sent
     losses: list[Tensor] = field(default_factory=list)
@@ -162,7 +163,8 @@ class PipelineRuntime:
         self.num_micro_batches = num_micro_batches
         self.loss_fn = loss_fn
         self.twobp = twobp
-        self.device = device or next((p.device for s in self.stages.values() for p in s.module.parameters()), torch.device("cpu"))
+        parameters = (p for s in self.stages.values() for p in s.module.parameters())
+        self.device = device or next((p.device for p in parameters), torch.device("cpu"))
         self.timeout = timeout
         self.grad_sync = grad_sync
         self.apply_mode()
@@ -202,8 +204,8 @@ class PipelineRuntime:
             raise ValueError("the last rank needs the targets")
         self.apply_mode()
         step = _Step(
-            inputs=list(inputs.tensor_split(m)) if self.first else [],
-            targets=list(targets.tensor_split(m)) if self.last else [],
+            inputs=list(inputs.tensor_split(m)) if inputs is not None and self.first else [],
+            targets=list(targets.tensor_split(m)) if targets is not None and self.last else [],
             shape_key=self._agree_on_step_shape(inputs),
             memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),
             timer=StepTimer(self.rank, self.device),
@@ -306,7 +308,9 @@ class PipelineRuntime:
 
     def _backward(self, step: _Step, stage: _Stage, action: Action) -> None:
         # With a capped queue, work over the cap is flushed after the input gradient is posted.
-        with stage.queue.cap_enforced_after():
+        # Inside the stage's queue and tag, as the forward: a reentrant checkpoint re-runs its
+        # region's forward here, and that work must land where the forward's would.
+        with stage.queue.cap_enforced_after(), use_queue(stage.queue), stage.queue.tagged(action.micro_batch):
             x, out = step.held.pop((stage.index, action.micro_batch))
             source = action.receives(self.rank, self._num_stages)
             if source is None:  # the last stage: ``out`` is the loss
@@ -315,7 +319,8 @@ class PipelineRuntime:
                 out.backward(step.handed_over.pop(source))
             else:
                 buffer = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-                out.backward(self._receive(step, buffer, self._rank_of(source.sender), self._tag(source), _what(source)))
+                peer = self._rank_of(source.sender)
+                out.backward(self._receive(step, buffer, peer, self._tag(source), _what(source)))
             destination = action.sends(self.rank, self._num_stages)
             if destination is not None and x.is_floating_point():
                 grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
