@@ -20,7 +20,7 @@ from torch import Tensor
 
 from ..queue import PendingWork
 
-__all__ = ["MemoryProbe", "heap_in_use", "peak_rss"]
+__all__ = ["MemoryProbe", "PendingSource", "heap_in_use", "peak_rss"]
 
 
 class PendingSource(Protocol):
