@@ -52,7 +52,9 @@ def placement(name: str, num_ranks: int, stages_per_rank: int = 2) -> tuple[int,
     return tuple(_PLACEMENTS[name](stage, num_ranks) for stage in range(count * num_ranks))
 
 
-def interleaved_one_f_one_b(num_ranks: int, num_micro_batches: int, twobp: bool, stages_per_rank: int = 2) -> list[RankActions]:
+def interleaved_one_f_one_b(
+    num_ranks: int, num_micro_batches: int, twobp: bool, stages_per_rank: int = 2
+) -> list[RankActions]:
     """Interleaved 1F1B on the loop placement, micro-batches in groups of p: each rank runs a
     group through its first stage, then its second, ...; it warms up with 2(p − r − 1) +
     (v − 1)p forwards, alternates forward and backward, and cools down with the rest. With
@@ -144,7 +146,8 @@ class _Replay:
         stages, m, last = self.stages[rank], self.num_micro_batches, len(self.owner) - 1
         for progress in stages:
             k, s = progress.backwarded, progress.stage
-            if k < progress.forwarded and self.ready(None if s == last else Message(s + 1, s, Payload.GRADIENTS, k), now):
+            gradient = None if s == last else Message(s + 1, s, Payload.GRADIENTS, k)
+            if k < progress.forwarded and self.ready(gradient, now):
                 if len(progress.pending) >= self.max_pending:
                     return W(progress.pending.popleft(), stage=s)
                 progress.backwarded += 1

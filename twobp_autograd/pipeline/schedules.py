@@ -50,7 +50,9 @@ class ScheduleError(ValueError):
     The message gives the reason, then the schedule as a grid (one row per step, one column
     per rank) with the faulty actions between ``>`` and ``<``."""
 
-    def __init__(self, reason: str, ranks: Sequence[Sequence[Action]] = (), faulty: Iterable[tuple[int, int]] = ()) -> None:
+    def __init__(
+        self, reason: str, ranks: Sequence[Sequence[Action]] = (), faulty: Iterable[tuple[int, int]] = ()
+    ) -> None:
         self.reason = reason
         self.faulty = frozenset(faulty)  # (rank, step)
         super().__init__(f"{reason}\n\n{_grid(ranks, self.faulty)}" if ranks else reason)
@@ -67,7 +69,8 @@ def _grid(ranks: Sequence[Sequence[Action]], faulty: frozenset[tuple[int, int]])
         for step in range(max(map(len, columns)))
     ]
     widths = [max(len(row[i]) for row in (header, *rows)) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in (header, *rows))
+    lines = ("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in (header, *rows))
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def default_num_micro_batches(name: str, num_ranks: int) -> int:
@@ -117,7 +120,11 @@ def schedule(
 
 def _without_split(actions: RankActions) -> RankActions:
     """2BP off: each ``I`` becomes a full ``B``, and no ``W`` is left to run."""
-    return [B(a.micro_batch, a.stage) if a.kind is ActionKind.BACKWARD_P1 else a for a in actions if a.kind is not ActionKind.BACKWARD_P2]
+    return [
+        B(a.micro_batch, a.stage) if a.kind is ActionKind.BACKWARD_P1 else a
+        for a in actions
+        if a.kind is not ActionKind.BACKWARD_P2
+    ]
 
 
 def _gpipe(num_stages: int, num_micro_batches: int, twobp: bool) -> list[RankActions]:
@@ -223,8 +230,11 @@ def _zero_bubble(
         elif pending[rank]:
             # Idle until the neighbour delivers: do one micro-batch's weight work meanwhile.
             run(rank, W(pending[rank].popleft()))
-        elif early is not None and in_flight[rank] < in_flight_cap[rank] and (ready_at(rank, early) or 0) <= clock[rank] and (
-            early.receives(rank, num_stages) is None or ready_at(rank, early) is not None
+        elif (
+            early is not None
+            and in_flight[rank] < in_flight_cap[rank]
+            and (ready_at(rank, early) or 0) <= clock[rank]
+            and (early.receives(rank, num_stages) is None or ready_at(rank, early) is not None)
         ):
             run(rank, early)
         elif when is not None:
@@ -324,38 +334,39 @@ def _check_stage(ranks: Sequence[Sequence[Action]], rank: int, stage: int, num_m
     pending: set[int] = set()
     weight_done: set[int] = set()
     where = f"rank {rank}" if all(a.stage is None for a in ranks[rank]) else f"rank {rank}, stage {stage}"
+
+    def fault(step: int, action: Action, reason: str) -> ScheduleError:
+        return ScheduleError(f"{where}, action {step} ({action!r}): {reason}", ranks, [(rank, step)])
+
     for step, action in enumerate(ranks[rank]):
         if action.stage_on(rank) != stage:
             continue
-
-        def fault(reason: str) -> ScheduleError:
-            return ScheduleError(f"{where}, action {step} ({action!r}): {reason}", ranks, [(rank, step)])
-
         if action.kind is ActionKind.BACKWARD_P2:
             covered = action.covers(pending)
             if not covered:
-                raise fault("W with no pending weight work")
+                raise fault(step, action, "W with no pending weight work")
             if action.micro_batches is not None and len(covered) != len(action.micro_batches):
-                raise fault("W names a micro-batch twice")
+                raise fault(step, action, "W names a micro-batch twice")
             if not covered <= pending:
                 late = sorted(covered - pending - weight_done)
                 again = sorted(covered & weight_done)
-                raise fault(f"W of micro-batches {f'before its I: {late}' if late else f'a second time: {again}'}")
+                which = f"before its I: {late}" if late else f"a second time: {again}"
+                raise fault(step, action, f"W of micro-batches {which}")
             pending -= covered
             weight_done |= covered
             continue
         k = action.micro_batch
         if not 0 <= k < num_micro_batches:
-            raise fault(f"micro-batch {k} outside 0..{num_micro_batches - 1}")
+            raise fault(step, action, f"micro-batch {k} outside 0..{num_micro_batches - 1}")
         if action.kind is ActionKind.FORWARD:
             if k in forwarded:
-                raise fault(f"second forward of micro-batch {k}")
+                raise fault(step, action, f"second forward of micro-batch {k}")
             forwarded.add(k)
             continue
         if k not in forwarded:
-            raise fault(f"backward before the forward of micro-batch {k}")
+            raise fault(step, action, f"backward before the forward of micro-batch {k}")
         if k in backwarded:
-            raise fault(f"second backward of micro-batch {k}")
+            raise fault(step, action, f"second backward of micro-batch {k}")
         backwarded.add(k)
         if action.kind.holds is Held.PENDING_WEIGHT_GRADS:
             pending.add(k)
@@ -375,17 +386,20 @@ def _check_message_order(ranks: Sequence[Sequence[Action]], owners: dict[int, in
     received: defaultdict[tuple[int, int, Payload], list[tuple[int, int]]] = defaultdict(list)
     for rank, actions in enumerate(ranks):
         for step, action in enumerate(actions):
-            for seen, message in ((sent, action.sends(rank, num_stages)), (received, action.receives(rank, num_stages))):
+            sides = ((sent, action.sends(rank, num_stages)), (received, action.receives(rank, num_stages)))
+            for seen, message in sides:
                 if message is not None:
                     seen[message.sender, message.receiver, message.payload].append((message.micro_batch, step))
     payloads = list(Payload)
     one_stage_each = all(a.stage is None for actions in ranks for a in actions)
-    for link in sorted(sent.keys() | received.keys(), key=lambda l: (min(l[:2]), payloads.index(l[2]))):
+    for link in sorted(sent.keys() | received.keys(), key=lambda link: (min(link[:2]), payloads.index(link[2]))):
         sender, receiver, payload = link
         here, there = [k for k, _ in sent[link]], [k for k, _ in received[link]]
         if here == there:
             continue
-        first = next((i for i, (a, b) in enumerate(zip(here, there)) if a != b), min(len(here), len(there)))
+        # the two sides may disagree on the count too: the first mismatch, or where the shorter ends
+        mismatches = (i for i, (a, b) in enumerate(zip(here, there, strict=False)) if a != b)
+        first = next(mismatches, min(len(here), len(there)))
         faulty = [
             (owners[stage], seen[link][first][1])
             for stage, seen in ((sender, sent), (receiver, received))

@@ -124,7 +124,8 @@ def simulate(
     for rank, action in order:
         stage = action.stage_on(rank)
         waits_for = action.receives(rank, num_stages)
-        start = max(timelines[rank][-1].end if timelines[rank] else 0.0, 0.0 if waits_for is None else arrives[waits_for])
+        free_at = timelines[rank][-1].end if timelines[rank] else 0.0
+        start = max(free_at, 0.0 if waits_for is None else arrives[waits_for])
         end = start + stage_costs[stage].duration(action.kind, len(memory[stage].run(action)))
         message = action.sends(rank, num_stages)
         if message is not None:

@@ -103,7 +103,8 @@ def read_chrome_trace(path: str | os.PathLike[str]) -> list[list[Event]]:
         if raw.get("ph") != "X":
             continue
         micro_batches = raw["args"]["micro_batches"]
-        action = Action(ActionKind[raw["cat"].upper()], None if isinstance(micro_batches, str) else tuple(micro_batches))
+        kind = ActionKind[raw["cat"].upper()]
+        action = Action(kind, None if isinstance(micro_batches, str) else tuple(micro_batches))
         start = raw["ts"] / 1e6
         timelines.setdefault(raw["pid"], []).append(Event(raw["pid"], action, start, start + raw["dur"] / 1e6))
     return [timelines.get(rank, []) for rank in range(max(timelines, default=-1) + 1)]
@@ -133,7 +134,7 @@ def plot_timelines(
     height_in = 1.0 + sum(0.4 + 0.5 * len(timelines) for _, timelines in panels)
     figure = Figure(figsize=(width_in, height_in), layout="constrained")
     axes_list = figure.subplots(len(panels), 1, sharex=True, squeeze=False)[:, 0]
-    for axes, (caption, timelines) in zip(axes_list, panels):
+    for axes, (caption, timelines) in zip(axes_list, panels, strict=True):
         _draw_ranks(axes, timelines, origin, points_per_unit=0.85 * width_in * 72 / span)
         if caption:
             axes.set_title(caption, fontsize=9, loc="left")
