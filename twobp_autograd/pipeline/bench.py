@@ -60,7 +60,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--twobp", choices=("on", "off", "both"), default="both")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (after --warmup)")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured steps per run first")
-    parser.add_argument("--micro-batches", type=int, default=None, help="default: the schedule's (p, or 2p for 1f1b-2 and zb)")
+    parser.add_argument(
+        "--micro-batches", type=int, default=None, help="default: the schedule's (p, or 2p for 1f1b-2 and zb)"
+    )
     parser.add_argument("--balance", choices=("time", "params"), default="time", help="what stages are balanced by")
     parser.add_argument("--json", default=None, help="write every step's metrics here (rank 0)")
     parser.add_argument("--trace", default=None, help="directory for Chrome traces and PNG timelines")
@@ -132,7 +134,8 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
             examples = stage_examples(pipeline.stages, micro_batch)
             runtimes[name, False] = TorchPipeline.build(name, mine, examples, m, loss_fn, device)
             num_micro[name] = m
-    tied = TiedGradients(splits.get(world, num_micro[schedules[0]], modes[0]))  # embeddings shared by the first and last rank
+    # embeddings shared by the first and last rank
+    tied = TiedGradients(splits.get(world, num_micro[schedules[0]], modes[0]))
     reports, wall = _measure(args, runtimes, model, tied, inputs if rank == 0 else None, targets)
     if rank == 0:
         bench_report.report(args, reports, num_micro, batch_size, splits.costs_used, device, wall)
@@ -167,7 +170,8 @@ class _Splits:
 
 def _queues(args: argparse.Namespace, stages: dict[int, nn.Module]) -> dict[int, WeightGradQueue]:
     return {
-        index: WeightGradQueue(offload_to_host=args.offload, weight_grad_streams=args.weight_grad_streams) for index in stages
+        index: WeightGradQueue(offload_to_host=args.offload, weight_grad_streams=args.weight_grad_streams)
+        for index in stages
     }
 
 
@@ -185,7 +189,8 @@ def _measure(
     if dist.get_rank() == 0 and not args.no_progress:
         from tqdm import tqdm
 
-        progress = tqdm(total=(args.warmup + args.steps) * len(runtimes), desc=f"{args.model} x{dist.get_world_size()}", unit="step")
+        total, desc = (args.warmup + args.steps) * len(runtimes), f"{args.model} x{dist.get_world_size()}"
+        progress = tqdm(total=total, desc=desc, unit="step")
     reports: dict[Run, list[StepReport]] = {run: [] for run in runtimes if isinstance(runtimes[run], PipelineRuntime)}
     wall: dict[Run, list[float]] = {run: [] for run in runtimes}
     order = list(runtimes)
@@ -194,8 +199,7 @@ def _measure(
         for run in order[shift:] + order[:shift]:
             runtime = runtimes[run]
             last = runtime.last if isinstance(runtime, PipelineRuntime) else runtime.num_stages - 1 in runtime.modules
-            result: list[object] = []
-            seconds = timed(lambda: result.append(runtime.step(inputs, targets if last else None)))
+            seconds, result = _timed_step(runtime, inputs, targets if last else None)
             tied.all_reduce()
             for p in model.parameters():
                 p.grad = None
@@ -203,11 +207,20 @@ def _measure(
                 progress.update()
             if step >= args.warmup:
                 wall[run].append(seconds)
-                if isinstance(result[0], StepReport):
-                    reports[run].append(result[0])
+                if isinstance(result, StepReport):
+                    reports[run].append(result)
     if progress is not None:
         progress.close()
     return reports, wall
+
+
+def _timed_step(
+    runtime: PipelineRuntime | TorchPipeline, inputs: torch.Tensor | None, targets: torch.Tensor | None
+) -> tuple[float, object]:
+    """One step of ``runtime`` between barriers: its seconds and what its step returned."""
+    result: list[object] = []
+    seconds = timed(lambda: result.append(runtime.step(inputs, targets)))
+    return seconds, result[0]
 
 
 if __name__ == "__main__":

@@ -73,16 +73,19 @@ class TorchPipeline:
         stages = []
         for index in sorted(modules):
             example_in, example_out = stage_shapes[index]
+            input_grad = index > 0 and example_in.is_floating_point()
             extra: dict[str, Any] = {} if dw_builders is None else {"dw_builder": dw_builders[index]}
             stages.append(
                 pipelining.PipelineStage(
                     modules[index], index, num_stages, device,
-                    input_args=torch.empty_like(example_in).requires_grad_(index > 0 and example_in.is_floating_point()),
+                    input_args=torch.empty_like(example_in).requires_grad_(input_grad),
                     output_args=torch.empty_like(example_out).requires_grad_(True), **extra,
                 )
             )  # fmt: skip
         schedule_class = getattr(pipelining, TORCH_SCHEDULES[name][0])
-        schedule = schedule_class(stages if len(stages) > 1 else stages[0], n_microbatches=num_micro_batches, loss_fn=loss_fn)
+        schedule = schedule_class(
+            stages if len(stages) > 1 else stages[0], n_microbatches=num_micro_batches, loss_fn=loss_fn
+        )
         return cls(name, dict(modules), schedule, num_stages, dw_builders is not None)
 
     def step(self, inputs: Tensor | None, targets: Tensor | None) -> None:
