@@ -34,7 +34,6 @@ import argparse
 import datetime
 import hashlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -97,7 +96,9 @@ MODES = {
         cost_repeats=1,
         counts=(1, 2),
         bench_shape=("--width", "64", "--depth", "2", "--seq-len", "16", "--image-size", "32", "--batch-size", "8"),
-        zb_arguments=("--width", "64", "--hidden", "256", "--seq", "8", "--batch", "8", "--warmup", "1", "--rounds", "2"),
+        zb_arguments=(
+            "--width", "64", "--hidden", "256", "--seq", "8", "--batch", "8", "--warmup", "1", "--rounds", "2"
+        ),  # fmt: skip
         zb_schedules=("zbv",),
         latency_repeats=5,
     ),
@@ -117,8 +118,8 @@ class StageTerms:
     input_grad: float
     weight_grad: dict[int, float]  # n -> time of one W over n concatenated micro-batches
     boundary_bytes: int  # what the stage sends on (its output)
-    saved_bytes_off: "int | None" = None  # per micro-batch, from F to B (measured per 2-rank stage)
-    saved_bytes_on: "int | None" = None  # from F to I
+    saved_bytes_off: int | None = None  # per micro-batch, from F to B (measured per 2-rank stage)
+    saved_bytes_on: int | None = None  # from F to I
     pending_bytes: int = 0  # from I to W
     curve: Callable[[int], float] = field(init=False, repr=False)
 
@@ -183,13 +184,15 @@ def latency_model(points: Sequence[Sequence[float]]) -> Callable[[int], float]:
     if len(points) < 2 or max(xs) == min(xs):
         return lambda num_bytes: floor
     mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / sum((x - mean_x) ** 2 for x in xs)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
     slope = max(slope, 0.0)
     intercept = mean_y - slope * mean_x
     return lambda num_bytes: max(floor, intercept + slope * num_bytes)
 
 
-def _blocks_by_index(costs: Mapping[str, Any], size: int) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[int, dict[str, Any]]]:
+def _blocks_by_index(
+    costs: Mapping[str, Any], size: int
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[int, dict[str, Any]]]:
     """Per-block measurements of the whole model at one micro size (from both ranks), the
     loss pseudo-block, and the stage-level saved bytes by first block index."""
     blocks: dict[int, dict[str, Any]] = {}
@@ -197,7 +200,8 @@ def _blocks_by_index(costs: Mapping[str, Any], size: int) -> tuple[list[dict[str
     stage_level: dict[int, dict[str, Any]] = {}
     for rank in costs["ranks"]:
         measured = rank["per_size"][str(size)]
-        for index, block in zip(rank["blocks"], measured):
+        # measured may end with the loss pseudo-block, past the blocks: zipped up to the blocks
+        for index, block in zip(rank["blocks"], measured, strict=False):
             blocks[index] = block
         if len(measured) > len(rank["blocks"]):
             loss = measured[-1]
@@ -243,12 +247,16 @@ def simulate_pair(
 ) -> tuple[SimulationResult, SimulationResult]:
     """Replay ``name`` with 2BP off and on, every stage with its own measured terms."""
     p = len(terms)
-    off = simulate(schedule(name, p, num_micro_batches, twobp=False), [t.costs(False) for t in terms], p2p_latency=latency)
+    off = simulate(
+        schedule(name, p, num_micro_batches, twobp=False), [t.costs(False) for t in terms], p2p_latency=latency
+    )
     on = simulate(schedule(name, p, num_micro_batches, twobp=True), [t.costs(True) for t in terms], p2p_latency=latency)
     return off, on
 
 
-def ideal_ratio(name: str, num_stages: int, num_micro_batches: int, bottleneck: StageTerms, *, concatenation: bool = True) -> float:
+def ideal_ratio(
+    name: str, num_stages: int, num_micro_batches: int, bottleneck: StageTerms, *, concatenation: bool = True
+) -> float:
     """DESIGN.md's performance model for ``name``: every stage costs the bottleneck stage's
     F (2BP off), I and W (B = I + W; W(n) as measured, or n W(1) without ``concatenation``),
     no communication. Throughput ratio 2BP on / off. For GPipe this is
@@ -275,7 +283,9 @@ def _bottleneck(terms: Sequence[StageTerms]) -> StageTerms:
     return max(terms, key=lambda t: t.forward_off + t.backward)
 
 
-def analyse_model(bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeline_schedule: str = "1f1b-2") -> dict[str, Any]:
+def analyse_model(
+    bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeline_schedule: str = "1f1b-2"
+) -> dict[str, Any]:
     """Every figure of one model: measured (bench), ideal, simulated, memory, predictions."""
     rows = {(row["schedule"], row["twobp"]): row for row in bench_doc["summary"]}
     schedules = [name for name in SCHEDULES if (name, False) in rows and (name, True) in rows]
@@ -300,7 +310,9 @@ def analyse_model(bench_doc: Mapping[str, Any], costs: Mapping[str, Any], timeli
             "measured": measured,
             "ideal": {
                 "throughput_ratio": ideal,
-                "throughput_ratio_without_concatenation_gain": ideal_ratio(name, WORLD, m, _bottleneck(terms), concatenation=False),
+                "throughput_ratio_without_concatenation_gain": ideal_ratio(
+                    name, WORLD, m, _bottleneck(terms), concatenation=False
+                ),
             },
             "measured_over_ideal": measured["throughput_ratio"] / ideal,
             "simulated": {
@@ -333,7 +345,9 @@ def _measured(off_row: Mapping[str, Any], on_row: Mapping[str, Any]) -> dict[str
         "throughput_ratio": on_row["samples_per_s"] / off_row["samples_per_s"],
         "bubble_off": off_row["bubble_ratio"],
         "bubble_on": on_row["bubble_ratio"],
-        "bubble_ratio_on_over_off": on_row["bubble_ratio"] / off_row["bubble_ratio"] if off_row["bubble_ratio"] else None,
+        "bubble_ratio_on_over_off": (
+            on_row["bubble_ratio"] / off_row["bubble_ratio"] if off_row["bubble_ratio"] else None
+        ),
         # the runtime's CPU peak: heap in use after any action over the step's start
         "peak_heap_bytes_off": off_row["peak_bytes"],
         "peak_heap_bytes_on": on_row["peak_bytes"],
@@ -351,7 +365,9 @@ def _modeled_memory(name: str, terms: Sequence[StageTerms], num_micro_batches: i
     return {"peak_bytes_off": off_peak, "peak_bytes_on": on_peak, "ratio": on_peak / off_peak if off_peak else None}
 
 
-def _predicted(name: str, costs: Mapping[str, Any], size: int, num_stages: int, latency: Callable[[int], float]) -> dict[str, Any]:
+def _predicted(
+    name: str, costs: Mapping[str, Any], size: int, num_stages: int, latency: Callable[[int], float]
+) -> dict[str, Any]:
     """The simulated step of ``name`` on ``num_stages`` stages cut from the measured blocks."""
     n = default_num_micro_batches(name, num_stages)
     if len(costs["block_costs"]) < num_stages:
@@ -398,7 +414,8 @@ def _run(command: Sequence[str], log: Path) -> None:
 
 def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedule: str) -> dict[str, Any]:
     bench_args = [
-        "--model", model, "--schedule", *SCHEDULES, "--twobp", "both", "--steps", str(mode.steps), "--warmup", str(mode.warmup),
+        "--model", model, "--schedule", *SCHEDULES, "--twobp", "both",
+        "--steps", str(mode.steps), "--warmup", str(mode.warmup),
         "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
     ]  # fmt: skip
     directory = raw / f"{model}-{_digest({'bench': bench_args, 'costs': [mode.counts, mode.cost_repeats]})}"
@@ -414,7 +431,8 @@ def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_sched
         sizes = sorted({-(-batch // row["micro_batches"]) for row in bench_doc["summary"]}, reverse=True)
         _run(
             [
-                sys.executable, _repo_path(HERE / "stage_costs.py"), "--bench-json", _repo_path(bench_json), "--out", _repo_path(costs_json),
+                sys.executable, _repo_path(HERE / "stage_costs.py"),
+                "--bench-json", _repo_path(bench_json), "--out", _repo_path(costs_json),
                 "--micro-sizes", *map(str, sizes), "--counts", *map(str, mode.counts),
                 "--repeats", str(mode.cost_repeats), "--latency-repeats", str(mode.latency_repeats), "--threads", "1",
             ],  # fmt: skip
@@ -452,7 +470,10 @@ def _run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, 
         out = raw / f"pipelining_zb-{name}-{_digest({'zb': arguments})}.json"
         try:
             if force or not out.exists():
-                _run([sys.executable, _repo_path(HERE / "pipelining_zb.py"), *arguments, "--out", _repo_path(out)], out.with_suffix(".log"))
+                _run(
+                    [sys.executable, _repo_path(HERE / "pipelining_zb.py"), *arguments, "--out", _repo_path(out)],
+                    out.with_suffix(".log"),
+                )
             document = json.loads(out.read_text())
             document["command"] = "python benchmarks/pipelining_zb.py " + " ".join(arguments)
             results.append(document)
@@ -474,18 +495,24 @@ def _machine_info() -> dict[str, Any]:
     }
 
 
-def _git_commit() -> "str | None":
+def _git_commit() -> str | None:
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=HERE, capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return None
 
 
-def _parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
+def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models, few steps: a ~2 minute smoke run")
-    parser.add_argument("--models", nargs="+", default=None, help=f"default: every model bench offers ({', '.join(bench.MODELS)})")
-    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results (quick: benchmarks/results/quick)")
+    parser.add_argument(
+        "--models", nargs="+", default=None, help=f"default: every model bench offers ({', '.join(bench.MODELS)})"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, help="default: benchmarks/results (quick: benchmarks/results/quick)"
+    )
     parser.add_argument("--timeline-schedule", choices=SCHEDULES, default="1f1b-2")
     parser.add_argument("--no-pipelining-zb", action="store_true", help="skip PyTorch's ZB schedules comparison")
     parser.add_argument("--no-plots", action="store_true", help="JSON only (plot later with plot_results.py)")
@@ -497,7 +524,7 @@ def _parse_args(argv: "Sequence[str] | None" = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
     mode = MODES["quick" if args.quick else "full"]
     out: Path = args.out or (HERE / "results" / ("quick" if args.quick else ""))
@@ -513,13 +540,21 @@ def main(argv: "Sequence[str] | None" = None) -> int:
         "machine": _machine_info(),
         "ranks": WORLD,
         "threads_per_rank": 1,
-        "mode": {"name": mode.name, "steps": mode.steps, "warmup": mode.warmup, "cost_repeats": mode.cost_repeats, "weight_grad_counts": list(mode.counts)},
+        "mode": {
+            "name": mode.name,
+            "steps": mode.steps,
+            "warmup": mode.warmup,
+            "cost_repeats": mode.cost_repeats,
+            "weight_grad_counts": list(mode.counts),
+        },
         "models": [],
     }
     for model in models:
         print(f"{model}:", flush=True)
         try:
-            document["models"].append(_run_model(model, mode, raw, force=args.force, timeline_schedule=args.timeline_schedule))
+            document["models"].append(
+                _run_model(model, mode, raw, force=args.force, timeline_schedule=args.timeline_schedule)
+            )
         except Exception as error:
             print(f"  {model} failed: {error}", file=sys.stderr)
             document["models"].append({"model": model, "error": str(error)})

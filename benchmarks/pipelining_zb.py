@@ -45,7 +45,10 @@ VARIANTS = ("twobp", "torch")
 def make_model(width: int, hidden: int, blocks: int) -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(
-        *(nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width), nn.LayerNorm(width)) for _ in range(blocks))
+        *(
+            nn.Sequential(nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width), nn.LayerNorm(width))
+            for _ in range(blocks)
+        )
     )
 
 
@@ -55,13 +58,20 @@ def build(variant: str, args: argparse.Namespace, rank: int) -> tuple[TorchPipel
     model = make_model(args.width, args.hidden, args.blocks)
     pipeline = split_model(model, STAGES, costs=[1.0] * args.blocks)
     examples = stage_examples(pipeline.stages, torch.zeros(args.batch // args.micro_batches, args.seq, args.width))
-    modules = {index: copy.deepcopy(pipeline[index]) for index, owner in enumerate(torch_placement(name, WORLD)) if owner == rank}
-    builders = {index: dw_builder(twobp.patch(module)) for index, module in modules.items()} if variant == "twobp" else None
-    schedule = TorchPipeline.build(name, modules, examples, args.micro_batches, F.mse_loss, torch.device("cpu"), dw_builders=builders)
+    owners = torch_placement(name, WORLD)
+    modules = {index: copy.deepcopy(pipeline[index]) for index, owner in enumerate(owners) if owner == rank}
+    builders = None
+    if variant == "twobp":
+        builders = {index: dw_builder(twobp.patch(module)) for index, module in modules.items()}
+    schedule = TorchPipeline.build(
+        name, modules, examples, args.micro_batches, F.mse_loss, torch.device("cpu"), dw_builders=builders
+    )
     return schedule, modules
 
 
-def timed_step(schedule: TorchPipeline, modules: dict[int, nn.Module], inputs: torch.Tensor, targets: torch.Tensor) -> float:
+def timed_step(
+    schedule: TorchPipeline, modules: dict[int, nn.Module], inputs: torch.Tensor, targets: torch.Tensor
+) -> float:
     for module in modules.values():
         module.zero_grad(set_to_none=True)
     return timed(lambda: schedule.step(inputs, targets))
@@ -151,7 +161,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--blocks", type=int, default=8, help="Linear-GELU-Linear-LayerNorm blocks, split over 4 stages")
+    parser.add_argument(
+        "--blocks", type=int, default=8, help="Linear-GELU-Linear-LayerNorm blocks, split over 4 stages"
+    )
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (at least 1)")
     parser.add_argument("--rounds", type=int, default=7, help="timed steps per variant, interleaved")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")

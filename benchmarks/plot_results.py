@@ -18,7 +18,9 @@ from typing import Any
 
 from twobp_autograd.pipeline.trace import plot_timelines, read_chrome_trace
 
-__all__ = ["PAPER", "README", "README_MARKERS", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios", "main"]
+__all__ = [
+    "PAPER", "README", "README_MARKERS", "write_all", "markdown", "readme_table", "update_readme", "plot_ratios", "main"
+]  # fmt: skip
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 README_MARKERS = ("<!-- pipeline-table: written by benchmarks/plot_results.py -->", "<!-- /pipeline-table -->")
@@ -48,7 +50,7 @@ BARS = (
 )
 
 
-def _ratio(entry: Mapping[str, Any], bar: str) -> "float | None":
+def _ratio(entry: Mapping[str, Any], bar: str) -> float | None:
     if bar == "measured":
         return entry["measured"]["throughput_ratio"]
     if bar in ("ideal", "simulated"):
@@ -57,15 +59,15 @@ def _ratio(entry: Mapping[str, Any], bar: str) -> "float | None":
     return predicted.get("throughput_ratio")
 
 
-def _fmt(value: "float | None", digits: int = 3, suffix: str = "") -> str:
+def _fmt(value: float | None, digits: int = 3, suffix: str = "") -> str:
     return "–" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def _percent(value: "float | None") -> str:
+def _percent(value: float | None) -> str:
     return "–" if value is None else f"{value * 100:+.1f}%"
 
 
-def _mib(value: "float | None") -> str:
+def _mib(value: float | None) -> str:
     return "–" if value is None else f"{value / 2**20:.1f}"
 
 
@@ -85,7 +87,7 @@ def markdown(document: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _section(title: str, prose: "str | None", columns: Sequence[str]) -> list[str]:
+def _section(title: str, prose: str | None, columns: Sequence[str]) -> list[str]:
     """A heading, its prose and the head of its table."""
     return ["", f"## {title}", "", *([prose, ""] if prose else []), *_table_head(columns)]
 
@@ -103,7 +105,8 @@ def _introduction(document: Mapping[str, Any]) -> list[str]:
         + (f", commit `{document['git_commit'][:10]}`" if document.get("git_commit") else "")
         + f": torch {machine['torch']}, {machine['cpu_count']} cores ({machine['processor']}), "
         f"{document['ranks']} gloo ranks with {document['threads_per_rank']} thread each; load average "
-        f"{_load(machine.get('load_average_1_5_15'))} at the start, {_load(machine.get('load_average_at_end'))} at the end. "
+        f"{_load(machine.get('load_average_1_5_15'))} at the start, "
+        f"{_load(machine.get('load_average_at_end'))} at the end. "
         f"Each run: {document['mode']['warmup']} warm-up + {document['mode']['steps']} measured steps, 2BP off and on "
         "alternating step by step; medians.",
         "",
@@ -126,8 +129,8 @@ def _introduction(document: Mapping[str, Any]) -> list[str]:
 def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
     columns = (
         "model", "schedule", "m", "2BP/off throughput, measured", "ideal", "ideal if W' = W", "measured / ideal",
-        "simulated", "simulated step vs measured, off / on", "bubble off → on, measured", "peak memory on/off, measured",
-        "peak activation memory on/off, modelled",
+        "simulated", "simulated step vs measured, off / on", "bubble off → on, measured",
+        "peak memory on/off, measured", "peak activation memory on/off, modelled",
     )  # fmt: skip
     lines = _section("Two ranks: measured against the model", None, columns)
     for model in models:
@@ -135,7 +138,8 @@ def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
             memory = e.get("memory_modeled", {})
             lines.append(
                 f"| {model['model']} | {name} | {e['micro_batches']} | {_fmt(e['measured']['throughput_ratio'])} | "
-                f"{_fmt(e['ideal']['throughput_ratio'])} | {_fmt(e['ideal']['throughput_ratio_without_concatenation_gain'])} | "
+                f"{_fmt(e['ideal']['throughput_ratio'])} | "
+                f"{_fmt(e['ideal']['throughput_ratio_without_concatenation_gain'])} | "
                 f"{_fmt(e['measured_over_ideal'])} | "
                 f"{_fmt(e['simulated']['throughput_ratio'])} | {_percent(e['simulated']['step_time_error_off'])} / "
                 f"{_percent(e['simulated']['step_time_error_on'])} | {_fmt(e['measured']['bubble_off'])} → "
@@ -152,8 +156,9 @@ def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
 def _more_stages_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = _section(
         "More stages (simulated)",
-        "Same measured per-block terms, the model cut into p stages by the benchmark's balancing, N = p (GPipe, 1F1B-1) "
-        "or 2p (1F1B-2, zb) micro-batches of the measured size, the latency model at the largest message of the cut. "
+        "Same measured per-block terms, the model cut into p stages by the benchmark's balancing, "
+        "N = p (GPipe, 1F1B-1) or 2p (1F1B-2, zb) micro-batches of the measured size, "
+        "the latency model at the largest message of the cut. "
         "W(n) beyond the largest measured n is extrapolated at that n's per-micro-batch time.",
         ("model", "schedule", "p=4: N", "p=4: 2BP/off", "p=4: ideal", "p=8: N", "p=8: 2BP/off", "p=8: ideal"),
     )
@@ -165,7 +170,11 @@ def _more_stages_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
                 if "skipped" in predicted or not predicted:
                     cells += ["–", predicted.get("skipped", "–"), "–"]
                 else:
-                    cells += [str(predicted["micro_batches"]), _fmt(predicted["throughput_ratio"]), _fmt(predicted["ideal_throughput_ratio"])]
+                    cells += [
+                        str(predicted["micro_batches"]),
+                        _fmt(predicted["throughput_ratio"]),
+                        _fmt(predicted["ideal_throughput_ratio"]),
+                    ]
             lines.append(f"| {model['model']} | {name} | " + " | ".join(cells) + " |")
     return lines
 
@@ -175,16 +184,23 @@ def _stage_terms_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         "Measured stage terms (ms per micro-batch, one thread)",
         "Medians over repeats, each block timed alone and summed per stage. (I+W)/B above 1 is what splitting "
         "the backward costs; F on/off what the patched forward costs.",
-        ("model", "micro-batch", "stage", "F off", "F on", "B", "I", "W(1)", "W' (largest n)", "(I+W)/B", "F on/off", "p2p one-way (µs)"),
+        (
+            "model", "micro-batch", "stage", "F off", "F on", "B", "I", "W(1)", "W' (largest n)", "(I+W)/B",
+            "F on/off", "p2p one-way (µs)",
+        ),  # fmt: skip
     )
     for model in models:
         for size, stages in model["stage_terms"].items():
-            latency = next((e["simulated"]["p2p_latency"] for e in model["schedules"].values() if e["micro_batch_size"] == int(size)), None)
+            latencies = (
+                e["simulated"]["p2p_latency"] for e in model["schedules"].values() if e["micro_batch_size"] == int(size)
+            )
+            latency = next(latencies, None)
             for index, t in enumerate(stages):
                 per_micro = t["weight_grad_per_micro_batch"]
                 largest = max(per_micro, key=int)
                 lines.append(
-                    f"| {model['model']} | {size} | {index} | {t['forward_off'] * 1e3:.1f} | {t['forward_on'] * 1e3:.1f} | "
+                    f"| {model['model']} | {size} | {index} | "
+                    f"{t['forward_off'] * 1e3:.1f} | {t['forward_on'] * 1e3:.1f} | "
                     f"{t['backward'] * 1e3:.1f} | {t['input_grad'] * 1e3:.1f} | {t['weight_grad_1'] * 1e3:.1f} | "
                     f"{per_micro[largest] * 1e3:.1f} (n={largest}) | {_fmt(t['split_overhead'], 2)} | "
                     f"{_fmt(t['forward_overhead'], 2)} | {_fmt(None if latency is None else latency * 1e6, 0)} |"
@@ -197,8 +213,9 @@ def _pipelining_zb_table(runs: Sequence[Mapping[str, Any]]) -> list[str]:
         return []
     lines = _section(
         "PyTorch's zero-bubble schedules: 2BP's deferred W against PyTorch's split W (measured)",
-        "`benchmarks/pipelining_zb.py`: the same torch.distributed.pipelining schedule, 4 stages on 2 ranks, once with "
-        "2BP's queued W as the stages' `dw_builder` and once with PyTorch's own autograd-graph split; interleaved rounds.",
+        "`benchmarks/pipelining_zb.py`: the same torch.distributed.pipelining schedule, 4 stages on 2 ranks, "
+        "once with 2BP's queued W as the stages' `dw_builder` and once with PyTorch's own autograd-graph split; "
+        "interleaved rounds.",
         ("schedule", "m", "step, 2BP W (s)", "step, PyTorch split W (s)", "speedup", "gradients agree to"),
     )
     for r in runs:
@@ -226,7 +243,7 @@ def _the_paper() -> list[str]:
     ]
 
 
-def _load(values: "Sequence[float] | None") -> str:
+def _load(values: Sequence[float] | None) -> str:
     return "unknown" if not values else "/".join(f"{v:.1f}" for v in values)
 
 
@@ -244,7 +261,8 @@ def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
     for unused in axes_list[len(models) :]:
         unused.set_visible(False)
     width = 0.8 / len(BARS)
-    for axes, model in zip(axes_list, models):
+    # the grid may have more axes than models (the spare ones hidden above)
+    for axes, model in zip(axes_list, models, strict=False):
         names = list(model["schedules"])
         for b, (bar, label, colour) in enumerate(BARS):
             xs, ys = [], []
@@ -256,7 +274,8 @@ def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
             axes.bar(xs, ys, width, label=label, color=colour)
         if model["model"] in PAPER["models"] and PAPER["schedule"] in names:
             x = names.index(PAPER["schedule"])
-            axes.plot([x - 0.4, x + 0.4], [PAPER["throughput_ratio"]] * 2, color="#C44E52", linewidth=2, label=PAPER["label"])
+            paper = [PAPER["throughput_ratio"]] * 2
+            axes.plot([x - 0.4, x + 0.4], paper, color="#C44E52", linewidth=2, label=PAPER["label"])
         axes.axhline(1.0, color="black", linewidth=0.8)
         axes.set_xticks(range(len(names)), names)
         axes.set_title(model["model"])
@@ -265,11 +284,13 @@ def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
         axes.set_axisbelow(True)
     handles, labels = {}, []
     for axes in axes_list:
-        for handle, label in zip(*axes.get_legend_handles_labels()):
+        for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
             if label not in handles:
                 handles[label] = handle
                 labels.append(label)
-    figure.legend([handles[label] for label in labels], labels, loc="outside lower center", ncol=3, frameon=False, fontsize=8)
+    figure.legend(
+        [handles[label] for label in labels], labels, loc="outside lower center", ncol=3, frameon=False, fontsize=8
+    )
     figure.suptitle(f"2BP/off throughput ratio ({document['kind']})", fontsize=10)
     figure.savefig(path, dpi=120)
 
@@ -279,8 +300,8 @@ def readme_table(document: Mapping[str, Any]) -> str:
     decimals (the full figures are in pipeline.md)."""
     lines = _table_head(
         (
-            "model", "schedule (m)", "measured", "ideal", "measured / ideal", "simulated, 2 ranks", "simulated, 4 stages",
-            "simulated, 8 stages", "bubble off → on (measured)", "peak memory on/off, measured",
+            "model", "schedule (m)", "measured", "ideal", "measured / ideal", "simulated, 2 ranks",
+            "simulated, 4 stages", "simulated, 8 stages", "bubble off → on (measured)", "peak memory on/off, measured",
             "peak activation memory on/off, modelled",
         )  # fmt: skip
     )
@@ -315,7 +336,7 @@ def update_readme(table: str, readme: Path = README) -> bool:
     return True
 
 
-def write_all(document: Mapping[str, Any], out: Path, readme: "Path | None" = None) -> list[Path]:
+def write_all(document: Mapping[str, Any], out: Path, readme: Path | None = None) -> list[Path]:
     """Write pipeline.md, pipeline.png and one timeline PNG per model into ``out``; with
     ``readme``, a full sweep's table into that README too."""
     written = []
@@ -330,7 +351,10 @@ def write_all(document: Mapping[str, Any], out: Path, readme: "Path | None" = No
     for model in document["models"]:
         traces = model.get("traces") or {}
         panels = [
-            (f"{caption} ({'measured' if key.startswith('measured') else 'simulated from measured stage terms'})", read_chrome_trace(out / traces[key]))
+            (
+                f"{caption} ({'measured' if key.startswith('measured') else 'simulated from measured stage terms'})",
+                read_chrome_trace(out / traces[key]),
+            )
             for key, caption in (("measured_off", "2BP off"), ("measured_on", "2BP on"), ("simulated_on", "2BP on"))
             if key in traces and (out / traces[key]).exists()
         ]
@@ -342,7 +366,7 @@ def write_all(document: Mapping[str, Any], out: Path, readme: "Path | None" = No
     return written
 
 
-def main(argv: "Sequence[str] | None" = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     out = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
     document = json.loads((out / "pipeline.json").read_text())
