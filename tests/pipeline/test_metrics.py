@@ -11,7 +11,7 @@ from twobp_autograd.pipeline.actions import F, I
 from twobp_autograd.pipeline.metrics import RankMetrics, StepReport, StepTimer
 
 
-def _rank(rank: int, step_time: float, receive_wait: float, loss: "float | None" = None) -> RankMetrics:
+def _rank(rank: int, step_time: float, receive_wait: float, loss: float | None = None) -> RankMetrics:
     return RankMetrics(
         rank=rank, step_time=step_time, receive_wait=receive_wait, events=[], samples=8 if rank == 0 else 0,
         deferred_jobs=0, peak_bytes=0, peak_rss=0, loss=loss,

@@ -19,7 +19,8 @@ def test_the_readme_names_import_from_the_package() -> None:
         validate_schedule,
     )
 
-    assert {"schedule", "validate_schedule", "PipelineRuntime", "split_model", "simulate", "dw_builder"} <= set(pipeline.__all__)
+    public = {"schedule", "validate_schedule", "PipelineRuntime", "split_model", "simulate", "dw_builder"}
+    assert public <= set(pipeline.__all__)
 
 
 def test_everything_in_all_exists() -> None:
@@ -37,4 +38,5 @@ def test_each_module_lists_its_public_names(module: str) -> None:
         for name, value in vars(loaded).items()
         if not name.startswith("_") and getattr(value, "__module__", None) == loaded.__name__ and callable(value)
     }
-    assert defined_here <= set(loaded.__all__), f"public but not in __all__: {sorted(defined_here - set(loaded.__all__))}"
+    missing = sorted(defined_here - set(loaded.__all__))
+    assert not missing, f"public but not in __all__: {missing}"

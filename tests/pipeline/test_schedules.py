@@ -235,7 +235,9 @@ def test_schedule_error_shows_the_schedule_with_the_faulty_actions_marked() -> N
     with pytest.raises(ScheduleError) as late_w:
         validate_schedule([[F(0), F(1), I(0), W(1), I(1), W(0)]])
     assert str(late_w.value).splitlines()[0] == "rank 0, action 3 (W1): W of micro-batches before its I: [1]"
-    assert str(late_w.value).splitlines()[2:] == ["step  rank 0", "0     F0", "1     F1", "2     I0", "3     >W1<", "4     I1", "5     W0"]
+    assert str(late_w.value).splitlines()[2:] == [
+        "step  rank 0", "0     F0", "1     F1", "2     I0", "3     >W1<", "4     I1", "5     W0"
+    ]  # fmt: skip
 
     with pytest.raises(ScheduleError) as order:
         validate_schedule([[F(0), F(1), I(1), I(0), W(0, 1)], [F(0), F(1), I(0), I(1), W(0, 1)]])
@@ -258,29 +260,38 @@ def test_checker_notices_any_single_dropped_action(name: str) -> None:
 # (name, 2BP) -> one action list per rank, on 2 ranks and 4 micro-batches.
 EXPECTED_MULTI_STAGE: dict[tuple[str, bool], list[list[Action]]] = {
     ("interleaved-1f1b", False): [
-        [F(0, 0), F(1, 0), F(0, 2), F(1, 2), F(2, 0), B(0, 2), F(3, 0), B(1, 2), F(2, 2), B(0, 0), F(3, 2), B(1, 0), B(2, 2), B(3, 2), B(2, 0), B(3, 0)],
-        [F(0, 1), F(1, 1), F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 1), B(0, 1), F(3, 1), B(1, 1), F(2, 3), B(2, 3), F(3, 3), B(3, 3), B(2, 1), B(3, 1)],
+        [F(0, 0), F(1, 0), F(0, 2), F(1, 2), F(2, 0), B(0, 2), F(3, 0), B(1, 2), F(2, 2), B(0, 0), F(3, 2), B(1, 0),
+         B(2, 2), B(3, 2), B(2, 0), B(3, 0)],
+        [F(0, 1), F(1, 1), F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(2, 1), B(0, 1), F(3, 1), B(1, 1), F(2, 3), B(2, 3),
+         F(3, 3), B(3, 3), B(2, 1), B(3, 1)],
     ],
     ("interleaved-1f1b", True): [
-        [F(0, 0), F(1, 0), F(0, 2), F(1, 2), F(2, 0), I(0, 2), F(3, 0), I(1, 2), F(2, 2), I(0, 0), F(3, 2), I(1, 0), I(2, 2), W(0, stage=2),
-         I(3, 2), W(1, stage=2), I(2, 0), W(0, stage=0), I(3, 0), W(1, stage=0), W(2, 3, stage=2), W(2, 3, stage=0)],
-        [F(0, 1), F(1, 1), F(0, 3), I(0, 3), F(1, 3), I(1, 3), F(2, 1), I(0, 1), F(3, 1), I(1, 1), F(2, 3), I(2, 3), F(3, 3), I(3, 3),
-         I(2, 1), W(0, stage=3), I(3, 1), W(1, stage=3), W(0, 1, 2, 3, stage=1), W(2, 3, stage=3)],
+        [F(0, 0), F(1, 0), F(0, 2), F(1, 2), F(2, 0), I(0, 2), F(3, 0), I(1, 2), F(2, 2), I(0, 0), F(3, 2), I(1, 0),
+         I(2, 2), W(0, stage=2), I(3, 2), W(1, stage=2), I(2, 0), W(0, stage=0), I(3, 0), W(1, stage=0),
+         W(2, 3, stage=2), W(2, 3, stage=0)],
+        [F(0, 1), F(1, 1), F(0, 3), I(0, 3), F(1, 3), I(1, 3), F(2, 1), I(0, 1), F(3, 1), I(1, 1), F(2, 3), I(2, 3),
+         F(3, 3), I(3, 3), I(2, 1), W(0, stage=3), I(3, 1), W(1, stage=3), W(0, 1, 2, 3, stage=1), W(2, 3, stage=3)],
     ],
     ("zbv", False): [
-        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), B(0, 3), F(1, 3), B(1, 3), B(0, 0), F(3, 0), B(1, 0), F(2, 3), B(2, 3), F(3, 3), B(3, 3), B(2, 0), B(3, 0)],
-        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), B(0, 2), B(0, 1), B(1, 2), B(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2), B(2, 2), B(3, 2), B(2, 1), B(3, 1)],
+        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), B(0, 3), F(1, 3), B(1, 3), B(0, 0), F(3, 0), B(1, 0), F(2, 3), B(2, 3),
+         F(3, 3), B(3, 3), B(2, 0), B(3, 0)],
+        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), B(0, 2), B(0, 1), B(1, 2), B(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2),
+         B(2, 2), B(3, 2), B(2, 1), B(3, 1)],
     ],
     ("zbv", True): [
-        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), I(0, 3), F(1, 3), I(1, 3), I(0, 0), F(3, 0), I(1, 0), W(0, stage=3), F(2, 3), I(2, 3), F(3, 3),
-         W(1, stage=3), I(3, 3), W(2, stage=3), W(3, stage=3), W(0, stage=0), I(2, 0), W(1, stage=0), I(3, 0), W(2, 3, stage=0)],
-        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), I(0, 2), I(0, 1), I(1, 2), I(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2), W(0, stage=2), I(2, 2),
-         W(0, stage=1), W(1, stage=2), I(3, 2), I(2, 1), W(1, stage=1), I(3, 1), W(2, 3, stage=1), W(2, 3, stage=2)],
+        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), I(0, 3), F(1, 3), I(1, 3), I(0, 0), F(3, 0), I(1, 0), W(0, stage=3),
+         F(2, 3), I(2, 3), F(3, 3), W(1, stage=3), I(3, 3), W(2, stage=3), W(3, stage=3), W(0, stage=0), I(2, 0),
+         W(1, stage=0), I(3, 0), W(2, 3, stage=0)],
+        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), I(0, 2), I(0, 1), I(1, 2), I(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2),
+         W(0, stage=2), I(2, 2), W(0, stage=1), W(1, stage=2), I(3, 2), I(2, 1), W(1, stage=1), I(3, 1),
+         W(2, 3, stage=1), W(2, 3, stage=2)],
     ],
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("name,twobp", list(EXPECTED_MULTI_STAGE), ids=[f"{n}-{'2bp' if t else 'plain'}" for n, t in EXPECTED_MULTI_STAGE])
+@pytest.mark.parametrize(
+    "name,twobp", list(EXPECTED_MULTI_STAGE), ids=[f"{n}-{'2bp' if t else 'plain'}" for n, t in EXPECTED_MULTI_STAGE]
+)
 def test_exact_actions_with_two_stages_per_rank(name: str, twobp: bool) -> None:
     assert schedule(name, 2, 4, twobp) == EXPECTED_MULTI_STAGE[name, twobp]
 
@@ -306,7 +317,8 @@ def test_the_v_hands_over_at_its_tip_without_a_message() -> None:
     """Stage p − 1 and stage p are on the last rank: nothing crosses ranks between them."""
     order, _ = execution_order(schedule("zbv", 2, 2))
     owners = placement("zbv", 2)
-    crossing = {a.sends(rank, 4) for rank, a in order if a.sends(rank, 4) is not None and owners[a.sends(rank, 4).receiver] != rank}
+    sent = [(rank, a.sends(rank, 4)) for rank, a in order]
+    crossing = {message for rank, message in sent if message is not None and owners[message.receiver] != rank}
     assert all({m.sender, m.receiver} != {1, 2} for m in crossing) and crossing
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from twobp_autograd.pipeline.actions import B, F, I, W
@@ -141,7 +143,7 @@ def test_busy_and_idle_add_up(name: str, twobp: bool) -> None:
     result = simulate(schedule(name, 3, twobp=twobp), StageCosts(**UNEVEN), p2p_latency=0.1)
     for rank, events in enumerate(result.timelines):
         assert [e.action for e in events] == schedule(name, 3, twobp=twobp)[rank]
-        assert all(a.end <= b.start for a, b in zip(events, events[1:]))
+        assert all(a.end <= b.start for a, b in itertools.pairwise(events))
         assert result.busy_time[rank] + result.idle_time[rank] == pytest.approx(result.step_time)
     assert 0 < result.bubble_ratio < 1
 

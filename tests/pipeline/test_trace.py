@@ -87,7 +87,10 @@ def test_plot_timeline_writes_a_png(tmp_path: Path, twobp: bool) -> None:
 def test_plot_timelines_stacks_panels_on_one_axis(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     costs = StageCosts(1, 1, 1)
-    panels = [(f"2BP {'on' if on else 'off'}", simulate(schedule("gpipe", 2, twobp=on), costs).timelines) for on in (False, True)]
+    panels = [
+        (f"2BP {'on' if on else 'off'}", simulate(schedule("gpipe", 2, twobp=on), costs).timelines)
+        for on in (False, True)
+    ]
     path = tmp_path / "panels.png"
     plot_timelines(panels, path, "GPipe, 2 stages")
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

@@ -15,7 +15,11 @@ PARTITIONS = [
 ]
 
 
-@pytest.mark.parametrize("costs,num_stages,expected", PARTITIONS, ids=[f"{len(c)}blocks-{p}stages-{i}" for i, (c, p, _) in enumerate(PARTITIONS)])
+@pytest.mark.parametrize(
+    "costs,num_stages,expected",
+    PARTITIONS,
+    ids=[f"{len(c)}blocks-{p}stages-{i}" for i, (c, p, _) in enumerate(PARTITIONS)],
+)
 def test_partition_minimises_the_costliest_stage(costs, num_stages, expected) -> None:
     assert [(r.start, r.stop) for r in partition(costs, num_stages)] == expected
 

@@ -1,5 +1,6 @@
 """split_model on chains of blocks (nn.Sequential, torchvision's ResNet): blocks that compose
-to the model, stages that share its parameters; models it cannot cut are refused with advice. Torchvision's VGG and ViT and the Hugging Face models are in
+to the model, stages that share its parameters; models it cannot cut are refused with advice.
+Torchvision's VGG and ViT and the Hugging Face models are in
 tests/pipeline/test_split_library_models.py."""
 
 from __future__ import annotations
