@@ -35,11 +35,15 @@ def test_bench_writes_table_json_and_traces(model: str, tmp_path, capfd) -> None
 
 
 def test_bench_runs_pytorch_schedules_beside_ours(capfd) -> None:
-    argv = ["pipeline", "--model", "mlp", "--schedule", "zbv", "zb", "--twobp", "on", "--baseline", "torch", "--steps", "1"]
+    argv = [
+        "pipeline", "--model", "mlp", "--schedule", "zbv", "zb", "--twobp", "on", "--baseline", "torch", "--steps", "1"
+    ]  # fmt: skip
     tiny = [*TINY[:2], "--depth", "4", *TINY[4:]]  # 4 blocks: two stages per rank
     assert main(argv + ["--warmup", "0", *tiny, "--nproc", "2", "--no-progress", "--micro-batches", "4"]) == 0
     table = capfd.readouterr().out
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line.strip().startswith(("torch-", "zb"))}
-    assert set(rows) == {"zb", "zbv", "torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv"}
+    assert set(rows) == {
+        "zb", "zbv", "torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv"
+    }  # fmt: skip
     assert rows["torch-gpipe"][-1] == "1.000" and all(float(row[-1]) > 0 for row in rows.values())
     assert "vs torch GPipe" in table

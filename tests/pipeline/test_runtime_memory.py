@@ -40,7 +40,7 @@ def _capped_and_uncapped(rank: int) -> dict:
         report = runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
         own = report.ranks[rank] if isinstance(report, StepReport) else report
         assert isinstance(own, RankMetrics)
-        for x, y in zip(inputs.tensor_split(MICRO_BATCHES), targets.tensor_split(MICRO_BATCHES)):
+        for x, y in zip(inputs.tensor_split(MICRO_BATCHES), targets.tensor_split(MICRO_BATCHES), strict=True):
             (F.mse_loss(reference(x), y) / MICRO_BATCHES).backward()
         result[name] = {
             "peak_pending_bytes": own.peak_pending_bytes,

@@ -91,7 +91,9 @@ def _mixers(stage: nn.Module) -> set[str]:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable, Callable, Callable[[nn.Module], set[str]]]] = {
     "resnet18": (small_resnet, image_batch, classifier_loss, lambda stage: set()),
     "llama": (tiny_llama, token_batch, hf_loss, lambda stage: set()),
-    "bert": (tiny_bert, masked_batch, hf_loss, lambda stage: {n for n, _ in stage.named_modules() if n == "head.predictions"}),
+    "bert": (
+        tiny_bert, masked_batch, hf_loss, lambda stage: {n for n, _ in stage.named_modules() if n == "head.predictions"}
+    ),
     "mamba": (tiny_mamba, token_batch, hf_loss, _mixers),
 }
 TIED = {"llama", "bert", "mamba"}
@@ -132,8 +134,17 @@ COMPOSE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("make_model, make_batch, loss, num_stages", [c[1:] for c in COMPOSE_CASES], ids=[c[0] for c in COMPOSE_CASES])
-def test_stages_compose_to_the_models_forward(make_model: Callable, make_batch: Callable, loss: Callable, num_stages: int) -> None:
+def _prefixed(prefix: str) -> Callable[[str], str]:
+    """assert_close's message: its own, after ``prefix``."""
+    return lambda message: f"{prefix}: {message}"
+
+
+@pytest.mark.parametrize(
+    "make_model, make_batch, loss, num_stages", [c[1:] for c in COMPOSE_CASES], ids=[c[0] for c in COMPOSE_CASES]
+)
+def test_stages_compose_to_the_models_forward(
+    make_model: Callable, make_batch: Callable, loss: Callable, num_stages: int
+) -> None:
     model = make_model().train()
     reference = copy.deepcopy(model)
     inputs, targets = make_batch(torch.Generator().manual_seed(0))
@@ -150,7 +161,7 @@ def test_stages_compose_to_the_models_forward(make_model: Callable, make_batch: 
     pipeline.loss_fn(x, targets).backward()
     expected_loss.backward()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=_prefixed(name))
 
     # The stages hold the model's own parameters, each of them exactly once over all stages
     # but for the tied ones, which each holding stage lists.
@@ -196,7 +207,9 @@ def test_unknown_models_are_refused() -> None:
         split_model(Custom(), 2)
 
 
-@pytest.mark.parametrize("make_model, norm", [(tiny_llama, "LlamaRMSNorm"), (tiny_mamba, "MambaRMSNorm")], ids=["llama", "mamba"])
+@pytest.mark.parametrize(
+    "make_model, norm", [(tiny_llama, "LlamaRMSNorm"), (tiny_mamba, "MambaRMSNorm")], ids=["llama", "mamba"]
+)
 def test_the_models_own_norms_are_deferred(make_model: Callable, norm: str) -> None:
     model = make_model()
     stages = split_model(model, 2).stages
@@ -210,7 +223,7 @@ def test_the_models_own_norms_are_deferred(make_model: Callable, norm: str) -> N
 # -- on two ranks -------------------------------------------------------------------------------
 
 
-def _differs(a: "Tensor | None", b: "Tensor | None") -> bool:
+def _differs(a: Tensor | None, b: Tensor | None) -> bool:
     return a is None or b is None or not close_to_reference(a, b)
 
 
@@ -232,7 +245,9 @@ def _check_model(rank: int, model_name: str) -> dict:
     for schedule_name, twobp_on in SCHEDULE_SETTINGS:
         m = default_num_micro_batches(schedule_name, WORLD)
         actions = schedule(schedule_name, WORLD, m, twobp_on)[rank]
-        runtime = PipelineRuntime(stage, actions, num_micro_batches=m, loss_fn=pipeline.loss_fn, twobp=twobp_on, timeout=RUNTIME_TIMEOUT)
+        runtime = PipelineRuntime(
+            stage, actions, num_micro_batches=m, loss_fn=pipeline.loss_fn, twobp=twobp_on, timeout=RUNTIME_TIMEOUT
+        )
         result: dict = {"skipped": set(twobp.patch(stage, report=True).skipped) if twobp_on else None}
         inputs, targets = make_batch(generator)
         report = runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
@@ -241,7 +256,7 @@ def _check_model(rank: int, model_name: str) -> dict:
         result["loss"] = report.loss if isinstance(report, StepReport) else None
 
         reference_loss = 0.0
-        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m)):
+        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
             micro_loss = loss(reference, x, y) / m
             micro_loss.backward()
             reference_loss += micro_loss.item()
@@ -261,7 +276,8 @@ def _check_model(rank: int, model_name: str) -> dict:
                 mismatches.append(f"{name}.grad")
         for b in stage.buffers():
             name = buffer_names[id(b)]
-            if b.is_floating_point() and _differs(b, reference_buffers[name]) or not b.is_floating_point() and not torch.equal(b, reference_buffers[name]):
+            reference_buffer, floating = reference_buffers[name], b.is_floating_point()
+            if floating and _differs(b, reference_buffer) or not floating and not torch.equal(b, reference_buffer):
                 mismatches.append(f"buffer {name}")
         result["mismatches"] = mismatches
         result["expected_skipped"] = expected_skipped(stage)
