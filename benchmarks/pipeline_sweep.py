@@ -1,5 +1,5 @@
 """The pipeline sweep: every model ``bench pipeline`` offers x every schedule, 2BP on and off,
-against DESIGN.md's performance model and the simulator fed with measured stage costs.
+against the performance model (docs/performance.md) and the simulator fed with measured stage costs.
 
 Per model, on 2 gloo ranks with one thread each:
 
@@ -7,7 +7,7 @@ Per model, on 2 gloo ranks with one thread each:
    throughput, bubble and step time;
 2. ``stage_costs.py`` on the same model, seed and cut: per-block F, B, I, W(n) and the bytes
    each micro-batch holds, and the p2p latency;
-3. from those, offline: the *ideal* 2BP/off ratio of each schedule (DESIGN.md's model:
+3. from those, offline: the *ideal* 2BP/off ratio of each schedule (docs/performance.md's model:
    balanced stages at the slowest stage's F, I, W, W', no communication, B = I + W), the
    *simulated* step times (the same action lists replayed with every stage's own measured
    terms, its B and the latency) to compare with the measured ones, the modelled peak
@@ -128,7 +128,7 @@ class StageTerms:
 
     def costs(self, twobp: bool, *, split_backward: bool = False, concatenation: bool = True) -> StageCosts:
         """The simulator's costs: measured F/B with 2BP off, F/I/W(n) with it on.
-        ``split_backward``: B = I + W(1) instead of the measured B (DESIGN.md's model);
+        ``split_backward``: B = I + W(1) instead of the measured B (the performance model's);
         ``concatenation`` False: W(n) = n W(1), no concatenation gain."""
         w1 = self.weight_grad[1]
         return StageCosts(
@@ -257,7 +257,7 @@ def simulate_pair(
 def ideal_ratio(
     name: str, num_stages: int, num_micro_batches: int, bottleneck: StageTerms, *, concatenation: bool = True
 ) -> float:
-    """DESIGN.md's performance model for ``name``: every stage costs the bottleneck stage's
+    """The performance model (docs/performance.md) for ``name``: every stage costs the bottleneck stage's
     F (2BP off), I and W (B = I + W; W(n) as measured, or n W(1) without ``concatenation``),
     no communication. Throughput ratio 2BP on / off. For GPipe this is
     (m+p-1)(F+I+W) / ((m+p-1)(F+I) + m W')."""

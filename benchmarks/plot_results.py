@@ -114,8 +114,8 @@ def _introduction(document: Mapping[str, Any]) -> list[str]:
         "",
         "- **measured**: timed on this machine, two processes (`bench pipeline`); throughput is samples/s "
         "of the whole step, the bubble is idle time / (ranks x step time).",
-        "- **ideal**: DESIGN.md's performance model, computed: every stage costs the slowest stage's measured F, I, "
-        "W and W' (= W(n)/n, concatenated), B = I + W, no communication. For GPipe that is "
+        "- **ideal**: the performance model (docs/performance.md), computed: every stage costs the slowest "
+        "stage's measured F, I, W and W' (= W(n)/n, concatenated), B = I + W, no communication. For GPipe that is "
         "(m+p-1)(F+I+W) / ((m+p-1)(F+I) + m W').",
         "- **simulated**: computed by replaying the same action lists (`pipeline/simulator.py`) with every stage's own "
         "measured F, B, I, W(n) and the measured p2p latency; its step time is compared with the measured one.",

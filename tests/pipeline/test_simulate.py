@@ -1,4 +1,4 @@
-"""The replay against closed forms (DESIGN.md's performance model) and hand-worked timelines."""
+"""The replay against closed forms (the performance model, docs/performance.md) and hand-worked timelines."""
 
 from __future__ import annotations
 
