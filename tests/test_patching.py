@@ -227,3 +227,15 @@ def test_torch_func_transforms_take_the_plain_path():
     assert twobp.pending().jobs == 0
     for name in expected:
         torch.testing.assert_close(got[name], expected[name], msg=name)
+
+
+def test_the_package_exports_exactly_its_public_api() -> None:
+    """README's API table: the functions, the queue, and the types public calls return."""
+    expected = {
+        "patch", "unpatch", "flush_weight_grads", "discard_weight_grads", "pending", "register",
+        "WeightGradQueue", "use_queue", "PatchReport", "PendingWork",
+    }  # fmt: skip
+    assert set(twobp.__all__) == expected
+    assert all(hasattr(twobp, name) for name in expected)
+    assert isinstance(twobp.patch(nn.Linear(2, 2), report=True), twobp.PatchReport)
+    assert isinstance(twobp.pending(), twobp.PendingWork)

@@ -6,8 +6,8 @@ call per layer over all queued micro-batches.
 """
 
 from . import fsdp  # noqa: F401  (flushes reduce-scatter FSDP2-sharded gradients)
-from .patching import patch, unpatch
-from .queue import WeightGradQueue, discard_weight_grads, flush_weight_grads, pending, use_queue
+from .patching import PatchReport, patch, unpatch
+from .queue import PendingWork, WeightGradQueue, discard_weight_grads, flush_weight_grads, pending, use_queue
 from .registry import register
 
 __all__ = [
@@ -19,4 +19,6 @@ __all__ = [
     "register",
     "WeightGradQueue",
     "use_queue",
+    "PatchReport",
+    "PendingWork",
 ]
