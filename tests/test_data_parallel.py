@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
-from tests.utils import TOLERANCES
+from tests.utils import TOLERANCES, Scale
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
@@ -41,17 +41,6 @@ def launch(scenario: Callable[[int], dict], world: int, directory: str, deadline
 
 
 # -- a model with every case at once ---------------------------------------------------------
-
-
-class Scale(nn.Module):
-    """Not registered: its weight gets its gradient from plain autograd in backward."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight
 
 
 class Net(nn.Module):

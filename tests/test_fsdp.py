@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
-from tests.utils import close_to_reference
+from tests.utils import Scale, close_to_reference
 from twobp_autograd import fsdp_hooks
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.flush import watch_flushes
@@ -36,17 +36,6 @@ WORLD = 2
 MICRO_BATCHES = 3
 ROWS = 4  # per micro-batch and rank
 VOCAB, WIDTH = 13, 8
-
-
-class Scale(nn.Module):
-    """Not registered: its weight gets its gradient from plain autograd in backward."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight
 
 
 class Block(nn.Module):

@@ -22,7 +22,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroB
 
 import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
-from tests.utils import close_to_reference
+from tests.utils import Scale, close_to_reference
 from twobp_autograd.fsdp import ShardedGradientSync
 from twobp_autograd.pipeline import PipelineRuntime, dw_builder
 from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
@@ -31,17 +31,6 @@ PIPELINE, REPLICAS = 2, 2
 WORLD = PIPELINE * REPLICAS
 BLOCKS, WIDTH, ROWS = 8, 12, 4
 MICRO_BATCHES = 4  # PyTorch's schedules
-
-
-class Scale(nn.Module):
-    """Not registered: its gradient comes from plain autograd in backward."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight
 
 
 def make_model() -> nn.Sequential:

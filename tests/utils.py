@@ -15,6 +15,19 @@ import twobp_autograd as twobp
 TOLERANCES = {torch.float64: (1e-10, 1e-12), torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 2e-2)}
 
 
+class Scale(nn.Module):
+    """A module no rule covers (a stand-in for any unregistered layer):
+    not registered, its weight gets its gradient from plain autograd
+    in backward."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.linspace(0.5, 1.5, n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+
 def close_to_reference(value: Tensor, reference: Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """``value`` within the dtype's tolerance of ``reference``, the absolute part scaled by the
     reference's largest entry: a gradient summed in another order (micro-batches concatenated
