@@ -18,6 +18,7 @@ from typing import Any, Literal, Protocol
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import _engine_run_backward
 
 from .job import WeightGradJob
 from .streams import LaunchedGroups
@@ -157,7 +158,8 @@ def _add_group_grads(
         if param is None or grad is None:
             continue
         entry = summing.get(id(param))
-        grad = grad.to(param.dtype)
+        if grad.dtype != param.dtype:
+            grad = grad.to(param.dtype)
         summing[id(param)] = (param, entry[1].add(grad) if entry else _Sum(grad))
 
 
@@ -175,7 +177,11 @@ def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch
         for param in frozen:
             param.requires_grad_(True)
         with torch.enable_grad():
-            _HandOver.apply(handover, *params).backward()
+            root = _HandOver.apply(handover, *params)
+        # The engine itself, as Tensor.backward() calls it, without backward()'s argument
+        # checks and its ones_like: a flush of a few small layers pays for little else.
+        ones = _ones_on(root.device)
+        _engine_run_backward((root,), (ones,), False, False, (), allow_unreachable=True, accumulate_grad=True)
     finally:
         for param in frozen:
             param.requires_grad_(False)
@@ -192,11 +198,22 @@ class _HandOver(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, handover: list[list[Tensor]], *params: Tensor) -> Tensor:
         ctx.handover = handover
-        return params[0].new_zeros(())
+        return torch.zeros((), device=params[0].device)
 
     @staticmethod
     def backward(ctx: Any, _: Tensor) -> tuple[Tensor | None, ...]:
         return (None, *ctx.handover.pop())
+
+
+_ones: dict[torch.device, Tensor] = {}
+
+
+def _ones_on(device: torch.device) -> Tensor:
+    """The hand-over root's gradient, one fp32 scalar per device (never written to)."""
+    ones = _ones.get(device)
+    if ones is None:
+        ones = _ones[device] = torch.ones((), device=device)
+    return ones
 
 
 def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Tensor | None]:
@@ -225,7 +242,7 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Te
     total: list[_Sum | None] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
-            total[i] = _sum(total[i], None if grad is None else grad.to(dtypes[i]))
+            total[i] = _sum(total[i], grad if grad is None or grad.dtype == dtypes[i] else grad.to(dtypes[i]))
     return [t.tensor if t is not None else None for t in total]
 
 
