@@ -11,6 +11,9 @@ into 4 or 8 stages, is a sum of blocks; the loss is one more block on the last s
 
 The bytes that decide activation memory are recorded too: what autograd saves per
 micro-batch (without parameters), and what the queue holds from backward-p1 to backward-p2.
+Saved bytes are per stage (a storage two blocks save is held once), and per block as the
+list of storages it saves (numbered within the measured stage), so that the bytes of any other
+cut's stage are its blocks' storages counted once: what 4 stages on 2 ranks hold.
 
     python benchmarks/stage_costs.py --bench-json raw/bench.json --out raw/costs.json
 """
@@ -49,21 +52,31 @@ def micro_batch_sizes(batch_size: int, micro_batch_counts: Sequence[int]) -> lis
 
 class saved_bytes(contextlib.AbstractContextManager):  # noqa: N801 (used like a function)
     """Counts the storage bytes autograd saves inside, each storage once, parameters excluded:
-    the activation memory a micro-batch holds until its backward."""
+    the activation memory a micro-batch holds until its backward. Set ``block`` before each
+    block runs: ``storages`` then lists, per block, the storages it saved (numbered in the
+    order first seen) and their bytes."""
 
     def __init__(self, params: Sequence[Tensor]) -> None:
         self._excluded = {p.untyped_storage().data_ptr() for p in params}
-        self._seen: set[int] = set()
+        self._numbers: dict[int, int] = {}  # storage pointer -> its number
         self.bytes = 0
+        self.block = 0
+        self.storages: dict[int, dict[int, int]] = defaultdict(dict)  # block -> {number: bytes}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
     def _pack(self, tensor: Tensor) -> Tensor:
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
-        if pointer and pointer not in self._excluded and pointer not in self._seen:
-            self._seen.add(pointer)
-            self.bytes += storage.nbytes()
+        if pointer and pointer not in self._excluded:
+            if pointer not in self._numbers:
+                self._numbers[pointer] = len(self._numbers)
+                self.bytes += storage.nbytes()
+            self.storages[self.block][self._numbers[pointer]] = storage.nbytes()
         return tensor
+
+    def block_storages(self, count: int) -> list[list[list[int]]]:
+        """Per block ``0 .. count - 1``: its saved storages as [number, bytes] pairs."""
+        return [[[n, size] for n, size in sorted(self.storages[b].items())] for b in range(count)]
 
     def __enter__(self) -> saved_bytes:
         self._hooks.__enter__()
@@ -94,10 +107,13 @@ class _Stage:
         return [type(b).__name__ for b in self.blocks] + ([LOSS_BLOCK] if self.loss_fn else [])
 
     def forward(
-        self, x: Tensor, target: Tensor | None, twobp_on: bool
+        self, x: Tensor, target: Tensor | None, twobp_on: bool, counter: saved_bytes | None = None
     ) -> tuple[list[tuple[Tensor, Tensor]], list[float]]:
+        """Block by block (the loss last); ``counter`` is told which block runs."""
         pairs, times = [], []
         for index, block in enumerate(self.blocks):
+            if counter is not None:
+                counter.block = index
             # The runtime feeds the first rank's input as it is, and every other input as a leaf.
             needs_grad = x.is_floating_point() and not (self.first and index == 0)
             inp = x.detach().requires_grad_(needs_grad)
@@ -109,6 +125,8 @@ class _Stage:
             pairs.append((inp, out))
             x = out
         if self.loss_fn is not None:
+            if counter is not None:
+                counter.block = len(self.blocks)
             inp = x.detach().requires_grad_()
             start = _now(inp)
             loss = self.loss_fn(inp, target)
@@ -171,7 +189,7 @@ def measure_stage(
         raise ValueError(f"need {max(counts)} micro-batches, got {len(micro_inputs)}")
     make_grad = output_grad or (lambda out: torch.randn_like(out))
     samples: dict[str, list[list[float]]] = defaultdict(list)  # quantity -> one list of per-block times per run
-    memory: dict[str, list[int]] = {}
+    memory: dict[str, list[Any]] = {}
 
     def output_gradient(pairs: list[tuple[Tensor, Tensor]]) -> Tensor | None:
         return None if loss_fn is not None else make_grad(pairs[-1][1])
@@ -183,7 +201,7 @@ def measure_stage(
             stage.set_mode(False)
             for k in range(len(counts)):  # as many F and B samples per repeat as W(n) ones
                 with saved_bytes(stage.params) if not keep else contextlib.nullcontext() as saved_off:
-                    pairs, forward = stage.forward(micro_inputs[k], micro_targets[k], twobp_on=False)
+                    pairs, forward = stage.forward(micro_inputs[k], micro_targets[k], False, saved_off)
                 backward = stage.backward(pairs, output_gradient(pairs))
                 stage.zero_grad()
                 if keep:
@@ -192,16 +210,18 @@ def measure_stage(
                 else:
                     memory.setdefault("output_bytes", [_bytes(out) for _, out in pairs])
                     memory.setdefault("saved_bytes_off", [saved_off.bytes])
+                    memory.setdefault("saved_storages_off", saved_off.block_storages(len(stage.names)))
 
             stage.set_mode(True)
             was_patched = True
             for n in counts:
                 for k in range(n):
                     with saved_bytes(stage.params) if not keep else contextlib.nullcontext() as saved_on:
-                        pairs, forward = stage.forward(micro_inputs[k], micro_targets[k], twobp_on=True)
+                        pairs, forward = stage.forward(micro_inputs[k], micro_targets[k], True, saved_on)
                     input_grad = stage.backward(pairs, output_gradient(pairs))
                     if not keep and k == 0:
                         memory.setdefault("saved_bytes_on", [saved_on.bytes])
+                        memory.setdefault("saved_storages_on", saved_on.block_storages(len(stage.names)))
                         memory.setdefault("pending_bytes", stage.pending_bytes())
                     if keep:
                         samples["forward_on"].append(forward)
@@ -230,6 +250,8 @@ def measure_stage(
         }
         block["output_bytes"] = memory["output_bytes"][index]
         block["pending_bytes"] = memory["pending_bytes"][index]
+        block["saved_storages_off"] = memory["saved_storages_off"][index]
+        block["saved_storages_on"] = memory["saved_storages_on"][index]
         result.append(block)
     # Saved bytes are per stage (storages shared between blocks are counted once): on its first block.
     result[0]["stage_saved_bytes_off"] = memory["saved_bytes_off"][0]
