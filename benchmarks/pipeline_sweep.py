@@ -1,18 +1,25 @@
 """The pipeline sweep: every model ``bench pipeline`` offers x every schedule, 2BP on and off,
 against the performance model (docs/performance.md) and the simulator fed with measured stage costs.
 
-Per model, on 2 gloo ranks with one thread each:
+The schedules are the one-stage-per-rank ones (GPipe, 1F1B-1, 1F1B-2, zb) and those whose
+ranks hold two stages each (interleaved 1F1B on the loop placement, ZB-V on the V): on 2
+ranks the latter cut the model into 4 stages. Per model, on 2 gloo ranks with one thread each:
 
 1. ``bench pipeline`` (all schedules, 2BP off and on alternating step by step): measured
    throughput, bubble and step time;
-2. ``stage_costs.py`` on the same model, seed and cut: per-block F, B, I, W(n) and the bytes
-   each micro-batch holds, and the p2p latency;
+2. ``stage_costs.py`` on the same model, seed and 2-rank cut: per-block F, B, I, W(n), the
+   storages each block saves per micro-batch and what it queues, and the p2p latency. Every
+   block is timed alone, so any cut (4 stages included) is a sum of blocks;
 3. from those, offline: the *ideal* 2BP/off ratio of each schedule (docs/performance.md's model:
    balanced stages at the slowest stage's F, I, W, W', no communication, B = I + W), the
    *simulated* step times (the same action lists replayed with every stage's own measured
    terms, its B and the latency) to compare with the measured ones, the modelled peak
-   activation memory, and simulated predictions for 4 and 8 stages (N = p or 2p micro-batches
-   of the measured size).
+   activation memory, and simulated predictions for 4 and 8 ranks (p stages, or 2p for the
+   two-stage-per-rank schedules; N = p or 2p micro-batches of the measured size).
+
+Every cut is the one ``partition`` makes of the block costs ``bench pipeline`` recorded (its
+first run's). What cannot be computed from what was measured (the modelled memory of a cut
+whose blocks' storages were not recorded) is named under ``not_available`` instead.
 
 Then ``pipelining_zb.py`` (PyTorch's zero-bubble schedules with 2BP's W vs PyTorch's split
 W). Everything lands in ``<out>/pipeline.json``; ``plot_results.py`` turns it into
@@ -47,13 +54,20 @@ from typing import Any
 import torch
 
 from twobp_autograd.pipeline import bench
-from twobp_autograd.pipeline.actions import Action, Held, peak_memory
-from twobp_autograd.pipeline.schedules import SCHEDULES, default_num_micro_batches, schedule
+from twobp_autograd.pipeline.actions import Action, Held, RankMemory
+from twobp_autograd.pipeline.schedules import (
+    MULTI_STAGE_SCHEDULES,
+    SCHEDULES,
+    default_num_micro_batches,
+    placement,
+    schedule,
+)
 from twobp_autograd.pipeline.simulator import SimulationResult, StageCosts, simulate
 from twobp_autograd.pipeline.split import partition
 from twobp_autograd.pipeline.trace import write_chrome_trace
 
 __all__ = [
+    "SWEEP_SCHEDULES",
     "Mode",
     "MODES",
     "StageTerms",
@@ -63,13 +77,17 @@ __all__ = [
     "ideal_ratio",
     "simulate_pair",
     "modeled_peak_bytes",
+    "stages_per_rank",
+    "message_bytes",
     "analyse_model",
     "main",
 ]
 
 HERE = Path(__file__).resolve().parent
 WORLD = 2
-PREDICT_STAGES = (4, 8)
+PREDICT_STAGES = (4, 8)  # ranks: the stages of each schedule's placement on them
+#: What the sweep runs: one stage per rank, then two (loop and V placements).
+SWEEP_SCHEDULES: tuple[str, ...] = SCHEDULES + MULTI_STAGE_SCHEDULES
 
 
 @dataclass(frozen=True)
@@ -95,7 +113,8 @@ MODES = {
         warmup=1,
         cost_repeats=1,
         counts=(1, 2),
-        bench_shape=("--width", "64", "--depth", "2", "--seq-len", "16", "--image-size", "32", "--batch-size", "8"),
+        # depth 4: the MLP's 4 blocks make the 4 stages of the two-stage-per-rank schedules
+        bench_shape=("--width", "64", "--depth", "4", "--seq-len", "16", "--image-size", "32", "--batch-size", "8"),
         zb_arguments=(
             "--width", "64", "--hidden", "256", "--seq", "8", "--batch", "8", "--warmup", "1", "--rounds", "2"
         ),  # fmt: skip
@@ -193,13 +212,14 @@ def latency_model(points: Sequence[Sequence[float]]) -> Callable[[int], float]:
 def _blocks_by_index(
     costs: Mapping[str, Any], size: int
 ) -> tuple[list[dict[str, Any]], dict[str, Any] | None, dict[int, dict[str, Any]]]:
-    """Per-block measurements of the whole model at one micro size (from both ranks), the
-    loss pseudo-block, and the stage-level saved bytes by first block index."""
+    """Per-block measurements of the whole model at one micro size (from both ranks, each
+    tagged with its ``rank``), the loss pseudo-block, and the stage-level saved bytes by
+    first block index."""
     blocks: dict[int, dict[str, Any]] = {}
     loss = None
     stage_level: dict[int, dict[str, Any]] = {}
     for rank in costs["ranks"]:
-        measured = rank["per_size"][str(size)]
+        measured = [{**block, "rank": rank["rank"]} for block in rank["per_size"][str(size)]]
         # measured may end with the loss pseudo-block, past the blocks: zipped up to the blocks
         for index, block in zip(rank["blocks"], measured, strict=False):
             blocks[index] = block
@@ -212,17 +232,28 @@ def _blocks_by_index(
     return [blocks[i] for i in range(len(blocks))], loss, stage_level
 
 
+def _storage_bytes(members: Sequence[Mapping[str, Any]], key: str) -> int | None:
+    """The bytes of the storages ``members`` save, each counted once (a storage is named by
+    the rank that measured it and its number there); None if a block's were not recorded."""
+    if any(key not in block for block in members):
+        return None
+    storages = {(block["rank"], number): size for block in members for number, size in block[key]}
+    return sum(storages.values())
+
+
 def stage_terms(costs: Mapping[str, Any], size: int, num_stages: int) -> tuple[list[range], list[StageTerms]]:
     """The cut ``bench pipeline``'s balancing makes for ``num_stages`` stages, and each stage's
-    terms at micro-batch size ``size``: sums of its blocks' (the loss on the last)."""
+    terms at micro-batch size ``size``: sums of its blocks' (the loss on the last). A stage's
+    saved bytes are its blocks' storages counted once; without those (older measurements),
+    the measured stage's own count when the cut is the measured one, else None."""
     blocks, loss, stage_level = _blocks_by_index(costs, size)
     ranges = partition(costs["block_costs"], num_stages)
     terms = []
     for index, part in enumerate(ranges):
         members = [blocks[i] for i in part] + ([loss] if loss is not None and index == num_stages - 1 else [])
         counts = sorted({int(n) for n in members[0]["weight_grad"]})
-        first = stage_level.get(part.start, {})
-        measured_as_a_stage = num_stages == WORLD
+        first = stage_level.get(part.start, {}) if num_stages == WORLD else {}
+        saved = {flag: _storage_bytes(members, f"saved_storages_{flag}") for flag in ("off", "on")}
         terms.append(
             StageTerms(
                 forward_off=sum(b["forward_off"] for b in members),
@@ -231,8 +262,8 @@ def stage_terms(costs: Mapping[str, Any], size: int, num_stages: int) -> tuple[l
                 input_grad=sum(b["input_grad"] for b in members),
                 weight_grad={n: sum(b["weight_grad"][str(n)] for b in members) for n in counts},
                 boundary_bytes=blocks[part[-1]]["output_bytes"],
-                saved_bytes_off=first.get("stage_saved_bytes_off") if measured_as_a_stage else None,
-                saved_bytes_on=first.get("stage_saved_bytes_on") if measured_as_a_stage else None,
+                saved_bytes_off=saved["off"] if saved["off"] is not None else first.get("stage_saved_bytes_off"),
+                saved_bytes_on=saved["on"] if saved["on"] is not None else first.get("stage_saved_bytes_on"),
                 pending_bytes=sum(b["pending_bytes"] for b in members),
             )
         )
@@ -242,11 +273,25 @@ def stage_terms(costs: Mapping[str, Any], size: int, num_stages: int) -> tuple[l
 # -- models of a step ------------------------------------------------------------------------
 
 
+def stages_per_rank(name: str) -> int:
+    """How many stages each rank holds under schedule ``name``."""
+    return len(placement(name, 1))
+
+
+def message_bytes(name: str, terms: Sequence[StageTerms]) -> int:
+    """The largest activation sent between ranks under ``name``'s placement of ``terms``' stages
+    (a hand-over between two stages of one rank sends nothing)."""
+    owners = placement(name, len(terms) // stages_per_rank(name))
+    crossing = [t.boundary_bytes for s, t in enumerate(terms[:-1]) if owners[s] != owners[s + 1]]
+    return max(crossing, default=0)
+
+
 def simulate_pair(
     name: str, terms: Sequence[StageTerms], num_micro_batches: int, latency: float
 ) -> tuple[SimulationResult, SimulationResult]:
-    """Replay ``name`` with 2BP off and on, every stage with its own measured terms."""
-    p = len(terms)
+    """Replay ``name`` with 2BP off and on, every stage with its own measured terms (on
+    ``len(terms)`` ranks, or half as many for the schedules holding two stages per rank)."""
+    p = len(terms) // stages_per_rank(name)
     off = simulate(
         schedule(name, p, num_micro_batches, twobp=False), [t.costs(False) for t in terms], p2p_latency=latency
     )
@@ -255,11 +300,12 @@ def simulate_pair(
 
 
 def ideal_ratio(
-    name: str, num_stages: int, num_micro_batches: int, bottleneck: StageTerms, *, concatenation: bool = True
+    name: str, num_ranks: int, num_micro_batches: int, bottleneck: StageTerms, *, concatenation: bool = True
 ) -> float:
-    """The performance model (docs/performance.md) for ``name``: every stage costs the bottleneck stage's
-    F (2BP off), I and W (B = I + W; W(n) as measured, or n W(1) without ``concatenation``),
-    no communication. Throughput ratio 2BP on / off. For GPipe this is
+    """The performance model (docs/performance.md) for ``name`` on ``num_ranks`` ranks (as many
+    stages, or twice as many for the two-stage-per-rank schedules): every stage costs the
+    bottleneck stage's F (2BP off), I and W (B = I + W; W(n) as measured, or n W(1) without
+    ``concatenation``), no communication. Throughput ratio 2BP on / off. For GPipe this is
     (m+p-1)(F+I+W) / ((m+p-1)(F+I) + m W')."""
     off_costs = bottleneck.costs(False, split_backward=True, concatenation=concatenation)
     on_costs = StageCosts(
@@ -268,15 +314,34 @@ def ideal_ratio(
         weight_grad=off_costs.weight_grad,
         weight_grad_by_count=off_costs.weight_grad_by_count,
     )
-    off = simulate(schedule(name, num_stages, num_micro_batches, twobp=False), off_costs)
-    on = simulate(schedule(name, num_stages, num_micro_batches, twobp=True), on_costs)
+    off = simulate(schedule(name, num_ranks, num_micro_batches, twobp=False), off_costs)
+    on = simulate(schedule(name, num_ranks, num_micro_batches, twobp=True), on_costs)
     return off.step_time / on.step_time
 
 
-def modeled_peak_bytes(actions: Sequence[Action], graph_bytes: int, pending_bytes: int) -> int:
-    """Peak activation bytes of one rank running ``actions``: each micro-batch holds
-    ``graph_bytes`` from its F to its B or I, and ``pending_bytes`` from its I to its W."""
-    return peak_memory(actions, {Held.GRAPH: graph_bytes, Held.PENDING_WEIGHT_GRADS: pending_bytes})
+def modeled_peak_bytes(
+    actions: Sequence[Action],
+    graph_bytes: int | Mapping[int, int],
+    pending_bytes: int | Mapping[int, int],
+    rank: int = 0,
+) -> int:
+    """Peak activation bytes of ``rank`` running ``actions``: each micro-batch of a stage holds
+    that stage's ``graph_bytes`` from its F to its B or I, and its ``pending_bytes`` from its I
+    to its W (one figure for every stage, or one per stage index)."""
+    memory: dict[int, RankMemory] = {}
+    peak = 0
+    for action in actions:
+        memory.setdefault(action.stage_on(rank), RankMemory()).run(action)
+        held = sum(
+            stage.size({Held.GRAPH: _of(graph_bytes, index), Held.PENDING_WEIGHT_GRADS: _of(pending_bytes, index)})
+            for index, stage in memory.items()
+        )
+        peak = max(peak, held)
+    return peak
+
+
+def _of(amount: int | Mapping[int, int], stage: int) -> int:
+    return amount if isinstance(amount, int) else amount[stage]
 
 
 def _bottleneck(terms: Sequence[StageTerms]) -> StageTerms:
@@ -288,7 +353,7 @@ def analyse_model(
 ) -> dict[str, Any]:
     """Every figure of one model: measured (bench), ideal, simulated, memory, predictions."""
     rows = {(row["schedule"], row["twobp"]): row for row in bench_doc["summary"]}
-    schedules = [name for name in SCHEDULES if (name, False) in rows and (name, True) in rows]
+    schedules = [name for name in SWEEP_SCHEDULES if (name, False) in rows and (name, True) in rows]
     batch = round(rows[schedules[0], False]["samples_per_s"] * rows[schedules[0], False]["step_time_median"])
     latency = latency_model(costs["latency_points"])
     result: dict[str, Any] = {"batch_size": batch, "stage_terms": {}, "schedules": {}, "cuts": {}}
@@ -297,16 +362,23 @@ def analyse_model(
         off_row, on_row = rows[name, False], rows[name, True]
         m = off_row["micro_batches"]
         size = -(-batch // m)
-        ranges, terms = stage_terms(costs, size, WORLD)
-        result["cuts"][str(WORLD)] = [[r.start, r.stop] for r in ranges]
-        result["stage_terms"].setdefault(str(size), [t.summary() for t in terms])
-        message = latency(max(t.boundary_bytes for t in terms[:-1]))
+        num_stages = WORLD * stages_per_rank(name)
+        ranges, terms = stage_terms(costs, size, num_stages)
+        result["cuts"][str(num_stages)] = [[r.start, r.stop] for r in ranges]
+        summaries = [t.summary() for t in terms]
+        if num_stages == WORLD:
+            result["stage_terms"].setdefault(str(size), summaries)
+        else:
+            result.setdefault("stage_terms_by_cut", {}).setdefault(str(num_stages), {}).setdefault(str(size), summaries)
+        message = latency(message_bytes(name, terms))
         sim_off, sim_on = simulate_pair(name, terms, m, message)
         ideal = ideal_ratio(name, WORLD, m, _bottleneck(terms))
         measured = _measured(off_row, on_row)
         entry: dict[str, Any] = {
             "micro_batches": m,
             "micro_batch_size": size,
+            "stages": num_stages,
+            "placement": list(placement(name, WORLD)),
             "measured": measured,
             "ideal": {
                 "throughput_ratio": ideal,
@@ -327,8 +399,14 @@ def analyse_model(
             },
             "predicted": {str(p): _predicted(name, costs, size, p, latency) for p in PREDICT_STAGES},
         }
-        if all(t.saved_bytes_off is not None and t.saved_bytes_on is not None for t in terms):
-            entry["memory_modeled"] = _modeled_memory(name, terms, m)
+        memory = _modeled_memory(name, terms, m)
+        if memory is not None:
+            entry["memory_modeled"] = memory
+        else:
+            entry["not_available"] = {
+                "memory_modeled": f"the bytes each block saves were not recorded: no saved bytes for a "
+                f"{num_stages}-stage cut (re-measure the stage costs)"
+            }
         if name == timeline_schedule:
             timeline = sim_on
         result["schedules"][name] = entry
@@ -355,34 +433,40 @@ def _measured(off_row: Mapping[str, Any], on_row: Mapping[str, Any]) -> dict[str
     }
 
 
-def _modeled_memory(name: str, terms: Sequence[StageTerms], num_micro_batches: int) -> dict[str, Any]:
-    """Peak activation bytes over the ranks, 2BP off and on, from the measured bytes per stage."""
+def _modeled_memory(name: str, terms: Sequence[StageTerms], num_micro_batches: int) -> dict[str, Any] | None:
+    """Peak activation bytes over the ranks, 2BP off and on, from the measured bytes per
+    stage; None when a stage's are unknown."""
+    off_bytes = {s: t.saved_bytes_off for s, t in enumerate(terms) if t.saved_bytes_off is not None}
+    on_bytes = {s: t.saved_bytes_on for s, t in enumerate(terms) if t.saved_bytes_on is not None}
+    if len(off_bytes) < len(terms) or len(on_bytes) < len(terms):
+        return None
+    pending = {s: t.pending_bytes for s, t in enumerate(terms)}
     plans = {flag: schedule(name, WORLD, num_micro_batches, twobp=flag) for flag in (False, True)}
-    off_peak = max(modeled_peak_bytes(plans[False][r], terms[r].saved_bytes_off, 0) for r in range(WORLD))  # type: ignore[arg-type]
-    on_peak = max(
-        modeled_peak_bytes(plans[True][r], terms[r].saved_bytes_on, terms[r].pending_bytes) for r in range(WORLD)  # type: ignore[arg-type]
-    )
+    off_peak = max(modeled_peak_bytes(plans[False][r], off_bytes, 0, r) for r in range(WORLD))
+    on_peak = max(modeled_peak_bytes(plans[True][r], on_bytes, pending, r) for r in range(WORLD))
     return {"peak_bytes_off": off_peak, "peak_bytes_on": on_peak, "ratio": on_peak / off_peak if off_peak else None}
 
 
 def _predicted(
-    name: str, costs: Mapping[str, Any], size: int, num_stages: int, latency: Callable[[int], float]
+    name: str, costs: Mapping[str, Any], size: int, num_ranks: int, latency: Callable[[int], float]
 ) -> dict[str, Any]:
-    """The simulated step of ``name`` on ``num_stages`` stages cut from the measured blocks."""
-    n = default_num_micro_batches(name, num_stages)
+    """The simulated step of ``name`` on ``num_ranks`` ranks, its stages cut from the measured blocks."""
+    n = default_num_micro_batches(name, num_ranks)
+    num_stages = num_ranks * stages_per_rank(name)
     if len(costs["block_costs"]) < num_stages:
         return {"skipped": f"{len(costs['block_costs'])} blocks cannot make {num_stages} stages"}
     cut, terms = stage_terms(costs, size, num_stages)
-    off, on = simulate_pair(name, terms, n, latency(max(t.boundary_bytes for t in terms[:-1])))
+    off, on = simulate_pair(name, terms, n, latency(message_bytes(name, terms)))
     return {
         "micro_batches": n,
+        "stages": num_stages,
         "cut": [[r.start, r.stop] for r in cut],
         "step_time_off": off.step_time,
         "step_time_on": on.step_time,
         "throughput_ratio": off.step_time / on.step_time,
         "bubble_off": off.bubble_ratio,
         "bubble_on": on.bubble_ratio,
-        "ideal_throughput_ratio": ideal_ratio(name, num_stages, n, _bottleneck(terms)),
+        "ideal_throughput_ratio": ideal_ratio(name, num_ranks, n, _bottleneck(terms)),
     }
 
 
@@ -414,7 +498,7 @@ def _run(command: Sequence[str], log: Path) -> None:
 
 def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_schedule: str) -> dict[str, Any]:
     bench_args = [
-        "--model", model, "--schedule", *SCHEDULES, "--twobp", "both",
+        "--model", model, "--schedule", *SWEEP_SCHEDULES, "--twobp", "both",
         "--steps", str(mode.steps), "--warmup", str(mode.warmup),
         "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
     ]  # fmt: skip
@@ -513,7 +597,7 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=None, help="default: benchmarks/results (quick: benchmarks/results/quick)"
     )
-    parser.add_argument("--timeline-schedule", choices=SCHEDULES, default="1f1b-2")
+    parser.add_argument("--timeline-schedule", choices=SWEEP_SCHEDULES, default="1f1b-2")
     parser.add_argument("--no-pipelining-zb", action="store_true", help="skip PyTorch's ZB schedules comparison")
     parser.add_argument("--no-plots", action="store_true", help="JSON only (plot later with plot_results.py)")
     parser.add_argument("--force", action="store_true", help="re-measure parts already saved")

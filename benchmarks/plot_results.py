@@ -46,7 +46,7 @@ BARS = (
     ("measured", "measured, 2 ranks", "#4C72B0"),
     ("ideal", "ideal (performance model), 2 ranks", "#BBBBBB"),
     ("simulated", "simulated, 2 ranks", "#55A868"),
-    ("predicted_4", "simulated, 4 stages", "#DD8452"),
+    ("predicted_4", "simulated, 4 ranks", "#DD8452"),
 )
 
 
@@ -57,6 +57,12 @@ def _ratio(entry: Mapping[str, Any], bar: str) -> float | None:
         return entry[bar]["throughput_ratio"]
     predicted = entry.get("predicted", {}).get(bar.split("_")[1], {})
     return predicted.get("throughput_ratio")
+
+
+def _label(name: str, entry: Mapping[str, Any]) -> str:
+    """The schedule's name, with its stage count where its ranks hold several stages."""
+    owners = entry.get("placement") or ()
+    return f"{name} ({len(owners)} stages)" if len(owners) > len(set(owners)) else name
 
 
 def _fmt(value: float | None, digits: int = 3, suffix: str = "") -> str:
@@ -123,6 +129,10 @@ def _introduction(document: Mapping[str, Any]) -> list[str]:
         "and what the queue holds from I to W, replayed over each rank's actions; the peak over ranks.",
         "- **measured memory**: the heap in use (glibc `mallinfo2`: tensors and autograd's saved activations alike) "
         "after each action, over the step's start; the peak over ranks and steps.",
+        "",
+        "interleaved-1f1b (loop placement) and zbv (V placement) hold two stages per rank: on 2 ranks the model is "
+        "cut into 4 stages, whose terms are sums of the same per-block measurements; the ideal is theirs at the "
+        "slowest of the 4 stages.",
     ]
 
 
@@ -133,11 +143,14 @@ def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
         "peak memory on/off, measured", "peak activation memory on/off, modelled",
     )  # fmt: skip
     lines = _section("Two ranks: measured against the model", None, columns)
+    missing = []
     for model in models:
         for name, e in model["schedules"].items():
             memory = e.get("memory_modeled", {})
+            missing += [f"{model['model']}, {name}: {what}: {why}" for what, why in e.get("not_available", {}).items()]
             lines.append(
-                f"| {model['model']} | {name} | {e['micro_batches']} | {_fmt(e['measured']['throughput_ratio'])} | "
+                f"| {model['model']} | {_label(name, e)} | {e['micro_batches']} | "
+                f"{_fmt(e['measured']['throughput_ratio'])} | "
                 f"{_fmt(e['ideal']['throughput_ratio'])} | "
                 f"{_fmt(e['ideal']['throughput_ratio_without_concatenation_gain'])} | "
                 f"{_fmt(e['measured_over_ideal'])} | "
@@ -146,6 +159,7 @@ def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
                 f"{_fmt(e['measured']['bubble_on'])} | {_fmt(e['measured'].get('peak_memory_ratio'), 2, 'x')} | "
                 f"{_fmt(memory.get('ratio'), 2, 'x')} |"
             )
+    lines += ["", *(f"Not available: {line}." for line in missing)] if missing else []
     return lines + [
         "",
         "Targets: measured within 5% of ideal (above the W' = W ideal where concatenation makes W' < W), simulated "
@@ -156,14 +170,16 @@ def _two_ranks_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
 def _more_stages_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
     lines = _section(
         "More stages (simulated)",
-        "Same measured per-block terms, the model cut into p stages by the benchmark's balancing, "
-        "N = p (GPipe, 1F1B-1) or 2p (1F1B-2, zb) micro-batches of the measured size, "
-        "the latency model at the largest message of the cut. "
+        "Same measured per-block terms on p ranks: the model cut into p stages (2p for interleaved-1f1b and zbv, "
+        "two per rank) by the benchmark's balancing, "
+        "N = p (GPipe, 1F1B-1) or 2p (1F1B-2, zb, interleaved-1f1b, zbv) micro-batches of the measured size, "
+        "the latency model at the largest message between ranks. "
         "W(n) beyond the largest measured n is extrapolated at that n's per-micro-batch time.",
         ("model", "schedule", "p=4: N", "p=4: 2BP/off", "p=4: ideal", "p=8: N", "p=8: 2BP/off", "p=8: ideal"),
     )
     for model in models:
         for name, e in model["schedules"].items():
+            label = f"{name} (2p stages)" if _label(name, e) != name else name
             cells = []
             for p in ("4", "8"):
                 predicted = e["predicted"].get(p, {})
@@ -175,7 +191,7 @@ def _more_stages_table(models: Sequence[Mapping[str, Any]]) -> list[str]:
                         _fmt(predicted["throughput_ratio"]),
                         _fmt(predicted["ideal_throughput_ratio"]),
                     ]
-            lines.append(f"| {model['model']} | {name} | " + " | ".join(cells) + " |")
+            lines.append(f"| {model['model']} | {label} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -277,7 +293,7 @@ def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
             paper = [PAPER["throughput_ratio"]] * 2
             axes.plot([x - 0.4, x + 0.4], paper, color="#C44E52", linewidth=2, label=PAPER["label"])
         axes.axhline(1.0, color="black", linewidth=0.8)
-        axes.set_xticks(range(len(names)), names)
+        axes.set_xticks(range(len(names)), names, rotation=25, ha="right", fontsize=8)
         axes.set_title(model["model"])
         axes.set_ylabel("throughput, 2BP on / off")
         axes.grid(axis="y", alpha=0.3)

@@ -4,6 +4,7 @@ what it saved."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from pathlib import Path
@@ -122,11 +123,127 @@ def test_stage_terms_sum_blocks_per_cut_with_the_loss_on_the_last(sweep) -> None
     assert all(t.saved_bytes_off is None for t in four)  # only the measured 2-rank stages know theirs
 
 
+def _stored_block(forward: float, off: list, on: list, *, out: int = 64, pending: int = 5) -> dict:
+    """A block as stage_costs.py records it: B = I + W(1), W(2) = 1.5 W(1), its saved storages."""
+    return {
+        "name": "B", "forward_off": forward, "forward_on": forward, "backward": 2 * forward, "input_grad": forward,
+        "weight_grad": {"1": forward, "2": 1.5 * forward}, "output_bytes": out, "pending_bytes": pending,
+        "saved_storages_off": off, "saved_storages_on": on,
+    }  # fmt: skip
+
+
+#: 4 unit blocks on 2 measured ranks. Rank 0's blocks share storage 0 (100 bytes), so its
+#: measured stage holds 150 bytes and its blocks, as stages of their own, 100 and 150; the
+#: loss saves rank 1's storage 1 again.
+FOUR_BLOCKS = {
+    "block_costs": [1.0] * 4,
+    "latency_points": [[1, 0.0]],
+    "ranks": [
+        {
+            "rank": 0,
+            "blocks": [0, 1],
+            "per_size": {
+                "2": [_stored_block(1, [[0, 100]], [[0, 90]]), _stored_block(1, [[0, 100], [1, 50]], [[1, 50]])]
+            },
+        },
+        {
+            "rank": 1,
+            "blocks": [2, 3],
+            "per_size": {
+                "2": [
+                    _stored_block(1, [[0, 30]], [[0, 30]]),
+                    _stored_block(1, [[1, 20]], [[1, 20]]),
+                    _stored_block(0, [[1, 20], [2, 10]], [[2, 10]], pending=0),
+                ]
+            },
+        },
+    ],
+}
+
+
+def test_saved_bytes_of_any_cut_count_each_blocks_storage_once(sweep) -> None:
+    _, two = sweep.stage_terms(FOUR_BLOCKS, 2, 2)
+    assert [(t.saved_bytes_off, t.saved_bytes_on) for t in two] == [(150, 140), (60, 60)]
+    _, four = sweep.stage_terms(FOUR_BLOCKS, 2, 4)
+    assert [(t.saved_bytes_off, t.saved_bytes_on) for t in four] == [(100, 90), (150, 50), (30, 30), (30, 30)]
+    assert [t.pending_bytes for t in four] == [5, 5, 5, 5]
+
+
+def test_messages_between_ranks_only_under_each_placement(sweep) -> None:
+    four = [terms(sweep) for _ in range(4)]
+    for stage, size in enumerate((64, 1000, 64)):
+        four[stage].boundary_bytes = size
+    assert [sweep.stages_per_rank(n) for n in ("gpipe", "zb", "interleaved-1f1b", "zbv")] == [1, 1, 2, 2]
+    assert sweep.message_bytes("interleaved-1f1b", four) == 1000  # stage 1 -> 2 crosses from rank 1 to 0
+    assert sweep.message_bytes("zbv", four) == 64  # the V's tip: stages 1 and 2 both on rank 1
+    assert sweep.message_bytes("1f1b-2", four) == 1000  # 4 stages on 4 ranks
+
+
+def _summary_row(name: str, twobp: bool, step: float) -> dict:
+    return {
+        "schedule": name, "twobp": twobp, "micro_batches": 4, "step_time_median": step, "samples_per_s": 8 / step,
+        "bubble_ratio": 0.2, "peak_bytes": 1000,
+    }  # fmt: skip
+
+
+def test_analysis_of_two_stages_per_rank_cuts_four_stages(sweep) -> None:
+    """Unit F and I, B = 2, W(2) = 1.5, no latency: the simulated ratio is the ideal one, and
+    interleaved 1F1B's step without 2BP is its 24 units of work plus (p - 1)(F + B) / v = 3.
+    Its modelled peak without 2BP (hand-worked): rank 1 holds 3 micro-batches of stage 1 (150
+    bytes each) at once, stage 3's all released by then: 450."""
+    names = ("gpipe", "interleaved-1f1b", "zbv")
+    bench_doc = {"summary": [_summary_row(n, on, 25.0 if on else 30.0) for n in names for on in (False, True)]}
+    result = sweep.analyse_model(bench_doc, FOUR_BLOCKS, "zbv")
+    assert list(result["schedules"]) == list(names) and result["timeline_schedule"] == "zbv"
+    assert result["cuts"] == {"2": [[0, 2], [2, 4]], "4": [[0, 1], [1, 2], [2, 3], [3, 4]]}
+    assert list(result["stage_terms"]) == ["2"] and len(result["stage_terms_by_cut"]["4"]["2"]) == 4
+    interleaved, zbv = result["schedules"]["interleaved-1f1b"], result["schedules"]["zbv"]
+    assert (interleaved["stages"], interleaved["placement"]) == (4, [0, 1, 0, 1])
+    assert (zbv["stages"], zbv["placement"]) == (4, [0, 1, 1, 0])
+    expected = {  # (off, on) simulated steps, ideal, ideal if W' = W, modelled peak bytes off and on
+        "gpipe": ((30.0, 26.0), 30 / 26, 1.0714285714285714, (600, 560)),
+        "interleaved-1f1b": ((27.0, 24.0), 1.125, 1.08, (450, 400)),
+        "zbv": ((30.0, 24.0), 1.25, 1.2, (360, 305)),
+    }
+    for name, (steps, ideal, plain, memory) in expected.items():
+        entry = result["schedules"][name]
+        assert (entry["simulated"]["step_time_off"], entry["simulated"]["step_time_on"]) == pytest.approx(steps)
+        assert entry["simulated"]["throughput_ratio"] == pytest.approx(ideal)
+        assert entry["ideal"]["throughput_ratio"] == pytest.approx(ideal)
+        assert entry["ideal"]["throughput_ratio_without_concatenation_gain"] == pytest.approx(plain)
+        assert entry["measured_over_ideal"] == pytest.approx(1.2 / ideal)
+        assert (entry["memory_modeled"]["peak_bytes_off"], entry["memory_modeled"]["peak_bytes_on"]) == memory
+        assert "not_available" not in entry
+    # p = 4 ranks: 4 stages for GPipe, 8 for the two-stage-per-rank schedules (4 blocks cannot).
+    assert result["schedules"]["gpipe"]["predicted"]["4"]["stages"] == 4
+    assert interleaved["predicted"] == {
+        "4": {"skipped": "4 blocks cannot make 8 stages"},
+        "8": {"skipped": "4 blocks cannot make 16 stages"},
+    }
+
+
+def test_analysis_says_what_older_measurements_cannot_give(sweep) -> None:
+    """Costs recorded before blocks' storages were: 4 stages have no saved bytes, so no modelled memory."""
+    older = copy.deepcopy(FOUR_BLOCKS)
+    for rank in older["ranks"]:
+        for block in rank["per_size"]["2"]:
+            del block["saved_storages_off"], block["saved_storages_on"]
+        rank["per_size"]["2"][0].update(stage_saved_bytes_off=150, stage_saved_bytes_on=140)
+    older["ranks"][1]["per_size"]["2"][0].update(stage_saved_bytes_off=60, stage_saved_bytes_on=60)
+    bench_doc = {"summary": [_summary_row(n, on, 25.0) for n in ("gpipe", "zbv") for on in (False, True)]}
+    result = sweep.analyse_model(bench_doc, older)
+    assert result["schedules"]["gpipe"]["memory_modeled"]["peak_bytes_off"] == 600  # the measured 2-rank stages'
+    zbv = result["schedules"]["zbv"]
+    assert "memory_modeled" not in zbv and "4-stage cut" in zbv["not_available"]["memory_modeled"]
+    assert zbv["simulated"]["step_time_off"] == pytest.approx(30.0)  # timing needs no bytes
+
+
 def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, monkeypatch) -> None:
-    """Two spawned bench ranks and two measuring ranks on a 2-block MLP: ~30 s on 2 busy cores."""
+    """Two spawned bench ranks and two measuring ranks on a 4-block MLP (4 stages for the
+    two-stage-per-rank schedules): ~40 s on 2 busy cores."""
     tiny = sweep.Mode(
         "quick", steps=1, warmup=0, cost_repeats=1, counts=(1, 2),
-        bench_shape=("--width", "16", "--depth", "2", "--seq-len", "4", "--batch-size", "4", "--balance", "params"),
+        bench_shape=("--width", "16", "--depth", "4", "--seq-len", "4", "--batch-size", "4", "--balance", "params"),
         latency_repeats=2,
     )  # fmt: skip
     monkeypatch.setitem(sweep.MODES, "quick", tiny)
@@ -136,14 +253,16 @@ def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, m
     document = json.loads((tmp_path / "pipeline.json").read_text())
     assert document["kind"].startswith("smoke run") and document["machine"]["torch"]
     (model,) = document["models"]
-    assert "error" not in model and set(model["schedules"]) == {"gpipe", "1f1b-1", "1f1b-2", "zb"}
+    assert "error" not in model and list(model["schedules"]) == list(sweep.SWEEP_SCHEDULES)
     for name, entry in model["schedules"].items():
-        assert entry["micro_batches"] == (4 if name in ("1f1b-2", "zb") else 2)
+        assert entry["micro_batches"] == (2 if name in ("gpipe", "1f1b-1") else 4)
         for figure in ("measured", "ideal", "simulated"):
             ratio = entry[figure]["throughput_ratio"]
             assert math.isfinite(ratio) and ratio > 0
         assert entry["simulated"]["step_time_on"] > 0 and entry["memory_modeled"]["peak_bytes_on"] > 0
-        assert entry["predicted"]["4"]["skipped"]  # 2 blocks cannot make 4 stages
+        assert entry["stages"] == (4 if name in ("interleaved-1f1b", "zbv") else 2)
+        assert entry["predicted"]["8"]["skipped"]  # 4 blocks cannot make 8 stages
+    assert model["cuts"] == {"2": [[0, 2], [2, 4]], "4": [[0, 1], [1, 2], [2, 3], [3, 4]]}
     # The stage costs came from a stage that really deferred: something was queued between I and W.
     raw = next((tmp_path / "raw").glob("mlp-*"))
     costs = json.loads((raw / "costs.json").read_text())
@@ -152,7 +271,9 @@ def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, m
     assert all(jobs > 0 for step in bench["steps"]["mlp-gpipe-2bp-on"] for jobs in step["deferred_jobs"])
 
     table = (tmp_path / "pipeline.md").read_text()
-    assert table.count("| mlp | ") >= 3 * 4 and "smoke run" in table and "1.70x" in table
+    # 6 schedules in the two tables of schedules, and 2 stages at each of 2 micro-batch sizes
+    assert table.count("| mlp | ") == 2 * 6 + 2 * 2 and "smoke run" in table and "1.70x" in table
+    assert "| mlp | zbv (4 stages) | 4 |" in table and "| mlp | interleaved-1f1b (2p stages) |" in table
     for image in ("pipeline.png", "timeline_mlp.png"):
         assert (tmp_path / image).stat().st_size > 10_000
 
@@ -194,6 +315,33 @@ def test_readme_table_goes_between_the_markers_and_only_there(sweep, tmp_path) -
     assert not plot_results.update_readme(table, readme) and readme.read_text() == "no markers\n"
 
 
+def test_pipeline_page_labels_two_stages_per_rank_and_says_what_is_not_available(sweep, tmp_path) -> None:
+    import plot_results
+
+    rows = [_summary_row(n, on, 25.0 if on else 30.0) for n in ("gpipe", "zbv") for on in (False, True)]
+    bench_doc = {"summary": rows}
+    model = {"model": "mlp", **sweep.analyse_model(bench_doc, FOUR_BLOCKS)}
+    del model["_simulated_timeline"]
+    model["schedules"]["zbv"]["not_available"] = {"memory_modeled": "no storages"}
+    machine = {"torch": "2", "cpu_count": 2, "processor": "x"}
+    document = {
+        "kind": "smoke run", "command": "sweep", "date": "today", "machine": machine, "ranks": 2,
+        "threads_per_rank": 1, "mode": {"warmup": 1, "steps": 1}, "models": [model],
+    }  # fmt: skip
+    page = plot_results.markdown(document).splitlines()
+    two_ranks = [line for line in page if line.startswith("| mlp | zbv")]
+    assert two_ranks[0].startswith(
+        "| mlp | zbv (4 stages) | 4 | 1.200 | 1.250 | 1.200 | 0.960 | 1.250 | +0.0% / -4.0% |"
+    )
+    assert two_ranks[1] == (
+        "| mlp | zbv (2p stages) | – | 4 blocks cannot make 8 stages | – | – | 4 blocks cannot make 16 stages | – |"
+    )
+    assert "Not available: mlp, zbv: memory_modeled: no storages." in page
+    assert [line for line in page if line.startswith("| mlp | gpipe |")][1].startswith("| mlp | gpipe | 4 | 1.235 |")
+    plot_results.plot_ratios(document, tmp_path / "pipeline.png")
+    assert (tmp_path / "pipeline.png").stat().st_size > 10_000
+
+
 @pytest.fixture
 def stage_costs(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCHMARKS))
@@ -209,8 +357,10 @@ def test_saved_bytes_counts_activations_once_and_no_parameters(stage_costs) -> N
     x = torch.randn(4, 8, requires_grad=True)
     with stage_costs.saved_bytes(list(linear.parameters())) as counted:
         out = linear(x)
+        counted.block = 1
         again = linear(x)  # the same input saved twice: one storage
     assert counted.bytes == x.numel() * 4
+    assert counted.block_storages(2) == [[[0, x.numel() * 4]], [[0, x.numel() * 4]]]  # each block holds it
     (out + again).sum().backward()
 
 
@@ -233,6 +383,10 @@ def test_measure_stage_times_every_block_and_leaves_the_stage_as_it_was(stage_co
         assert block["pending_bytes"] > 0  # something was queued between I and W
     assert measured[2]["weight_grad"]["1"] == 0 and measured[2]["pending_bytes"] == 0
     assert measured[0]["stage_saved_bytes_off"] >= 3 * 8 * 4  # at least the first Linear's input
+    for flag in ("off", "on"):  # the stage's storages, each in every block that saves it
+        storages = {tuple(pair) for block in measured for pair in block[f"saved_storages_{flag}"]}
+        assert sum(size for _, size in storages) == measured[0][f"stage_saved_bytes_{flag}"]
+    assert 3 * 16 * 4 in [size for _, size in measured[1]["saved_storages_off"]]  # the Linear's input
     assert measured[1]["output_bytes"] == 3 * 4 * 4
     # Unpatched, no gradient, nothing queued: the model is handed back untouched.
     assert all(p.grad is None for b in blocks for p in b.parameters())
