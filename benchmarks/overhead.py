@@ -1,5 +1,8 @@
-"""What 2BP costs when nothing fills the bubble: ResNet-152, one step of 4 micro-batches,
-patched (4 backward-p1 + 1 flush) against plain autograd (4 full backward), in one process.
+"""What 2BP costs when nothing fills the bubble: one training step of 4 micro-batches, patched
+(4 backward-p1 + 1 flush) against plain autograd (4 full backward), in one process, on three
+models: torchvision's ResNet-152, the sweep's transformer (pre-norm Llama-like blocks) and
+Hugging Face's Llama, the last two built by ``twobp_autograd.pipeline.zoo`` and run as the chain
+of their pipeline blocks (their own norm classes deferred, as the sweep does), with their loss.
 
 In a pipeline the flush runs in otherwise idle time; here it runs right after the backward
 calls, so the ratio patched/plain is the pure overhead of splitting the backward (the tap, the
@@ -9,9 +12,9 @@ The sides alternate within every round, in a rotating order, after warm-up, so a
 whose speed drifts slows them alike; the statistic is the median over rounds of the per-round
 ratio. Also timed: the split itself (forward, backward-p1 and flush against plain forward and
 backward) and the flush strategies (one concatenated kernel per layer against one per
-micro-batch).
+micro-batch). The load average is recorded before and after each model.
 
-    python benchmarks/overhead.py [--rounds 15] [--threads N] [--profile]
+    python benchmarks/overhead.py [--models resnet152 transformer llama] [--rounds 15] [--threads 1] [--profile]
 """
 
 from __future__ import annotations
@@ -26,18 +29,21 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torchvision
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
 
-__all__ = ["main"]
+__all__ = ["main", "MODELS", "Workload", "build"]
 
 RESULTS = Path(__file__).resolve().parent / "results" / "overhead.json"
+MODELS = ("resnet152", "transformer", "llama")
 Batch = list[tuple[Tensor, Tensor]]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+PARTS = ("total", "forward", "backward", "flush")
 
 
 @dataclass
@@ -52,6 +58,17 @@ class Side:
         return statistics.median(r[part] for r in self.rounds)
 
 
+@dataclass
+class Workload:
+    """One model, plain and patched (deep copies, same weights), its micro-batches and loss."""
+
+    description: str
+    plain: nn.Module
+    patched: nn.Module
+    batch: Batch
+    loss_fn: LossFn
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -62,12 +79,16 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def plain_step(model: nn.Module, batch: Batch, device: torch.device) -> dict[str, float]:
-    model.zero_grad(set_to_none=True)
+def _load() -> list[float] | None:
+    return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+
+
+def plain_step(work: Workload, device: torch.device) -> dict[str, float]:
+    work.plain.zero_grad(set_to_none=True)
     forward = backward = 0.0
-    for x, y in batch:
+    for x, y in work.batch:
         t0 = _clock(device)
-        loss = F.cross_entropy(model(x), y) / len(batch)
+        loss = work.loss_fn(work.plain(x), y) / len(work.batch)
         t1 = _clock(device)
         loss.backward()
         t2 = _clock(device)
@@ -75,13 +96,13 @@ def plain_step(model: nn.Module, batch: Batch, device: torch.device) -> dict[str
     return {"total": forward + backward, "forward": forward, "backward": backward, "flush": 0.0}
 
 
-def twobp_step(model: nn.Module, batch: Batch, device: torch.device, queue: twobp.WeightGradQueue) -> dict[str, float]:
-    model.zero_grad(set_to_none=True)
+def twobp_step(work: Workload, device: torch.device, queue: twobp.WeightGradQueue) -> dict[str, float]:
+    work.patched.zero_grad(set_to_none=True)
     forward = backward = 0.0
-    for x, y in batch:
+    for x, y in work.batch:
         t0 = _clock(device)
         with twobp.use_queue(queue):
-            loss = F.cross_entropy(model(x), y) / len(batch)
+            loss = work.loss_fn(work.patched(x), y) / len(work.batch)
         t1 = _clock(device)
         loss.backward()  # backward-p1: input gradients; the weight work goes to `queue`
         t2 = _clock(device)
@@ -92,7 +113,9 @@ def twobp_step(model: nn.Module, batch: Batch, device: torch.device, queue: twob
     return {"total": forward + backward + flush, "forward": forward, "backward": backward, "flush": flush}
 
 
-def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, nn.Module, Batch]:
+def _resnet152(args: argparse.Namespace, device: torch.device) -> Workload:
+    import torchvision
+
     torch.manual_seed(args.seed)
     plain = torchvision.models.resnet152(num_classes=10).to(device)
     patched = twobp.patch(copy.deepcopy(plain))
@@ -104,7 +127,96 @@ def build(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, nn
     if args.channels_last:
         plain, patched = (m.to(memory_format=torch.channels_last) for m in (plain, patched))
         batch = [(x.contiguous(memory_format=torch.channels_last), y) for x, y in batch]
-    return plain, patched, batch
+    description = (
+        f"torchvision resnet152(num_classes=10), {args.micro_batches} micro-batches of {args.batch_size} "
+        f"at {args.image_size}x{args.image_size}"
+    )
+    return Workload(description, plain, patched, batch, F.cross_entropy)
+
+
+def _zoo(name: str, args: argparse.Namespace, device: torch.device) -> Workload:
+    """The zoo's model as the chain of its pipeline blocks (one stage holding them all)."""
+    from twobp_autograd.pipeline.split import blocks_of, defer_norms
+    from twobp_autograd.pipeline.zoo import build_model
+
+    options = argparse.Namespace(width=args.width, depth=args.depth, seq_len=args.seq_len, image_size=args.image_size)
+    model, make_batch, loss_fn = build_model(name, options, seed=args.seed)
+    defer_norms(model)  # before patching: the model's own norm classes defer too
+    plain = nn.Sequential(*blocks_of(model)).to(device)
+    patched = twobp.patch(copy.deepcopy(plain))
+    generator = torch.Generator().manual_seed(args.seed + 1)
+    batch = [make_batch(args.batch_size, generator) for _ in range(args.micro_batches)]
+    batch = [(x.to(device), y.to(device)) for x, y in batch]
+    width, depth, seq = args.width or 256, args.depth or 8, args.seq_len or 64
+    kind = {"transformer": "pre-norm Llama-like blocks (zoo 'transformer')", "llama": "Hugging Face LlamaForCausalLM"}
+    description = (
+        f"{kind.get(name, name)}, width {width}, {depth} blocks, vocab 1000, {args.micro_batches} micro-batches of "
+        f"{args.batch_size} x {seq} tokens"
+    )
+    return Workload(description, plain, patched, batch, loss_fn)
+
+
+def build(name: str, args: argparse.Namespace, device: torch.device) -> Workload:
+    """The workload called ``name`` (one of :data:`MODELS`)."""
+    return _resnet152(args, device) if name == "resnet152" else _zoo(name, args, device)
+
+
+def _sides(work: Workload, args: argparse.Namespace, device: torch.device) -> list[Side]:
+    concat_queue, loop_queue = twobp.WeightGradQueue("concat"), twobp.WeightGradQueue("loop")
+    sides = [
+        Side("plain", lambda: plain_step(work, device)),
+        Side("2bp-concat", lambda: twobp_step(work, device, concat_queue)),
+    ]
+    if not args.no_loop:
+        sides.append(Side("2bp-loop", lambda: twobp_step(work, device, loop_queue)))
+    return sides
+
+
+def _run_rounds(name: str, sides: list[Side], rounds: int, warmup: int) -> None:
+    for _ in range(warmup):
+        for side in sides:
+            side.step()
+    for round_index in range(rounds):
+        shift = round_index % len(sides)  # rotate who goes first
+        for side in sides[shift:] + sides[:shift]:
+            side.rounds.append(side.step())
+        print(
+            f"{name} round {round_index + 1}/{rounds}: "
+            + "  ".join(f"{s.name} {s.rounds[-1]['total']:.3f}s" for s in sides),
+            flush=True,
+        )
+
+
+def summarize(sides: list[Side]) -> dict[str, dict[str, float]]:
+    """Per side: the median of each part, and the median, min and max of the per-round ratio."""
+    base = sides[0]
+    summary: dict[str, dict[str, float]] = {}
+    for side in sides:
+        ratios = [r["total"] / b["total"] for r, b in zip(side.rounds, base.rounds, strict=True)]
+        summary[side.name] = {part: side.median(part) for part in PARTS}
+        summary[side.name]["ratio_to_plain"] = statistics.median(ratios)
+        summary[side.name]["ratio_to_plain_min"] = min(ratios)
+        summary[side.name]["ratio_to_plain_max"] = max(ratios)
+    return summary
+
+
+def _print_summary(description: str, summary: dict[str, dict[str, float]], rounds: int) -> None:
+    print(f"\n{description}, {torch.get_num_threads()} threads, {rounds} rounds (medians):")
+    print(f"  {'side':<12}{'step':>9}{'forward':>9}{'backward':>10}{'flush':>9}{'ratio/plain':>13}")
+    for name, row in summary.items():
+        print(
+            f"  {name:<12}{row['total']:>8.3f}s{row['forward']:>8.3f}s{row['backward']:>9.3f}s"
+            f"{row['flush']:>8.3f}s{row['ratio_to_plain']:>13.3f}"
+        )
+    concat, plain_backward = summary["2bp-concat"], summary["plain"]["backward"]
+    # The split: plain backward = I + W; 2BP = I' (backward-p1) + W' (the flush).
+    split = concat["backward"] + concat["flush"]
+    print(
+        f"  split: plain backward {plain_backward:.3f}s = I+W;  2BP backward-p1 {concat['backward']:.3f}s"
+        f" + flush {concat['flush']:.3f}s = {split:.3f}s ({split / plain_backward:.3f} of plain backward)"
+    )
+    if "2bp-loop" in summary:
+        print(f"  flush strategies: concat {concat['flush']:.3f}s, loop {summary['2bp-loop']['flush']:.3f}s")
 
 
 def profile(sides: list[Side], device: torch.device, rows: int) -> None:
@@ -121,84 +233,51 @@ def profile(sides: list[Side], device: torch.device, rows: int) -> None:
         print(prof.key_averages().table(sort_by=sort_by, row_limit=rows))
 
 
-def main(argv: list[str] | None = None) -> None:
+def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """One model's sides, timed interleaved: its description, summary, rounds and load."""
+    load_before = _load()
+    work = build(name, args, device)
+    sides = _sides(work, args, device)
+    _run_rounds(name, sides, args.rounds, args.warmup)
+    summary = summarize(sides)
+    _print_summary(work.description, summary, args.rounds)
+    load_after = _load()
+    print(f"  load average before {load_before}, after {load_after}")
+    if args.profile:
+        profile(sides, device, args.profile_rows)
+    return {
+        "model": work.description,
+        "load_average_before": load_before,
+        "load_average_after": load_after,
+        "summary": summary,
+        "rounds": {s.name: s.rounds for s in sides},
+    }
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS), help="models to time, in turn")
     parser.add_argument("--rounds", type=int, default=15, help="timed rounds, each running every side once")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--batch-size", type=int, default=2, help="samples per micro-batch")
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument(
-        "--threads", type=int, default=os.cpu_count(), help="torch.set_num_threads (default: all cores)"
-    )
+    parser.add_argument("--image-size", type=int, default=64, help="resnet152 input resolution")
+    parser.add_argument("--width", type=int, default=None, help="hidden size of transformer/llama (zoo default 256)")
+    parser.add_argument("--depth", type=int, default=None, help="blocks of transformer/llama (zoo default 8)")
+    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (zoo default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--channels-last", action="store_true")
+    parser.add_argument("--channels-last", action="store_true", help="resnet152 in channels-last")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-loop", action="store_true", help="skip the per-micro-batch flush strategy")
-    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table per side at the end")
+    parser.add_argument("--profile", action="store_true", help="print a torch.profiler table per side")
     parser.add_argument("--profile-rows", type=int, default=25)
-    parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
-    args = parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results (default results/overhead.json)")
+    return parser.parse_args(argv)
 
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda, but CUDA is not available")
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    plain, patched, batch = build(args, device)
-    concat_queue, loop_queue = twobp.WeightGradQueue("concat"), twobp.WeightGradQueue("loop")
-    sides = [
-        Side("plain", lambda: plain_step(plain, batch, device)),
-        Side("2bp-concat", lambda: twobp_step(patched, batch, device, concat_queue)),
-    ]
-    if not args.no_loop:
-        sides.append(Side("2bp-loop", lambda: twobp_step(patched, batch, device, loop_queue)))
 
-    for _ in range(args.warmup):
-        for side in sides:
-            side.step()
-    for round_index in range(args.rounds):
-        shift = round_index % len(sides)  # rotate who goes first
-        for side in sides[shift:] + sides[:shift]:
-            side.rounds.append(side.step())
-        print(
-            f"round {round_index + 1}/{args.rounds}: "
-            + "  ".join(f"{s.name} {s.rounds[-1]['total']:.3f}s" for s in sides),
-            flush=True,
-        )
-
-    base = sides[0]
-    summary: dict[str, dict[str, float]] = {}
-    print(
-        f"\nResNet-152, {args.micro_batches} micro-batches of {args.batch_size} "
-        f"at {args.image_size}x{args.image_size}, "
-        f"{device}, {torch.get_num_threads()} threads, {args.rounds} rounds (medians):"
-    )
-    print(f"  {'side':<12}{'step':>9}{'forward':>9}{'backward':>10}{'flush':>9}{'ratio/plain':>13}")
-    for side in sides:
-        ratios = [r["total"] / b["total"] for r, b in zip(side.rounds, base.rounds, strict=True)]
-        summary[side.name] = {part: side.median(part) for part in ("total", "forward", "backward", "flush")}
-        summary[side.name]["ratio_to_plain"] = statistics.median(ratios)
-        summary[side.name]["ratio_to_plain_min"] = min(ratios)
-        summary[side.name]["ratio_to_plain_max"] = max(ratios)
-        row = summary[side.name]
-        print(
-            f"  {side.name:<12}{row['total']:>8.3f}s{row['forward']:>8.3f}s{row['backward']:>9.3f}s"
-            f"{row['flush']:>8.3f}s{row['ratio_to_plain']:>13.3f}"
-        )
-    concat = summary["2bp-concat"]
-    # The split: plain backward = I + W; 2BP = I' (backward-p1) + W' (the flush).
-    print(
-        f"  split: plain backward {summary['plain']['backward']:.3f}s = I+W;  2BP backward-p1 "
-        f"{concat['backward']:.3f}s + flush {concat['flush']:.3f}s = "
-        f"{concat['backward'] + concat['flush']:.3f}s "
-        f"({(concat['backward'] + concat['flush']) / summary['plain']['backward']:.3f} of plain backward)"
-    )
-    if "2bp-loop" in summary:
-        print(f"  flush strategies: concat {concat['flush']:.3f}s, loop {summary['2bp-loop']['flush']:.3f}s")
-
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    environment = {
+def _environment(device: torch.device) -> dict[str, Any]:
+    return {
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
@@ -206,20 +285,30 @@ def main(argv: list[str] | None = None) -> None:
         "threads": torch.get_num_threads(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
     }
-    result = {
-        "benchmark": "overhead",
-        "model": "torchvision resnet152(num_classes=10)",
-        "config": config,
-        "environment": environment,
-        "summary": summary,
-        "rounds": {s.name: s.rounds for s in sides},
-    }
+
+
+def _relative(path: Path) -> str:
+    """``path`` relative to the working directory when it lies under it (no machine paths kept)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return path.name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but CUDA is not available")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    models = {name: measure(name, args, device) for name in args.models}
+    config = {k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    result = {"benchmark": "overhead", "config": config, "environment": _environment(device), "models": models}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")
-
-    if args.profile:
-        profile(sides, device, args.profile_rows)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
