@@ -6,7 +6,9 @@ parameters (no copies), report the parameters that two stages share, and splitti
 nothing (the models' own norms are deferred only once registered). On two gloo ranks:
 a pipelined step with 2BP (GPipe, 1F1B-1) and without (GPipe) gives every parameter the
 gradient, and every buffer the value, of the model itself run in one process on the same
-micro-batches, tied embeddings included once :class:`TiedGradients` has summed them.
+micro-batches, tied embeddings included once :class:`TiedGradients` has summed them; and so
+does a Llama in 4 stages, two per rank (interleaved 1F1B, ZB-V), whose tied embedding's uses sit
+on two ranks (the loop) or one (the V).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import close_to_reference
 from twobp_autograd import registry
-from twobp_autograd.pipeline import PipelineRuntime, StepReport, default_num_micro_batches, schedule
+from twobp_autograd.pipeline import PipelineRuntime, StepReport, default_num_micro_batches, placement, schedule
 from twobp_autograd.pipeline.split import PipelineModel, TiedGradients, blocks_of, defer_norms, split_model
 
 torchvision = pytest.importorskip("torchvision")
@@ -324,3 +326,69 @@ def test_pipelined_step_matches_the_model_in_one_process(two_ranks: list[dict], 
             assert result["tied"] == []
     first = two_ranks[0][setting]
     torch.testing.assert_close(first["loss"], first["reference_loss"], rtol=1e-5, atol=1e-6)
+
+
+# -- tied embeddings with two stages per rank -------------------------------------------------
+
+#: (schedule, 2BP on): the loop puts the embedding (stage 0) on rank 0 and the head (stage 3)
+#: on rank 1; the V puts both on rank 0.
+MULTI_STAGE_SETTINGS = [(name, on) for name in ("interleaved-1f1b", "zbv") for on in (True, False)]
+
+
+def _check_tied_multi_stage(rank: int) -> dict:
+    """Tiny Llama (embedding, 2 layers, head: 4 blocks) in 4 stages, 2 per rank."""
+    results: dict = {}
+    for schedule_name, twobp_on in MULTI_STAGE_SETTINGS:
+        torch.manual_seed(0)
+        model = tiny_llama().train()
+        reference = copy.deepcopy(model)
+        defer_norms(model)
+        owners = placement(schedule_name, WORLD)
+        pipeline = split_model(model, len(owners))
+        tied = TiedGradients(pipeline, placement=owners)
+        mine = {index: pipeline.stages[index] for index, owner in enumerate(owners) if owner == rank}
+        m = default_num_micro_batches(schedule_name, WORLD)
+        runtime = PipelineRuntime(
+            mine, schedule(schedule_name, WORLD, m, twobp_on)[rank], num_micro_batches=m, loss_fn=pipeline.loss_fn,
+            twobp=twobp_on, timeout=RUNTIME_TIMEOUT, placement=owners,
+        )  # fmt: skip
+        inputs, targets = token_batch(torch.Generator().manual_seed(1))
+        report = runtime.step(inputs if owners[0] == rank else None, targets if owners[-1] == rank else None)
+        own = report.ranks[rank] if isinstance(report, StepReport) else report
+        tied.all_reduce()
+        for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
+            (hf_loss(reference, x, y) / m).backward()
+        names = {id(p): name for name, p in model.named_parameters()}
+        reference_params = dict(reference.named_parameters())
+        held = {id(p): p for stage in mine.values() for p in stage.parameters()}
+        results[f"{schedule_name}-{'2bp' if twobp_on else 'plain'}"] = {
+            "mismatches": [names[i] for i, p in held.items() if _differs(p.grad, reference_params[names[i]].grad)],
+            "tied_here": [t.name for t in pipeline.ties if any(owners[s] == rank for s in t.stages)],
+            "reductions": len(tied.reductions),
+            "deferred_jobs": own.deferred_jobs,
+        }
+    return results
+
+
+def test_tied_embeddings_with_two_stages_per_rank_match_the_model_in_one_process(tmp_path) -> None:
+    store, results = str(tmp_path / "store"), str(tmp_path / "result")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _check_tied_multi_stage, store, results), 120.0, ": the pipeline hung")
+    ranks = read_results(results, WORLD)
+    tie = "model.embed_tokens.weight"
+    for schedule_name, twobp_on in MULTI_STAGE_SETTINGS:
+        setting = f"{schedule_name}-{'2bp' if twobp_on else 'plain'}"
+        for rank, result in enumerate(r[setting] for r in ranks):
+            assert not result["mismatches"], f"{setting}, rank {rank}: {result['mismatches']}"
+            assert (result["deferred_jobs"] > 0) == twobp_on, f"{setting}, rank {rank}"
+        if schedule_name == "zbv":  # the V's rank 0 holds both uses: nothing to sum
+            assert [r[setting]["tied_here"] for r in ranks] == [[tie], []]
+            assert [r[setting]["reductions"] for r in ranks] == [0, 0]
+        else:
+            assert [r[setting]["tied_here"] for r in ranks] == [[tie], [tie]]
+            assert [r[setting]["reductions"] for r in ranks] == [1, 1]
+
+
+def test_tied_gradients_refuse_a_placement_of_another_cut() -> None:
+    pipeline = split_model(tiny_llama(), 4)
+    with pytest.raises(ValueError, match="twobp: a placement of 2 stages for a pipeline of 4"):
+        TiedGradients(pipeline, placement=(0, 1))

@@ -1,6 +1,10 @@
 """Parameters that several stages hold (tied input and output embeddings, on the first and
-the last rank): each holding rank gets only its own use's part of the gradient, so the parts
-are summed over those ranks before the optimizer step, and every copy takes the same step."""
+the last stage): each holding rank gets only its own use's part of the gradient, so the parts
+are summed over those ranks before the optimizer step, and every copy takes the same step.
+
+Where one rank holds several stages (interleaved 1F1B's loop, ZB-V's V), the tie's stages may
+share a rank: there both uses accumulate into the one parameter already, and only the distinct
+ranks sum (none at all when a single rank holds every use, as the V's rank 0 does)."""
 
 from __future__ import annotations
 
@@ -44,21 +48,38 @@ class TiedGradients:
     """Sums the gradients of tied parameters over the ranks whose stages hold them.
 
     Build it on every rank, in the same order as any other process groups (it creates one
-    group per set of owning ranks, which every rank must take part in), with the
-    :class:`PipelineModel` that rank split; stage ``i`` runs on rank ``i`` of ``group``. Call
-    :meth:`all_reduce` after each step's last weight-gradient flush, before the optimizer step.
+    group per set of two or more owning ranks, which every rank must take part in), with the
+    :class:`PipelineModel` that rank split; stage ``i`` runs on rank ``placement[i]`` of
+    ``group`` (by default rank ``i``: one stage per rank; see
+    :func:`~twobp_autograd.pipeline.schedules.placement`). Call :meth:`all_reduce` after each
+    step's last weight-gradient flush, before the optimizer step.
     """
 
-    def __init__(self, pipeline: PipelineModel, *, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(
+        self,
+        pipeline: PipelineModel,
+        *,
+        group: dist.ProcessGroup | None = None,
+        placement: Sequence[int] | None = None,
+    ) -> None:
+        owners = tuple(range(len(pipeline.stages)) if placement is None else placement)
+        if len(owners) != len(pipeline.stages):
+            raise ValueError(
+                f"twobp: a placement of {len(owners)} stages for a pipeline of {len(pipeline.stages)}; "
+                "pass the placement the schedule's stages run on (schedules.placement(name, world))"
+            )
         rank = dist.get_rank(group)
         groups: dict[tuple[int, ...], Any] = {}
         self.reductions: list[tuple[nn.Parameter, Any]] = []
         for tie in pipeline.ties:
-            if tie.stages not in groups:
-                ranks = [s if group is None else dist.get_global_rank(group, s) for s in tie.stages]
-                groups[tie.stages] = dist.new_group(ranks)
-            if rank in tie.stages:
-                self.reductions.append((tie.parameter, groups[tie.stages]))
+            holders = tuple(sorted({owners[s] for s in tie.stages}))
+            if len(holders) < 2:
+                continue  # one rank holds every use: its gradient is whole already
+            if holders not in groups:
+                ranks = [r if group is None else dist.get_global_rank(group, r) for r in holders]
+                groups[holders] = dist.new_group(ranks)
+            if rank in holders:
+                self.reductions.append((tie.parameter, groups[holders]))
 
     def all_reduce(self) -> None:
         for parameter, group in self.reductions:
