@@ -1,6 +1,7 @@
 """Deferred forwards of the built-in op families; importing this registers them all."""
 
 from . import attention, batch_norm, conv, embedding, group_norm, layer_norm, linear, rms_norm  # noqa: F401
+from .llama_rms_norm import computes_like_llama_rms_norm, llama_rms_norm
 from .recompute import recompute
 
-__all__ = ["recompute"]
+__all__ = ["recompute", "llama_rms_norm", "computes_like_llama_rms_norm"]

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import register
-from ...ops import recompute
+from ...ops import computes_like_llama_rms_norm, llama_rms_norm, recompute
 
 __all__ = ["Family", "LossFn", "LibraryModel", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
 
@@ -92,12 +92,13 @@ def loss_fn_of(model: nn.Module) -> LossFn:
 
 def defer_norms(model: nn.Module) -> list[type]:
     """Register the model's own per-token norm classes (``LlamaRMSNorm``, ``MambaRMSNorm``) for
-    2BP, their forward re-run at the flush (:func:`twobp_autograd.ops.recompute`), so that
-    their weight gradients are deferred too. The registration is global, like any
+    2BP, so that their weight gradients are deferred too: by :func:`twobp_autograd.ops.llama_rms_norm`
+    where a class computes as Llama's does, else with their forward re-run at the flush
+    (:func:`twobp_autograd.ops.recompute`). The registration is global, like any
     ``twobp.register``. Returns the classes registered."""
     found = family_of(model).norm_types()
     for norm in found:
-        register(norm, recompute)
+        register(norm, llama_rms_norm if computes_like_llama_rms_norm(norm) else recompute)
     return found
 
 

@@ -1,0 +1,125 @@
+"""Hugging Face's LlamaRMSNorm (and the classes that copy its forward) under
+``twobp.ops.llama_rms_norm``, against plain autograd; classes that only share the name are refused."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import twobp_autograd as twobp
+from tests.ops.norm_settings import Setting, cubic_loss, run_micro_batches
+from tests.utils import TOLERANCES, assert_grads_match, check_against_autograd, patched_and_reference
+from twobp_autograd.ops import computes_like_llama_rms_norm, llama_rms_norm
+
+llama = pytest.importorskip("transformers.models.llama.modeling_llama")
+mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
+LlamaRMSNorm, MambaRMSNorm = llama.LlamaRMSNorm, mamba.MambaRMSNorm
+
+
+def _sizes(*rest: int) -> tuple[tuple[int, ...], ...]:
+    return tuple((b, *rest) for b in (4, 6, 3))
+
+
+SETTINGS = [
+    Setting("llama-3d-input", lambda: LlamaRMSNorm(8), _sizes(5, 8)),
+    Setting("llama-2d-input", lambda: LlamaRMSNorm(8), _sizes(8)),
+    Setting("llama-eps", lambda: LlamaRMSNorm(8, eps=1e-2), _sizes(5, 8)),
+    Setting("llama-unbatched", lambda: LlamaRMSNorm(8), ((8,),) * 3),
+    Setting("mamba", lambda: MambaRMSNorm(8), _sizes(5, 8)),
+]
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
+
+
+@pytest.fixture(autouse=True)
+def registered() -> None:
+    twobp.register((LlamaRMSNorm, MambaRMSNorm), llama_rms_norm)  # undone by conftest's scoped_registrations
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
+def test_weight_grads_match_autograd(setting: Setting, dtype: torch.dtype) -> None:
+    shapes = itertools.cycle(setting.shapes)
+    check_against_autograd(
+        setting.module(dtype),
+        lambda: (setting.input(next(shapes), dtype),),
+        micro_batches=len(setting.shapes),
+        dtype=dtype,
+        loss=cubic_loss,
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
+def test_outputs_and_input_grads_match_autograd_bit_for_bit(setting: Setting, dtype: torch.dtype) -> None:
+    run_micro_batches(setting.module(dtype), setting, dtype=dtype)
+
+
+@pytest.mark.parametrize("strategy", ["concat", "loop"])
+def test_bf16_input_fp32_weight_as_in_a_mixed_precision_llama(strategy: str) -> None:
+    """A bf16 activation meets the fp32 weight (the product is fp32); the flush's sum is no
+    further from an fp64 reference than plain autograd's."""
+    module = SETTINGS[0].module(torch.float32)
+    exact = copy.deepcopy(module).double()
+    patched, reference = patched_and_reference(module)
+    queue = twobp.WeightGradQueue(strategy)
+    for batch in (16, 16, 16, 16):
+        x = torch.randn(batch, 7, 8).to(torch.bfloat16)
+        with twobp.use_queue(queue):
+            out = patched(x)
+        plain = reference(x)
+        assert out.dtype == plain.dtype == torch.float32 and torch.equal(out, plain)
+        grad = torch.randn_like(out)
+        out.backward(grad)
+        plain.backward(grad)
+        exact(x.double()).backward(grad.double())
+    queue.flush()
+    ours = (patched.weight.grad.double() - exact.weight.grad).abs().max()
+    theirs = (reference.weight.grad.double() - exact.weight.grad).abs().max()
+    assert ours <= 1.5 * theirs + TOLERANCES[torch.float32][1], (ours, theirs)
+
+
+def test_defer_norms_picks_this_rule_for_llama_and_mamba() -> None:
+    from twobp_autograd.pipeline.split import defer_norms
+    from twobp_autograd.registry import rule_for, unregister
+
+    unregister((LlamaRMSNorm, MambaRMSNorm))
+    config = llama.LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    model = llama.LlamaForCausalLM(config)
+    assert defer_norms(model) == [LlamaRMSNorm]
+    rule = rule_for(LlamaRMSNorm(8))
+    assert rule is not None and rule.forward is llama_rms_norm
+
+
+class LookAlikeRMSNorm(nn.Module):
+    """Named and shaped like Llama's, but scaling by 1 + weight (as Gemma's does)."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.variance_epsilon = 1e-6
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        upcast = hidden_states.float()
+        normed = upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (1 + self.weight) * normed.type_as(hidden_states)
+
+
+def test_a_class_with_another_forward_keeps_plain_autograd_and_its_gradients() -> None:
+    assert computes_like_llama_rms_norm(LlamaRMSNorm) and computes_like_llama_rms_norm(MambaRMSNorm)
+    assert not computes_like_llama_rms_norm(LookAlikeRMSNorm)
+    assert not computes_like_llama_rms_norm(nn.RMSNorm)
+    twobp.register(LookAlikeRMSNorm, llama_rms_norm)
+    patched, reference = patched_and_reference(LookAlikeRMSNorm(8))
+    x = torch.randn(3, 5, 8)
+    with pytest.warns(UserWarning, match="other than LlamaRMSNorm's"):
+        out = patched(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    cubic_loss(out).backward()
+    cubic_loss(reference(x)).backward()
+    assert twobp.pending().jobs == 0, "nothing deferred: plain autograd took the weight gradient"
+    assert_grads_match(patched, reference, torch.float32)

@@ -1,0 +1,119 @@
+"""Hugging Face's ``LlamaRMSNorm`` and the classes that copy its forward (Mistral's, Qwen2's,
+Mamba's, ...): ``weight * (x in fp32 scaled by 1/rms, cast back to x's dtype)``.
+
+The generic :func:`~twobp_autograd.ops.recompute` rule defers such a norm by re-running its
+forward under a reparametrization at every call and once more under autograd at the flush: a
+few hundred microseconds of Python per call. This rule runs the same ops with the weight
+detached and, at the flush, takes ``sum(grad * x_hat)`` over all queued rows, ``x_hat``
+recomputed from the saved input by three elementwise ops.
+
+Which classes qualify is decided on what their forward *is*, never on their name (Gemma's
+RMSNorm scales by ``1 + weight``): the same code as the installed ``LlamaRMSNorm.forward``,
+which itself must compute exactly what this rule computes, checked once per process bit for
+bit. A class that fails either check keeps its plain forward (one warning), so a change on
+either side costs speed, never a gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import CodeType
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from ..deferral import configured_kernel, defer_weight_grads, detached
+from .fallback import plain_forward, unsupported_tensors
+from .precision import accumulation_dtype
+
+__all__ = ["llama_rms_norm", "computes_like_llama_rms_norm", "llama_rms_norm_weight_grad"]
+
+
+def _normalized(x: Tensor, eps: float) -> Tensor:
+    """``x_hat``: x in fp32 over its root mean square along the last dim, back in x's dtype."""
+    upcast = x.to(torch.float32)
+    return (upcast * torch.rsqrt(upcast.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def llama_rms_norm_weight_grad(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, eps: float
+) -> list[Tensor | None]:
+    """``weight * x_hat``'s weight gradient: ``grad * x_hat`` summed over all rows (bf16/fp16
+    products summed in fp32, see :mod:`.precision`)."""
+    if not needs[0]:
+        return [None]
+    (rows,) = saved
+    product = grad_outputs[0].reshape(rows.shape) * _normalized(rows, eps)
+    return [product.sum(0, dtype=accumulation_dtype(product.dtype))]
+
+
+def llama_rms_norm(module: nn.Module, hidden_states: Tensor) -> Tensor:
+    """Deferred forward for a class that :func:`computes_like_llama_rms_norm` (any other keeps
+    its plain forward, with one warning): ``twobp.register(LlamaRMSNorm, llama_rms_norm)``.
+    Its argument keeps Hugging Face's name: callers may pass it by keyword."""
+    weight = cast(Tensor, module.weight)
+    if not computes_like_llama_rms_norm(type(module)):
+        return plain_forward(module, "a forward other than LlamaRMSNorm's", hidden_states)
+    reason = unsupported_tensors(hidden_states, weight)
+    if reason is not None:
+        return plain_forward(module, reason, hidden_states)
+    eps = float(cast(float, module.variance_epsilon))
+    output = detached(weight) * _normalized(hidden_states, eps)
+    kernel, group = configured_kernel(llama_rms_norm_weight_grad, eps=eps)
+    # As rows: concatenated on dim 0 they stay rows, whatever each call's leading dims were.
+    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
+    if rows.is_inference():  # cannot be saved
+        rows = rows.clone()
+    return defer_weight_grads(output, (weight,), (rows,), kernel, group=group)
+
+
+def computes_like_llama_rms_norm(module_type: type) -> bool:
+    """Whether ``module_type.forward`` is the installed ``LlamaRMSNorm.forward`` (same code) and
+    that forward computes exactly :func:`llama_rms_norm`'s output (checked once)."""
+    verdict = _verdicts.get(module_type)
+    if verdict is None:
+        reference = _llama_rms_norm_class()
+        verdict = reference is not None and _same_code(module_type, reference) and _llama_matches_this_rule(reference)
+        _verdicts[module_type] = verdict
+    return verdict
+
+
+_verdicts: dict[type, bool] = {}  # module type -> computes_like_llama_rms_norm, asked on every call
+
+
+def _llama_rms_norm_class() -> type[nn.Module] | None:
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    except ImportError:
+        return None
+    return LlamaRMSNorm
+
+
+def _code_of(module_type: type) -> CodeType | None:
+    return getattr(getattr(module_type, "forward", None), "__code__", None)
+
+
+def _same_code(module_type: type, reference: type) -> bool:
+    code, expected = _code_of(module_type), _code_of(reference)
+    if code is None or expected is None:
+        return False
+    return (code.co_code, code.co_consts, code.co_names) == (expected.co_code, expected.co_consts, expected.co_names)
+
+
+def _llama_matches_this_rule(reference: type[nn.Module]) -> bool:
+    """Bit for bit, on random weights and inputs, fp32 and bf16 inputs with an fp32 weight."""
+    generator = torch.Generator().manual_seed(0)
+    try:
+        norm = reference(16, eps=1e-5)
+    except TypeError:
+        return False
+    weight = cast(Tensor, norm.weight)
+    with torch.no_grad():
+        weight.copy_(torch.randn(16, generator=generator))
+        for dtype in (torch.float32, torch.bfloat16):
+            x = (torch.randn(3, 5, 16, generator=generator) * 3).to(dtype)
+            expected, ours = norm(x), weight * _normalized(x, 1e-5)
+            if expected.dtype != ours.dtype or not torch.equal(expected, ours):
+                return False
+    return True
