@@ -28,8 +28,8 @@ W). Everything lands in ``<out>/pipeline.json``; ``plot_results.py`` turns it in
 Each part is saved under ``<out>/raw/`` as soon as it is done, named by a hash of its
 configuration, so an interrupted sweep resumes where it stopped (``--force`` redoes it).
 
-    python benchmarks/pipeline_sweep.py            # full: <= 20 min on 2 cores
-    python benchmarks/pipeline_sweep.py --quick    # smoke run, ~2 min, into results/quick/
+    python benchmarks/pipeline_sweep.py            # full: ~30 min on 2 idle cores
+    python benchmarks/pipeline_sweep.py --quick    # smoke run, 5-7 min, into results/quick/
 
 Run it on an otherwise idle machine: the ranks share the cores with anything else running,
 and the recorded load average says how idle it was.
@@ -590,7 +590,7 @@ def _git_commit() -> str | None:
 
 def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models, few steps: a ~2 minute smoke run")
+    parser.add_argument("--quick", action="store_true", help="small models, few steps: a 5-7 minute smoke run")
     parser.add_argument(
         "--models", nargs="+", default=None, help=f"default: every model bench offers ({', '.join(bench.MODELS)})"
     )
