@@ -41,7 +41,7 @@ from torch.autograd import Variable
 
 from . import fsdp_hooks
 from .flush import watch_flushes
-from .patching import queued_work_finders
+from .grad_guard import queued_work_finders
 from .queue import WeightGradQueue
 
 __all__ = ["ShardedGradientSync"]

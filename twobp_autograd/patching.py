@@ -5,19 +5,17 @@
 from __future__ import annotations
 
 import fnmatch
-import functools
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
-from .queue import WeightGradQueue, queues_with_work
+from .grad_guard import install_grad_guards
 from .registry import DeferredForward, module_class, rule_for
 
 __all__ = ["patch", "unpatch", "PatchReport"]
@@ -106,7 +104,8 @@ def patch(
     include = list(include) if include is not None else None
     exclude = list(exclude or ())
     check_not_inside_ddp(model)
-    _install_optimizer_guard()
+    install_grad_guards()
+    refuse_ddp_over_patched_models(lambda m: isinstance(m.__dict__.get("forward"), DeferredForwardCall))
     result = PatchReport(model)
     for name, module in model.named_modules():
         if include is not None and not _selected(name, module, include):
@@ -150,54 +149,3 @@ def unpatch(model: nn.Module) -> nn.Module:
             else:
                 module.forward = current.original
     return model
-
-
-_guard_installed = False
-
-#: Further ways the step guard finds work queued for an optimizer's parameters,
-#: ``finder(params, queues_with_work) -> bool`` (twobp_autograd.fsdp: work queued on the
-#: unsharded stand-ins of FSDP2-sharded parameters).
-queued_work_finders: list[Callable[[list[torch.Tensor], list[WeightGradQueue]], bool]] = []
-
-
-def _install_optimizer_guard() -> None:
-    global _guard_installed
-    if not _guard_installed:
-        register_optimizer_step_pre_hook(_refuse_step_with_queued_work)
-        refuse_ddp_over_patched_models(lambda m: isinstance(m.__dict__.get("forward"), DeferredForwardCall))
-        _guard_installed = True
-
-
-def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
-    """Optimizer step pre-hook. With a closure (LBFGS, or any ``step(closure)``) the backward
-    runs inside the step, so the check goes after each call of the closure instead."""
-    # ``args`` are step's own: (optimizer, closure?, ...).
-    if kwargs.get("closure") is not None:
-        return args, {**kwargs, "closure": _checked_closure(optimizer, kwargs["closure"])}
-    if len(args) > 1 and args[1] is not None:
-        return (args[0], _checked_closure(optimizer, args[1]), *args[2:]), kwargs
-    _refuse_if_queued(optimizer)
-    return None
-
-
-def _checked_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
-    @functools.wraps(closure)
-    def checked() -> Any:
-        loss = closure()
-        _refuse_if_queued(optimizer)
-        return loss
-
-    return checked
-
-
-def _refuse_if_queued(optimizer: torch.optim.Optimizer) -> None:
-    queues = queues_with_work()
-    if not queues:
-        return
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(q.has_work_for(params) for q in queues) or any(finds(params, queues) for finds in queued_work_finders):
-        raise RuntimeError(
-            "twobp: optimizer.step() over parameters whose weight gradients are still queued; "
-            "call twobp.flush_weight_grads() (or queue.flush()) after backward and before step() "
-            "(with step(closure): inside the closure, after its backward)."
-        )

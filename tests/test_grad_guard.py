@@ -1,0 +1,96 @@
+"""What reads ``.grad`` for a step (clipping, GradScaler's unscale_) is refused while work for its
+parameters is queued, leaving every gradient as it was; after the flush it runs as on plain autograd.
+The step itself: tests/test_queue.py (step, closures) and tests/test_fsdp.py (sharded parameters)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import clip_grad_norm_  # imported by name before anything is patched in this module
+
+import twobp_autograd as twobp
+
+
+def _model() -> nn.Module:
+    # PReLU keeps plain autograd: its gradient is in .grad after backward, the Linears' are queued.
+    return nn.Sequential(nn.Linear(6, 8), nn.PReLU(), nn.Linear(8, 2))
+
+
+def _scaler() -> torch.amp.GradScaler:
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.zeros(()))  # sets the scale up, as scaling the loss does (the tests scale by 4.0 themselves)
+    return scaler
+
+
+def _scaler_unscale(model: nn.Module) -> None:
+    _scaler().unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _scaler_step(model: nn.Module) -> None:
+    _scaler().step(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+READERS: dict[str, Callable[[nn.Module], object]] = {
+    "clip_grad_norm_": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1),
+    "clip_grad_norm_-imported-by-name": lambda m: clip_grad_norm_(list(m.parameters()), 0.1),
+    "clip_grad_norm_-inf-norm": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1, norm_type="inf"),
+    "clip_grads_with_norm_": lambda m: torch.nn.utils.clip_grads_with_norm_(m.parameters(), 0.1, torch.tensor(5.0)),
+    "clip_grad_value_": lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), 0.01),
+    "GradScaler.unscale_": _scaler_unscale,
+    "GradScaler.step": _scaler_step,
+}
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_a_grad_reader_before_the_flush_is_refused_and_changes_nothing(read: Callable[[nn.Module], object]) -> None:
+    model = twobp.patch(_model())
+    model(torch.randn(4, 6)).pow(2).sum().backward()
+    before = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    assert before["1.weight"] is not None and before["0.weight"] is None  # PReLU's now, the Linears' queued
+    with pytest.raises(RuntimeError, match=r"twobp: .*still queued.*flush_weight_grads\(\)"):
+        read(model)
+    for name, p in model.named_parameters():
+        expected = before[name]
+        assert (p.grad is None) if expected is None else torch.equal(p.grad, expected), name
+    twobp.flush_weight_grads()
+
+
+@pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
+def test_a_grad_reader_after_the_flush_runs_as_on_plain_autograd(read: Callable[[nn.Module], object]) -> None:
+    model = _model()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(4, 6)
+    for net in (model, reference):
+        (net(x).pow(2).sum() * 4.0).backward()  # 4.0: the scalers' scale
+    twobp.flush_weight_grads()
+    read(model)
+    read(reference)
+    for (name, p), q in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q[1].grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(p, q[1], rtol=1e-5, atol=1e-6, msg=name)  # the scaler steps
+
+
+def test_readers_of_other_parameters_are_not_refused() -> None:
+    model = twobp.patch(_model())
+    other = nn.Linear(3, 2)
+    model(torch.randn(4, 6)).sum().backward()
+    other(torch.randn(4, 3)).sum().backward()
+    torch.nn.utils.clip_grad_norm_(other.parameters(), 0.1)
+    torch.nn.utils.clip_grad_value_(other.parameters(), 0.1)
+    twobp.flush_weight_grads()
+
+
+def test_a_disabled_scaler_leaves_the_check_to_the_step() -> None:
+    model = twobp.patch(_model())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model(torch.randn(4, 6)).sum().backward()
+    scaler.unscale_(optimizer)  # does nothing when disabled
+    with pytest.raises(RuntimeError, match=r"optimizer\.step\(\).*still queued"):
+        scaler.step(optimizer)
+    twobp.flush_weight_grads()

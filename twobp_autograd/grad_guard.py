@@ -1,0 +1,136 @@
+"""What reads ``.grad`` for a step must run after the flush: ``optimizer.step()``, gradient
+clipping and ``GradScaler.unscale_``. Run before it, they would see the partial gradients of
+the parameters whose work is still queued, and the flush would then add unscaled, unclipped
+sums on top: a wrong step that nothing reports. So each is refused while work for its
+parameters is queued.
+
+PyTorch has a hook for the step only (a global step pre-hook; with a closure the check goes
+after each call of the closure, where the backward ran). Clipping and ``unscale_`` are wrapped
+once, when the first model is patched: ``GradScaler.unscale_`` on its class;
+``clip_grad_norm_`` through the helper it calls to scale the gradients
+(``torch.nn.utils.clip_grad._clip_grads_with_norm_``, public as ``clip_grads_with_norm_``),
+which catches it however the caller imported it; ``clip_grad_value_`` where ``torch.nn.utils``
+exposes it (a name imported from there before the first patch keeps the unchecked function).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from .queue import WeightGradQueue, queues_with_work
+
+__all__ = ["install_grad_guards", "queued_work_finders", "refuse_if_queued"]
+
+#: Further ways the guards find work queued for some parameters,
+#: ``finder(params, queues_with_work) -> bool`` (twobp_autograd.fsdp: work queued on the
+#: unsharded stand-ins of FSDP2-sharded parameters).
+queued_work_finders: list[Callable[[list[torch.Tensor], list[WeightGradQueue]], bool]] = []
+
+_installed = False
+
+
+def install_grad_guards() -> None:
+    """Install the step hook and the clipping and ``unscale_`` wrappers (once per process)."""
+    global _installed
+    if _installed:
+        return
+    register_optimizer_step_pre_hook(_refuse_step_with_queued_work)
+    _guard_clipping()
+    _guard_unscale()
+    _installed = True
+
+
+def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "") -> None:
+    """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored)."""
+    queues = queues_with_work()
+    if not queues:
+        return
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    if any(q.has_work_for(tensors) for q in queues) or any(finds(tensors, queues) for finds in queued_work_finders):
+        raise RuntimeError(
+            f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
+            "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
+            f"backward and before it{advice}."
+        )
+
+
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+    """Optimizer step pre-hook. With a closure (LBFGS, or any ``step(closure)``) the backward
+    runs inside the step, so the check goes after each call of the closure instead."""
+    # ``args`` are step's own: (optimizer, closure?, ...).
+    if kwargs.get("closure") is not None:
+        return args, {**kwargs, "closure": _checked_closure(optimizer, kwargs["closure"])}
+    if len(args) > 1 and args[1] is not None:
+        return (args[0], _checked_closure(optimizer, args[1]), *args[2:]), kwargs
+    _refuse_step(optimizer)
+    return None
+
+
+def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
+    closure_advice = " (with step(closure): inside the closure, after its backward)"
+    refuse_if_queued(_optimizer_params(optimizer), "optimizer.step()", closure_advice)
+
+
+def _checked_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
+    @functools.wraps(closure)
+    def checked() -> Any:
+        loss = closure()
+        _refuse_step(optimizer)
+        return loss
+
+    return checked
+
+
+def _as_list(parameters: Any) -> list[Any]:
+    """Clipping's ``parameters`` argument (a tensor or an iterable), as a list. A generator is
+    read here, so the wrapped function is handed the list instead."""
+    return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+
+
+def _guard_clipping() -> None:
+    from torch.nn import utils
+    from torch.nn.utils import clip_grad
+
+    original_scale = clip_grad._clip_grads_with_norm_
+
+    @functools.wraps(original_scale)
+    def clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        parameters = _as_list(parameters)
+        refuse_if_queued(parameters, "gradient clipping (clip_grad_norm_ / clip_grads_with_norm_)")
+        return original_scale(parameters, *args, **kwargs)
+
+    original_value = clip_grad.clip_grad_value_
+
+    @functools.wraps(original_value)
+    def clip_grad_value_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+        parameters = _as_list(parameters)
+        refuse_if_queued(parameters, "gradient clipping (clip_grad_value_)")
+        return original_value(parameters, *args, **kwargs)
+
+    clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_
+    clip_grad.clip_grad_value_ = clip_grad_value_
+    utils.clip_grads_with_norm_ = clip_grads_with_norm_
+    utils.clip_grad_value_ = clip_grad_value_
+
+
+def _guard_unscale() -> None:
+    from torch.amp import GradScaler
+
+    original = GradScaler.unscale_
+
+    @functools.wraps(original)
+    def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+        if self.is_enabled():
+            refuse_if_queued(_optimizer_params(optimizer), "GradScaler.unscale_ (or scaler.step())")
+        original(self, optimizer)
+
+    GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
