@@ -33,6 +33,8 @@ MODEL_NAMES = {
     "mamba": "Mamba (HF)",
 }
 PAPER_SCHEDULES = {"gpipe": "GPipe", "1f1b-1": "1F1B-1", "1f1b-2": "1F1B-2"}
+#: The README's rows: the paper's schedules, then this library's own (two stages per rank last).
+README_SCHEDULES = {**PAPER_SCHEDULES, "zb": "ZB", "interleaved-1f1b": "interleaved 1F1B", "zbv": "ZB-V"}
 
 # What the paper states, and only that: its abstract's headline (arXiv 2405.18047). Its
 # per-model, per-schedule figures are not reproduced here.
@@ -59,10 +61,16 @@ def _ratio(entry: Mapping[str, Any], bar: str) -> float | None:
     return predicted.get("throughput_ratio")
 
 
+def _several_stages_per_rank(entry: Mapping[str, Any]) -> int | None:
+    """The stage count of a schedule whose ranks hold several stages, else None."""
+    owners = entry.get("placement") or ()
+    return len(owners) if len(owners) > len(set(owners)) else None
+
+
 def _label(name: str, entry: Mapping[str, Any]) -> str:
     """The schedule's name, with its stage count where its ranks hold several stages."""
-    owners = entry.get("placement") or ()
-    return f"{name} ({len(owners)} stages)" if len(owners) > len(set(owners)) else name
+    stages = _several_stages_per_rank(entry)
+    return name if stages is None else f"{name} ({stages} stages)"
 
 
 def _fmt(value: float | None, digits: int = 3, suffix: str = "") -> str:
@@ -312,8 +320,8 @@ def plot_ratios(document: Mapping[str, Any], path: Path) -> None:
 
 
 def readme_table(document: Mapping[str, Any]) -> str:
-    """The README's table: every model under the paper's three schedules, two significant
-    decimals (the full figures are in pipeline.md)."""
+    """The README's table: every model under the paper's three schedules and ours, two
+    significant decimals (the full figures are in pipeline.md)."""
     lines = _table_head(
         (
             "model", "schedule (m)", "measured", "ideal", "measured / ideal", "simulated, 2 ranks",
@@ -322,10 +330,12 @@ def readme_table(document: Mapping[str, Any]) -> str:
         )  # fmt: skip
     )
     for model in document["models"]:
-        for name, label in PAPER_SCHEDULES.items():
+        for name, label in README_SCHEDULES.items():
             e = model.get("schedules", {}).get(name)
             if e is None:
                 continue
+            stages = _several_stages_per_rank(e)
+            label = label if stages is None else f"{label}, {stages} stages"
             predicted = e.get("predicted", {})
             lines.append(
                 f"| {MODEL_NAMES.get(model['model'], model['model'])} | {label} ({e['micro_batches']}) | "
