@@ -114,6 +114,7 @@ class _Step:
     held: dict[tuple[int, int], tuple[Tensor, Tensor]] = field(default_factory=dict)
     handed_over: dict[Message, Tensor] = field(default_factory=dict)  # between two stages of this rank
     sends: list[tuple[Any, Tensor, str]] = field(default_factory=list)  # posted, each tensor alive until sent
+    posted: dict[Message, tuple[Any, Tensor]] = field(default_factory=dict)  # receives posted ahead: work, buffer
     losses: list[Tensor] = field(default_factory=list)
 
 
@@ -222,6 +223,7 @@ class PipelineRuntime:
             step.sends.clear()
             step.held.clear()
             step.handed_over.clear()
+            step.posted.clear()
         metrics = RankMetrics(
             rank=self.rank,
             step_time=step.timer.elapsed(),
@@ -242,6 +244,7 @@ class PipelineRuntime:
 
     def _run_schedule(self, step: _Step) -> None:
         for position, action in enumerate(self.actions):
+            self._post_next_receive(step, position)
             step.timer.action_starts()
             stage = self.stages[action.stage_on(self.rank)]
             self._run(step, stage, action, after_last_backward=position >= stage.last_backward_position)
@@ -318,9 +321,7 @@ class PipelineRuntime:
             elif self._is_local(source):
                 out.backward(step.handed_over.pop(source))
             else:
-                buffer = torch.empty(out.shape, dtype=out.dtype, device=self.device)
-                peer = self._rank_of(source.sender)
-                out.backward(self._receive(step, buffer, peer, self._tag(source), _what(source)))
+                out.backward(self._receive_message(step, source, out.shape, out.dtype))
             destination = action.sends(self.rank, self._num_stages)
             if destination is not None and x.is_floating_point():
                 grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
@@ -370,9 +371,42 @@ class PipelineRuntime:
             code, ndim, *dims = meta.tolist()
             known = (torch.Size(dims[:ndim]), _DTYPES[code])
             self._received_shapes[(step.shape_key, message.sender, k)] = known
-        shape, dtype = known
+        return self._receive_message(step, message, *known)
+
+    def _receive_message(self, step: _Step, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
+        """The message's tensor: from the receive posted ahead for it, else posted now."""
+        posted = step.posted.pop(message, None)
+        work, buffer = posted if posted is not None else self._post_receive(message, shape, dtype)
+        self._wait(work, f"receiving {_what(message)} from rank {self._rank_of(message.sender)}", step.timer)
+        return buffer
+
+    def _post_receive(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, Tensor]:
         buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        return self._receive(step, buffer, peer, self._tag(message), _what(message))
+        work = dist.irecv(buffer, group_src=self._rank_of(message.sender), group=self.group, tag=self._tag(message))
+        return work, buffer
+
+    def _post_next_receive(self, step: _Step, position: int) -> None:
+        """Post the receive of the next action that gets a message from another rank, once its
+        shape is known, before running the one at ``position``: the transfer then overlaps
+        this action instead of starting when that action waits for it."""
+        for action in self.actions[position + 1 :]:
+            message = action.receives(self.rank, self._num_stages)
+            if message is None or self._is_local(message):
+                continue
+            if message in step.posted:
+                return
+            meta = self._expected_meta(step, action, message)
+            if meta is not None:
+                step.posted[message] = self._post_receive(message, *meta)
+            return
+
+    def _expected_meta(self, step: _Step, action: Action, message: Message) -> tuple[torch.Size, torch.dtype] | None:
+        """The shape and dtype ``message`` will have, where already known: an activation's from
+        this input shape's first step, a gradient's from the output it is the gradient of."""
+        if message.payload is Payload.GRADIENTS:
+            held = step.held.get((action.stage_on(self.rank), message.micro_batch))
+            return None if held is None else (held[1].shape, held[1].dtype)
+        return self._received_shapes.get((step.shape_key, message.sender, message.micro_batch))
 
     # -- messages -----------------------------------------------------------------------
 
