@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from local_ranks import recorded_arguments, write_json  # beside this script
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
@@ -295,13 +295,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _relative(path: Path) -> str:
-    """``path`` relative to the working directory when it lies under it (no machine paths kept)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return path.name
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -309,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     models = {name: measure(name, args) for name in args.models}
     document = {
         "benchmark": "compiled",
-        "config": {k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": recorded_arguments(args),
         "environment": {
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -319,9 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "models": models,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    write_json(args.out, document)
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_ranks import write_results  # noqa: E402
+from local_ranks import recorded_arguments, write_results  # noqa: E402
 
 import twobp_autograd as twobp  # noqa: E402
 
@@ -116,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
             f"  {name:<24} step {row['step_s'] * 1e3:8.1f} ms  x{row['ratio_to_2bp']:.3f} of 2bp  "
             f"peak {row['peak_bytes'] / 2**20:8.0f} MiB  x{row['peak_ratio_to_2bp']:.2f}"
         )
-    write_results(args.out, 1, {"device": torch.cuda.get_device_name(), "arguments": vars(args), "variants": summary})
+    document = {"device": torch.cuda.get_device_name(), "arguments": recorded_arguments(args), "variants": summary}
+    write_results(args.out, 1, document)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
+from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
@@ -115,7 +115,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]]) -> None:
     for name, value in ratios.items():
         print(f"  {name:>28}: {value:.3f}")
     document = {
-        "arguments": vars(args),
+        "arguments": recorded_arguments(args),
         "median_step_time": medians,
         "ratios": ratios,
         "step_times": times,

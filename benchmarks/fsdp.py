@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
+from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -189,7 +189,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
         args.json,
         WORLD,
         {
-            "arguments": vars(args),
+            "arguments": recorded_arguments(args),
             "median_step_time": medians,
             "peak_memory_bytes": memory,
             "ratios": ratios,

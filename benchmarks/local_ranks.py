@@ -1,7 +1,7 @@
 """What the benchmarks here have in common: the models of ``bench pipeline`` and their
 options, a benchmark function run on a few local gloo ranks (the package's own launcher),
 each with its share of the cores, and its results written with the environment they were
-measured in."""
+measured in and the arguments they ran with (paths relative: no machine's paths kept)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import os
 import platform
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from twobp_autograd.pipeline import zoo
 from twobp_autograd.pipeline.launch import process_group, run_as_ranks
 
-__all__ = ["add_model_arguments", "run_on_local_ranks", "write_results"]
+__all__ = ["add_model_arguments", "run_on_local_ranks", "recorded_arguments", "write_json", "write_results"]
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: str | None = None) -> None:
@@ -47,7 +48,29 @@ def write_results(path: str, world: int, document: dict[str, Any]) -> None:
         "machine": platform.platform(),
         "cpu_count": os.cpu_count(),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as file:
-        json.dump({**environment, **document}, file, indent=2)
+    write_json(path, {**environment, **document})
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> None:
+    """``document`` as indented JSON at ``path``, its directory made if missing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def recorded_arguments(args: argparse.Namespace) -> dict[str, Any]:
+    """``args`` as a results file records them: a path relative to the working directory, or
+    by its name where it lies elsewhere."""
+    return {key: _relative(value) if _is_path(value) else value for key, value in vars(args).items()}
+
+
+def _is_path(value: Any) -> bool:
+    return isinstance(value, Path) or (isinstance(value, str) and os.path.isabs(value))
+
+
+def _relative(path: str | Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd()))
+    except ValueError:
+        return Path(path).name

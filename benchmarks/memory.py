@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, run_on_local_ranks, write_results  # beside this script
+from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
 
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, schedule, split_model
@@ -137,7 +137,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
     print(f"  capped peak / 2BP off peak: {memory_ratio:.3f} (target <= 1.10)")
     print(f"  capped / uncapped throughput: {throughput_ratio:.3f} (target >= 0.95)")
     document = {
-        "arguments": vars(args),
+        "arguments": recorded_arguments(args),
         "schedule": SCHEDULE,
         "memory_measure": "glibc mallinfo2 heap in use after each action, minus the step's start",
         "caps": caps,

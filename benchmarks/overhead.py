@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -33,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from local_ranks import recorded_arguments, write_json  # beside this script
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
@@ -287,13 +287,6 @@ def _environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-def _relative(path: Path) -> str:
-    """``path`` relative to the working directory when it lies under it (no machine paths kept)."""
-    try:
-        return str(path.resolve().relative_to(Path.cwd()))
-    except ValueError:
-        return path.name
-
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
@@ -302,11 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     models = {name: measure(name, args, device) for name in args.models}
-    config = {k: (_relative(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    result = {"benchmark": "overhead", "config": config, "environment": _environment(device), "models": models}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    config, environment = recorded_arguments(args), _environment(device)
+    write_json(args.out, {"benchmark": "overhead", "config": config, "environment": environment, "models": models})
     return 0
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from local_ranks import recorded_arguments, write_json  # beside this script
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
@@ -271,7 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     document = {
         "benchmark": "per_call",
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "config": recorded_arguments(args),
         "environment": {
             "torch": torch.__version__,
             "python": platform.python_version(),
@@ -282,9 +282,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "layers": layers,
         "stages": stages,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(document, indent=2) + "\n")
-    print(f"load average {load}; wrote {args.out}")
+    print(f"load average {load}")
+    write_json(args.out, document)
     return 0
 
 
