@@ -85,7 +85,33 @@ RMS_NORM = [
     Setting("rms-unbatched", lambda: nn.RMSNorm(8), ((8,),) * 3),
 ]
 
-ALL = BATCH_NORM + LAYER_NORM + GROUP_NORM + RMS_NORM
+
+
+def _hugging_face_rms_norms() -> list[Setting]:
+    """Hugging Face's LlamaRMSNorm and Mamba's copy of it under ``twobp.ops.llama_rms_norm``,
+    registered as each module is made (tests/conftest.py forgets it after the test)."""
+    try:
+        from transformers.models.llama.modeling_llama import LlamaRMSNorm
+        from transformers.models.mamba.modeling_mamba import MambaRMSNorm
+    except ImportError:
+        return []
+
+    def registered(module: nn.Module) -> nn.Module:
+        twobp.register((LlamaRMSNorm, MambaRMSNorm), twobp.ops.llama_rms_norm)
+        return module
+
+    return [
+        Setting("llama-rms-3d-input", lambda: registered(LlamaRMSNorm(8)), _sizes(5, 8)),
+        Setting("llama-rms-2d-input", lambda: registered(LlamaRMSNorm(8)), _sizes(8)),
+        Setting("llama-rms-eps", lambda: registered(LlamaRMSNorm(8, eps=1e-2)), _sizes(5, 8)),
+        Setting("llama-rms-unbatched", lambda: registered(LlamaRMSNorm(8)), ((8,),) * 3),
+        Setting("mamba-rms", lambda: registered(MambaRMSNorm(8)), _sizes(5, 8)),
+    ]
+
+
+HUGGING_FACE_RMS_NORM = _hugging_face_rms_norms()
+
+ALL = BATCH_NORM + LAYER_NORM + GROUP_NORM + RMS_NORM + HUGGING_FACE_RMS_NORM
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
 
 

@@ -1,18 +1,19 @@
 """Hugging Face's LlamaRMSNorm (and the classes that copy its forward) under
-``twobp.ops.llama_rms_norm``, against plain autograd; classes that only share the name are refused."""
+``twobp.ops.llama_rms_norm``: mixed precision against plain autograd, the rule ``defer_norms``
+picks, and classes that only look alike kept on plain autograd. The norm settings' checks
+(tests/ops/test_norm.py) run it too."""
 
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
 from torch import nn
 
 import twobp_autograd as twobp
-from tests.ops.norm_settings import Setting, cubic_loss, run_micro_batches
-from tests.utils import TOLERANCES, assert_grads_match, check_against_autograd, patched_and_reference
+from tests.ops.norm_settings import HUGGING_FACE_RMS_NORM, cubic_loss
+from tests.utils import TOLERANCES, assert_grads_match, patched_and_reference
 from twobp_autograd.ops import computes_like_llama_rms_norm, llama_rms_norm
 
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -20,49 +21,16 @@ mamba = pytest.importorskip("transformers.models.mamba.modeling_mamba")
 LlamaRMSNorm, MambaRMSNorm = llama.LlamaRMSNorm, mamba.MambaRMSNorm
 
 
-def _sizes(*rest: int) -> tuple[tuple[int, ...], ...]:
-    return tuple((b, *rest) for b in (4, 6, 3))
-
-
-SETTINGS = [
-    Setting("llama-3d-input", lambda: LlamaRMSNorm(8), _sizes(5, 8)),
-    Setting("llama-2d-input", lambda: LlamaRMSNorm(8), _sizes(8)),
-    Setting("llama-eps", lambda: LlamaRMSNorm(8, eps=1e-2), _sizes(5, 8)),
-    Setting("llama-unbatched", lambda: LlamaRMSNorm(8), ((8,),) * 3),
-    Setting("mamba", lambda: MambaRMSNorm(8), _sizes(5, 8)),
-]
-DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
-
-
 @pytest.fixture(autouse=True)
 def registered() -> None:
     twobp.register((LlamaRMSNorm, MambaRMSNorm), llama_rms_norm)  # undone by conftest's scoped_registrations
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
-def test_weight_grads_match_autograd(setting: Setting, dtype: torch.dtype) -> None:
-    shapes = itertools.cycle(setting.shapes)
-    check_against_autograd(
-        setting.module(dtype),
-        lambda: (setting.input(next(shapes), dtype),),
-        micro_batches=len(setting.shapes),
-        dtype=dtype,
-        loss=cubic_loss,
-    )
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("setting", SETTINGS, ids=[s.id for s in SETTINGS])
-def test_outputs_and_input_grads_match_autograd_bit_for_bit(setting: Setting, dtype: torch.dtype) -> None:
-    run_micro_batches(setting.module(dtype), setting, dtype=dtype)
 
 
 @pytest.mark.parametrize("strategy", ["concat", "loop"])
 def test_bf16_input_fp32_weight_as_in_a_mixed_precision_llama(strategy: str) -> None:
     """A bf16 activation meets the fp32 weight (the product is fp32); the flush's sum is no
     further from an fp64 reference than plain autograd's."""
-    module = SETTINGS[0].module(torch.float32)
+    module = HUGGING_FACE_RMS_NORM[0].module(torch.float32)
     exact = copy.deepcopy(module).double()
     patched, reference = patched_and_reference(module)
     queue = twobp.WeightGradQueue(strategy)
