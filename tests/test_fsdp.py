@@ -240,8 +240,13 @@ def _misuse(rank: int) -> dict:
         optimizer.step()
     except RuntimeError as error:
         refusals["step"] = str(error)
+    try:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    except RuntimeError as error:
+        refusals["clip"] = str(error)
     twobp.flush_weight_grads()
-    optimizer.step()  # allowed once flushed
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # allowed once flushed
+    optimizer.step()
 
     torch.manual_seed(0)
     late = twobp.patch(Net())
@@ -353,6 +358,12 @@ def test_unsharded_parameters_are_freed_after_backward_and_flush(ranks: list[dic
 def test_optimizer_step_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
     message = ranks[rank]["misuse"].get("step", "")
     assert message.startswith("twobp: ") and "flush_weight_grads()" in message, message
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_clipping_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
+    message = ranks[rank]["misuse"].get("clip", "")
+    assert message.startswith("twobp: gradient clipping") and "flush_weight_grads()" in message, message
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
