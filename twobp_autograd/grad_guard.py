@@ -100,26 +100,22 @@ def _guard_clipping() -> None:
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    original_scale = clip_grad._clip_grads_with_norm_
+    scale = _refusing_while_queued(clip_grad._clip_grads_with_norm_, "clip_grad_norm_ / clip_grads_with_norm_")
+    clamp = _refusing_while_queued(clip_grad.clip_grad_value_, "clip_grad_value_")
+    clip_grad._clip_grads_with_norm_ = utils.clip_grads_with_norm_ = scale
+    clip_grad.clip_grad_value_ = utils.clip_grad_value_ = clamp
 
-    @functools.wraps(original_scale)
-    def clip_grads_with_norm_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
+
+def _refusing_while_queued(clip: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """``clip(parameters, ...)``, first refused while work for those parameters is queued."""
+
+    @functools.wraps(clip)
+    def checked(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         parameters = _as_list(parameters)
-        refuse_if_queued(parameters, "gradient clipping (clip_grad_norm_ / clip_grads_with_norm_)")
-        return original_scale(parameters, *args, **kwargs)
+        refuse_if_queued(parameters, f"gradient clipping ({name})")
+        return clip(parameters, *args, **kwargs)
 
-    original_value = clip_grad.clip_grad_value_
-
-    @functools.wraps(original_value)
-    def clip_grad_value_(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        parameters = _as_list(parameters)
-        refuse_if_queued(parameters, "gradient clipping (clip_grad_value_)")
-        return original_value(parameters, *args, **kwargs)
-
-    clip_grad._clip_grads_with_norm_ = clip_grads_with_norm_
-    clip_grad.clip_grad_value_ = clip_grad_value_
-    utils.clip_grads_with_norm_ = clip_grads_with_norm_
-    utils.clip_grad_value_ = clip_grad_value_
+    return checked
 
 
 def _guard_unscale() -> None:
