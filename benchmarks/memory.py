@@ -1,5 +1,6 @@
-"""What bounding the weight-gradient queue costs: 1F1B-2 on two pipeline ranks with 2BP off,
-2BP on, and 2BP on with ``WeightGradQueue(max_pending_bytes=cap)``.
+"""What bounding the weight-gradient queue costs: a schedule (1F1B-2 by default; ``--schedule
+zbv`` for the V with two stages per rank) on two pipeline ranks with 2BP off, 2BP on, and 2BP on
+with ``WeightGradQueue(max_pending_bytes=cap)`` (a rank with two stages gives each queue half).
 
 Memory is the runtime's CPU peak: the process heap in use (glibc ``mallinfo2``: bytes in
 allocated chunks, every arena and mmap, so tensors and autograd's saved activations alike),
@@ -14,7 +15,7 @@ measured first: pending work is what 2BP adds, so a cap of 10% aims at the targe
 Targets, reported and not enforced: capped peak <= 1.10x 2BP off, at >= 95% of uncapped 2BP
 throughput. The runs alternate step by step (rotating the order) so noise falls on all alike.
 
-    python benchmarks/memory.py --steps 10
+    python benchmarks/memory.py --steps 10 [--schedule zbv]
 """
 
 from __future__ import annotations
@@ -29,11 +30,10 @@ import torch.distributed as dist
 from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
 
 from twobp_autograd import WeightGradQueue
-from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, schedule, split_model
+from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, placement, schedule, split_model
 from twobp_autograd.pipeline.zoo import build_model
 
 WORLD = 2
-SCHEDULE = "1f1b-2"
 RUNS = ("2bp_off", "2bp_on", "2bp_capped")
 
 
@@ -44,6 +44,7 @@ def parse_args() -> argparse.Namespace:
         "--cap-mib", type=float, default=None, help="max_pending_bytes per rank (default: from --cap-fraction)"
     )
     parser.add_argument("--cap-fraction", type=float, default=0.10, help="cap as a fraction of the rank's 2BP-off peak")
+    parser.add_argument("--schedule", choices=("1f1b-2", "zb", "interleaved-1f1b", "zbv"), default="1f1b-2")
     parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "memory.json"))
@@ -52,22 +53,27 @@ def parse_args() -> argparse.Namespace:
 
 def _benchmark(rank: int, args: argparse.Namespace) -> None:
     model, make_batch, loss_fn = build_model(args.model, args)
-    stage = split_model(model, WORLD)[rank]
+    owners = placement(args.schedule, WORLD)
+    pipeline = split_model(model, len(owners))
+    stages = {index: pipeline[index] for index, owner in enumerate(owners) if owner == rank}
+    parameters = [p for stage in stages.values() for p in stage.parameters()]
     del model
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1))
-    m = 2 * WORLD  # 1F1B-2: twice as many micro-batches as stages
+    m = 2 * WORLD  # twice as many micro-batches as ranks, as 1F1B-2
 
-    def runtime(twobp: bool, queue: WeightGradQueue | None = None) -> PipelineRuntime:
-        actions = schedule(SCHEDULE, WORLD, m, twobp)[rank]
+    def runtime(twobp: bool, cap: int | None = None) -> PipelineRuntime:
+        actions = schedule(args.schedule, WORLD, m, twobp)[rank]
+        queues = {i: WeightGradQueue(max_pending_bytes=None if cap is None else cap // len(stages)) for i in stages}
         return PipelineRuntime(
-            stage, actions, num_micro_batches=m, loss_fn=loss_fn, twobp=twobp, queue=queue, timeout=600.0
-        )
+            stages if len(stages) > 1 else stages[rank], actions, num_micro_batches=m, loss_fn=loss_fn,
+            twobp=twobp, queue=queues if twobp else None, timeout=600.0, placement=owners,
+        )  # fmt: skip
 
     def step(run: PipelineRuntime) -> tuple[RankMetrics, float | None]:
         """This rank's metrics, and the pipeline's step time (on rank 0)."""
-        for p in stage.parameters():
+        for p in parameters:
             p.grad = None
-        report = run.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+        report = run.step(inputs if run.first else None, targets if run.last else None)
         if isinstance(report, StepReport):
             return report.ranks[rank], report.step_time
         return report, None
@@ -79,7 +85,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     runs = {
         "2bp_off": off,
         "2bp_on": runtime(True),
-        "2bp_capped": runtime(True, WeightGradQueue(max_pending_bytes=cap)),
+        "2bp_capped": runtime(True, cap),
     }
 
     measured: dict[str, list[dict[str, Any]]] = {name: [] for name in RUNS}
@@ -126,7 +132,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
         "met": memory_ratio <= 1.10 and throughput_ratio >= 0.95,
     }
     print(
-        f"{args.model}, {SCHEDULE} on {WORLD} gloo ranks, batch {args.batch_size}, median of {args.steps} steps; "
+        f"{args.model}, {args.schedule} on {WORLD} gloo ranks, batch {args.batch_size}, median of {args.steps} steps; "
         f"caps {[f'{c / 2**20:.1f} MiB' for c in caps]}"
     )
     print(f"  {'run':>11}  {'samples/s':>9}  {'peak heap delta MiB (per rank)':>32}  {'peak pending MiB':>18}")
@@ -138,7 +144,7 @@ def _report(args: argparse.Namespace, ranks: list[dict[str, Any]]) -> None:
     print(f"  capped / uncapped throughput: {throughput_ratio:.3f} (target >= 0.95)")
     document = {
         "arguments": recorded_arguments(args),
-        "schedule": SCHEDULE,
+        "schedule": args.schedule,
         "memory_measure": "glibc mallinfo2 heap in use after each action, minus the step's start",
         "caps": caps,
         "summary": summary,
