@@ -14,6 +14,8 @@ from torch import Tensor
 
 __all__ = ["AUTOCAST_PROBES", "autocast_target", "as_autocast_casts"]
 
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+
 #: The public op each norm family's module calls, by the name its forward asks for.
 AUTOCAST_PROBES: dict[str, Callable[[Tensor], Tensor]] = {
     "batch_norm": lambda x: F.batch_norm(x, None, None, training=True),
@@ -43,6 +45,8 @@ def autocast_target(op: str, device_type: str, fast_dtype: torch.dtype) -> torch
 def as_autocast_casts(op: str, input: Tensor, *params: Tensor | None) -> tuple[Tensor, list[Tensor | None]]:
     """The input and parameters as autocast would hand them to ``op``: every floating tensor but
     float64 cast to the op's autocast dtype (differentiably for the input, as autocast's cast is)."""
+    if not _any_autocast_enabled():  # one call, where the check per device type costs a few µs per norm
+        return input, list(params)
     device_type = input.device.type
     if not torch.is_autocast_enabled(device_type):
         return input, list(params)

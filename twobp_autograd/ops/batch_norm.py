@@ -105,11 +105,15 @@ def _empty_batch_weight_grad(
     return [zeros(shape) if need and shape is not None else None for shape, need in zip(shapes, needs, strict=True)]
 
 
-def _check_num_features(input: Tensor, **tensors: Tensor | None) -> None:
+_STATISTICS_AND_PARAMETERS = ("running_mean", "running_var", "weight", "bias")
+
+
+def _check_num_features(input: Tensor, *tensors: Tensor | None) -> None:
     """torch.batch_norm's own checks, which native_batch_norm lacks: called directly with the
-    wrong number of channels, it reads and writes past the end of the statistics."""
+    wrong number of channels, it reads and writes past the end of the statistics. ``tensors``:
+    running mean, running variance, weight, bias (positional: this runs on every call)."""
     channels = input.shape[1]
-    for name, tensor in tensors.items():
+    for name, tensor in zip(_STATISTICS_AND_PARAMETERS, tensors, strict=True):
         if tensor is not None and tensor.numel() != channels:
             raise RuntimeError(f"{name} should contain {channels} elements not {tensor.numel()}")
 
@@ -143,7 +147,7 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
         )
         shapes = tuple(None if p is None else p.shape for p in params)
         return defer_weight_grads(output, params, (), functools.partial(_empty_batch_weight_grad, shapes=shapes))
-    _check_num_features(x, running_mean=running_mean, running_var=running_var, weight=weight, bias=bias)
+    _check_num_features(x, running_mean, running_var, weight, bias)
     deferral = ParamDeferral.at_forward(params)
     # The running statistics go in a tuple: buffers updated in place, not inputs to differentiate.
     return _TrainingBatchNorm.apply(module.eps, factor, (running_mean, running_var), deferral, x, *param_inputs(params))
