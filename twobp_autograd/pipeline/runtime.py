@@ -172,6 +172,15 @@ class PipelineRuntime:
         for position, action in enumerate(self.actions):
             if action.kind.is_backward:
                 self.stages[action.stage_on(self.rank)].last_backward_position = position
+        # The actions that receive from another rank, with their messages, in schedule order; and
+        # per position, how many of them run at or before it (the index of the next one after it).
+        self._remote_receives: list[tuple[Action, Message]] = []
+        self._next_remote_receive: list[int] = []
+        for action in self.actions:
+            message = action.receives(self.rank, self._num_stages)
+            if message is not None and not self._is_local(message):
+                self._remote_receives.append((action, message))
+            self._next_remote_receive.append(len(self._remote_receives))
         self._sent_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
 
@@ -389,16 +398,14 @@ class PipelineRuntime:
         """Post the receive of the next action that gets a message from another rank, once its
         shape is known, before running the one at ``position``: the transfer then overlaps
         this action instead of starting when that action waits for it."""
-        for action in self.actions[position + 1 :]:
-            message = action.receives(self.rank, self._num_stages)
-            if message is None or self._is_local(message):
-                continue
-            if message in step.posted:
-                return
+        index = self._next_remote_receive[position]
+        if index == len(self._remote_receives):
+            return
+        action, message = self._remote_receives[index]
+        if message not in step.posted:
             meta = self._expected_meta(step, action, message)
             if meta is not None:
                 step.posted[message] = self._post_receive(message, *meta)
-            return
 
     def _expected_meta(self, step: _Step, action: Action, message: Message) -> tuple[torch.Size, torch.dtype] | None:
         """The shape and dtype ``message`` will have, where already known: an activation's from
