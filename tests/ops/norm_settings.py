@@ -83,6 +83,9 @@ RMS_NORM = [
     Setting("rms-eps", lambda: nn.RMSNorm(8, eps=1e-2), _sizes(3, 8)),
     Setting("rms-multi-dim-shape", lambda: nn.RMSNorm((3, 4)), _sizes(2, 3, 4)),
     Setting("rms-unbatched", lambda: nn.RMSNorm(8), ((8,),) * 3),
+    # 4-D inputs take the public op and recompute 1/rms at the flush (the others keep it).
+    Setting("rms-4d-input", lambda: nn.RMSNorm(8), _sizes(2, 3, 8)),
+    Setting("rms-channels-last", lambda: nn.RMSNorm((4, 5)), _sizes(3, 4, 5), channels_last=True),
 ]
 
 

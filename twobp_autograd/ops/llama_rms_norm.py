@@ -4,8 +4,9 @@ Mamba's, ...): ``weight * (x in fp32 scaled by 1/rms, cast back to x's dtype)``.
 The generic :func:`~twobp_autograd.ops.recompute` rule defers such a norm by re-running its
 forward under a reparametrization at every call and once more under autograd at the flush: a
 few hundred microseconds of Python per call. This rule runs the same ops with the weight
-detached and, at the flush, takes ``sum(grad * x_hat)`` over all queued rows, ``x_hat``
-recomputed from the saved input by three elementwise ops.
+detached and keeps ``x_hat``, the tensor plain autograd saves for the weight's product (so
+memory until backward is plain's); the flush takes ``sum(grad * x_hat)`` over all queued rows,
+the very ops of plain autograd's weight gradient, with nothing recomputed.
 
 Which classes qualify is decided on what their forward *is*, never on their name (Gemma's
 RMSNorm scales by ``1 + weight``): the same code as the installed ``LlamaRMSNorm.forward``,
@@ -23,7 +24,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ..deferral import configured_kernel, defer_weight_grads, detached
+from ..deferral import defer_weight_grads, detached
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
@@ -37,14 +38,14 @@ def _normalized(x: Tensor, eps: float) -> Tensor:
 
 
 def llama_rms_norm_weight_grad(
-    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, eps: float
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
 ) -> list[Tensor | None]:
     """``weight * x_hat``'s weight gradient: ``grad * x_hat`` summed over all rows (bf16/fp16
-    products summed in fp32, see :mod:`.precision`)."""
+    products summed in fp32, see :mod:`.precision`). ``saved`` holds ``x_hat``'s rows."""
     if not needs[0]:
         return [None]
-    (rows,) = saved
-    product = grad_outputs[0].reshape(rows.shape) * _normalized(rows, eps)
+    (normalized_rows,) = saved
+    product = grad_outputs[0].reshape(normalized_rows.shape) * normalized_rows
     return [product.sum(0, dtype=accumulation_dtype(product.dtype))]
 
 
@@ -59,13 +60,11 @@ def llama_rms_norm(module: nn.Module, hidden_states: Tensor) -> Tensor:
     if reason is not None:
         return plain_forward(module, reason, hidden_states)
     eps = float(cast(float, module.variance_epsilon))
-    output = detached(weight) * _normalized(hidden_states, eps)
-    kernel, group = configured_kernel(llama_rms_norm_weight_grad, eps=eps)
+    normalized = _normalized(hidden_states, eps)
+    output = detached(weight) * normalized
     # As rows: concatenated on dim 0 they stay rows, whatever each call's leading dims were.
-    rows = hidden_states.reshape(-1, hidden_states.shape[-1])
-    if rows.is_inference():  # cannot be saved
-        rows = rows.clone()
-    return defer_weight_grads(output, (weight,), (rows,), kernel, group=group)
+    normalized_rows = normalized.reshape(-1, normalized.shape[-1])
+    return defer_weight_grads(output, (weight,), (normalized_rows,), llama_rms_norm_weight_grad)
 
 
 def computes_like_llama_rms_norm(module_type: type) -> bool:

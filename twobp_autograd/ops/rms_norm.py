@@ -1,8 +1,11 @@
-"""nn.RMSNorm: the forward calls the public ``F.rms_norm`` with the weight detached, so the
-input gradient is PyTorch's own. On CPU that op is a composite of elementwise ops that hands
-back no statistics: the weight kernel recomputes 1/rms at flush time, off backward-p1's
-critical path. Each sample is normalised on its own, so the saved rows concatenate and one
-kernel call serves all queued micro-batches.
+"""nn.RMSNorm: the forward calls the op ``F.rms_norm`` reaches, with the weight detached, so
+the input gradient is PyTorch's own. For same-dtype input and weight that is
+``aten._fused_rms_norm`` (a fused kernel on CUDA, elementwise ops on CPU), which hands back
+1/rms: it is saved with the input, so the weight kernel only multiplies (``x_hat = x / rms``)
+instead of recomputing the statistics. Otherwise (mixed dtypes, 4-D and 5-D inputs that may be
+channels-last) the public op runs, and the kernel recomputes 1/rms at the flush. Each sample
+is normalised on its own, so the saved rows concatenate and one kernel call serves all queued
+micro-batches.
 """
 
 from __future__ import annotations
@@ -35,13 +38,16 @@ def rms_norm_weight_grad(
     (need_weight,) = needs
     if not need_weight:
         return [None]
-    (rows,) = saved
+    rows = saved[0]
     compute = accumulation_dtype(rows.dtype)
     upcast = rows.to(compute)
-    if eps is None:
-        eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
-    dims = tuple(range(1, rows.dim()))
-    normalized = upcast * torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
+    if len(saved) > 1:  # 1/rms, as the forward computed it
+        normalized = upcast * saved[1]
+    else:
+        if eps is None:
+            eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
+        dims = tuple(range(1, rows.dim()))
+        normalized = upcast * torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
     product = torch.promote_types(compute, weight_dtype)
     grad = grad_outputs[0].reshape(rows.shape).to(product)
     return [(grad * normalized).sum(0)]
@@ -56,10 +62,16 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
         return plain_forward(module, reason, x)
     shape = tuple(module.normalized_shape)
     x, (weight,) = as_autocast_casts("rms_norm", x, detached(param))
-    # The public op itself: on CPU a composite of elementwise ops, with no 1/rms to keep.
-    output = F.rms_norm(x, shape, weight, module.eps)
-    kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    assert weight is not None  # an RMSNorm without weight has no parameter to defer
+    kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)
     rows = x.reshape(-1, *shape)
     if rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
         rows = rows.clone()
-    return defer_weight_grads(output, (param,), (rows,), kernel, group=group)
+    # rms_norm's own test for its fused op (channels-last inputs are only 4-D or 5-D).
+    saved: tuple[Tensor, ...] = (rows,)
+    if weight.dtype == x.dtype and x.dim() < 4:
+        output, inverse_rms = torch.ops.aten._fused_rms_norm(x, shape, weight, module.eps)
+        saved = (rows, inverse_rms.reshape(rows.shape[0], *(1,) * len(shape)))
+    else:
+        output = F.rms_norm(x, shape, weight, module.eps)
+    return defer_weight_grads(output, (param,), saved, kernel, group=group)
