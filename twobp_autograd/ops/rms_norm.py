@@ -64,14 +64,15 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     x, (weight,) = as_autocast_casts("rms_norm", x, detached(param))
     assert weight is not None  # an RMSNorm without weight has no parameter to defer
     kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)
+    # rms_norm's own test for its fused op (channels-last inputs are only 4-D or 5-D); inputs
+    # of the wrong shape take the public op, for its error.
+    fused = weight.dtype == x.dtype and x.dim() < 4 and x.shape[x.dim() - len(shape) :] == shape
+    if fused:
+        output, inverse_rms = torch.ops.aten._fused_rms_norm(x, shape, weight, module.eps)
+    else:
+        output = F.rms_norm(x, shape, weight, module.eps)
     rows = x.reshape(-1, *shape)
     if rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
         rows = rows.clone()
-    # rms_norm's own test for its fused op (channels-last inputs are only 4-D or 5-D).
-    saved: tuple[Tensor, ...] = (rows,)
-    if weight.dtype == x.dtype and x.dim() < 4:
-        output, inverse_rms = torch.ops.aten._fused_rms_norm(x, shape, weight, module.eps)
-        saved = (rows, inverse_rms.reshape(rows.shape[0], *(1,) * len(shape)))
-    else:
-        output = F.rms_norm(x, shape, weight, module.eps)
+    saved = (rows, inverse_rms.reshape(rows.shape[0], *(1,) * len(shape))) if fused else (rows,)
     return defer_weight_grads(output, (param,), saved, kernel, group=group)
