@@ -244,6 +244,10 @@ def _misuse(rank: int) -> dict:
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     except RuntimeError as error:
         refusals["clip"] = str(error)
+    try:
+        model.zero_grad()
+    except RuntimeError as error:
+        refusals["zero_grad"] = str(error)
     twobp.flush_weight_grads()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # allowed once flushed
     optimizer.step()
@@ -364,6 +368,14 @@ def test_optimizer_step_with_queued_sharded_work_is_refused(ranks: list[dict], r
 def test_clipping_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
     message = ranks[rank]["misuse"].get("clip", "")
     assert message.startswith("twobp: gradient clipping") and "flush_weight_grads()" in message, message
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_zero_grad_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
+    """Unlike unsharded parameters' (dropped, as plain zero_grad drops them): the work is queued
+    on FSDP2's unsharded stand-ins, whose reduction the flush still owes."""
+    message = ranks[rank]["misuse"].get("zero_grad", "")
+    assert message.startswith("twobp: FSDPNet.zero_grad()") and "discard_weight_grads()" in message, message
 
 
 @pytest.mark.parametrize("rank", range(WORLD))

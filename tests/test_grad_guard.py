@@ -1,9 +1,12 @@
 """What reads ``.grad`` for a step (clipping, GradScaler's unscale_) is refused while work for its
 parameters is queued, leaving every gradient as it was; after the flush it runs as on plain autograd.
-The step itself: tests/test_queue.py (step, closures) and tests/test_fsdp.py (sharded parameters)."""
+``zero_grad`` before the flush drops the queued work of the parameters it zeroes, as plain autograd
+drops their gradients. The step itself: tests/test_queue.py (step, closures) and
+tests/test_fsdp.py (sharded parameters)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 
@@ -93,4 +96,65 @@ def test_a_disabled_scaler_leaves_the_check_to_the_step() -> None:
     scaler.unscale_(optimizer)  # does nothing when disabled
     with pytest.raises(RuntimeError, match=r"optimizer\.step\(\).*still queued"):
         scaler.step(optimizer)
+    twobp.flush_weight_grads()
+
+
+def _optimizer_zero_grad(model: nn.Module, set_to_none: bool) -> None:
+    torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=set_to_none)
+
+
+def _module_zero_grad(model: nn.Module, set_to_none: bool) -> None:
+    model.zero_grad(set_to_none=set_to_none)
+
+
+def _first_layer_zero_grad(model: nn.Module, set_to_none: bool) -> None:
+    model[0].zero_grad(set_to_none=set_to_none)
+
+
+def _weights_only_zero_grad(model: nn.Module, set_to_none: bool) -> None:
+    # A parameter group that holds a Linear's weight but not its bias: half of one job is dropped.
+    weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+    torch.optim.SGD(weights, lr=0.1).zero_grad(set_to_none=set_to_none)
+
+
+ZERO_GRADS: dict[str, Callable[[nn.Module, bool], None]] = {
+    "optimizer": _optimizer_zero_grad,
+    "module": _module_zero_grad,
+    "first-layer-only": _first_layer_zero_grad,
+    "weights-only": _weights_only_zero_grad,
+}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zeros"])
+@pytest.mark.parametrize("zero_grad", ZERO_GRADS.values(), ids=ZERO_GRADS.keys())
+@pytest.mark.parametrize("own_queue", [False, True], ids=["default-queue", "own-queue"])
+def test_zero_grad_before_the_flush_drops_that_work_as_plain_drops_those_grads(
+    zero_grad: Callable[[nn.Module, bool], None], set_to_none: bool, own_queue: bool
+) -> None:
+    """A micro-batch skipped by zero_grad (a non-finite loss, say) must not reach the flush;
+    the work of parameters it does not zero stays queued, and a later backward's is kept."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    queue = twobp.WeightGradQueue() if own_queue else None
+    skipped, kept = torch.randn(4, 6), torch.randn(5, 6)
+    with twobp.use_queue(queue) if queue is not None else contextlib.nullcontext():
+        model(skipped).pow(2).sum().backward()
+        zero_grad(model, set_to_none)
+        model(kept).pow(2).sum().backward()
+    reference(skipped).pow(2).sum().backward()
+    zero_grad(reference, set_to_none)
+    reference(kept).pow(2).sum().backward()
+    twobp.flush_weight_grads(queue)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_zero_grad_of_other_parameters_keeps_the_work() -> None:
+    model = twobp.patch(_model())
+    model(torch.randn(4, 6)).sum().backward()
+    assert twobp.pending().jobs == 2
+    nn.Linear(3, 2).zero_grad()
+    torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1).zero_grad()
+    assert twobp.pending().jobs == 2
     twobp.flush_weight_grads()

@@ -41,7 +41,7 @@ from torch.autograd import Variable
 
 from . import fsdp_hooks
 from .flush import watch_flushes
-from .grad_guard import queued_work_finders
+from .grad_guard import stand_in_finders
 from .queue import WeightGradQueue
 
 __all__ = ["ShardedGradientSync"]
@@ -123,14 +123,8 @@ def _watch(params: Sequence[Tensor]) -> _GroupReductions | None:
     return _GroupReductions(sharded) if sharded else None
 
 
-def _queued_for_sharded(params: list[Tensor], queues: list[WeightGradQueue]) -> bool:
-    """Whether ``queues`` hold work for the unsharded stand-ins of any of ``params``."""
-    stand_ins = fsdp_hooks.unsharded_params_of(params)
-    return bool(stand_ins) and any(queue.has_work_for(stand_ins) for queue in queues)
-
-
 watch_flushes(_watch)
-queued_work_finders.append(_queued_for_sharded)
+stand_in_finders.append(fsdp_hooks.unsharded_params_of)
 
 
 class ShardedGradientSync:

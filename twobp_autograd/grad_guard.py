@@ -4,13 +4,19 @@ the parameters whose work is still queued, and the flush would then add unscaled
 sums on top: a wrong step that nothing reports. So each is refused while work for its
 parameters is queued.
 
+``zero_grad`` (the optimizer's or a module's) between backward and flush drops the queued work
+of the parameters it zeroes, as plain ``zero_grad`` drops the gradients that backward computed:
+else a micro-batch skipped that way (a non-finite loss) would reach the next step's ``.grad``
+at its flush. (FSDP2's sharded parameters are refused instead, see ``stand_in_finders``.)
+
 PyTorch has a hook for the step only (a global step pre-hook; with a closure the check goes
-after each call of the closure, where the backward ran). Clipping and ``unscale_`` are wrapped
-once, when the first model is patched: ``GradScaler.unscale_`` on its class;
-``clip_grad_norm_`` through the helper it calls to scale the gradients
-(``torch.nn.utils.clip_grad._clip_grads_with_norm_``, public as ``clip_grads_with_norm_``),
-which catches it however the caller imported it; ``clip_grad_value_`` where ``torch.nn.utils``
-exposes it (a name imported from there before the first patch keeps the unchecked function).
+after each call of the closure, where the backward ran). ``zero_grad`` (on ``Optimizer`` and
+``nn.Module``), clipping and ``unscale_`` are wrapped once, when the first model is patched:
+``GradScaler.unscale_`` on its class; ``clip_grad_norm_`` through the helper it calls to
+scale the gradients (``torch.nn.utils.clip_grad._clip_grads_with_norm_``, public as
+``clip_grads_with_norm_``), which catches it however the caller imported it;
+``clip_grad_value_`` where ``torch.nn.utils`` exposes it (a name imported from there before
+the first patch keeps the unchecked function).
 """
 
 from __future__ import annotations
@@ -22,14 +28,13 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .queue import WeightGradQueue, queues_with_work
+from .queue import queues_with_work
 
-__all__ = ["install_grad_guards", "queued_work_finders", "refuse_if_queued"]
+__all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued"]
 
-#: Further ways the guards find work queued for some parameters,
-#: ``finder(params, queues_with_work) -> bool`` (twobp_autograd.fsdp: work queued on the
-#: unsharded stand-ins of FSDP2-sharded parameters).
-queued_work_finders: list[Callable[[list[torch.Tensor], list[WeightGradQueue]], bool]] = []
+#: ``finder(params) -> tensors`` that queued work names in place of some of ``params``
+#: (twobp_autograd.fsdp: the unsharded stand-ins of FSDP2-sharded parameters).
+stand_in_finders: list[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = []
 
 _installed = False
 
@@ -40,6 +45,7 @@ def install_grad_guards() -> None:
     if _installed:
         return
     register_optimizer_step_pre_hook(_refuse_step_with_queued_work)
+    _guard_zero_grad()
     _guard_clipping()
     _guard_unscale()
     _installed = True
@@ -51,12 +57,52 @@ def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "") -> None
     if not queues:
         return
     tensors = [p for p in params if isinstance(p, torch.Tensor)]
-    if any(q.has_work_for(tensors) for q in queues) or any(finds(tensors, queues) for finds in queued_work_finders):
+    tensors += _stand_ins(tensors)
+    if any(q.has_work_for(tensors) for q in queues):
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
             f"backward and before it{advice}."
         )
+
+
+def _stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [t for finds in stand_in_finders for t in finds(params)]
+
+
+def _discard_queued_work(params: Iterable[Any], what: str) -> None:
+    """Drop the work queued for ``params``; refused where it is queued for their stand-ins."""
+    queues = queues_with_work()
+    if not queues:
+        return
+    tensors = [p for p in params if isinstance(p, torch.Tensor)]
+    stand_ins = _stand_ins(tensors)
+    if any(q.has_work_for(stand_ins) for q in queues):
+        raise RuntimeError(
+            f"twobp: {what} over FSDP2-sharded parameters whose weight gradients are still queued: "
+            "call twobp.flush_weight_grads() before it, or twobp.discard_weight_grads() to drop "
+            "that work."
+        )
+    for queue in queues:
+        queue.discard_work_for(tensors)
+
+
+def _guard_zero_grad() -> None:
+    for owner, params_of in ((torch.optim.Optimizer, _optimizer_params), (torch.nn.Module, _module_params)):
+        owner.zero_grad = _discarding_queued_work(owner.zero_grad, params_of)  # type: ignore[method-assign]
+
+
+def _module_params(module: torch.nn.Module) -> list[Any]:
+    return list(module.parameters())
+
+
+def _discarding_queued_work(zero_grad: Callable[..., Any], params_of: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+    @functools.wraps(zero_grad)
+    def discarding(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _discard_queued_work(params_of(self), f"{type(self).__name__}.zero_grad()")
+        return zero_grad(self, *args, **kwargs)
+
+    return discarding
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:

@@ -56,6 +56,19 @@ class WeightGradJob:
         watched = (*self.saved, *self.grad_outputs, *(p for p in self.params if p is not None))
         return tuple(t._version for t in watched)
 
+    def drop_params(self, dropped: set[int]) -> bool:
+        """Stop computing the gradients of the parameters whose ``id`` is in ``dropped``;
+        whether the job still has a parameter to compute for."""
+        params = self.params
+        if not any(p is not None and id(p) in dropped for p in params):
+            return True
+        tensors = len(self.saved) + len(self.grad_outputs)
+        param_versions = iter(self.versions[tensors:])
+        kept_versions = [v for p in params if p is not None for v in [next(param_versions)] if id(p) not in dropped]
+        self.params = tuple(None if p is None or id(p) in dropped else p for p in params)
+        self.versions = (*self.versions[:tensors], *kept_versions)
+        return any(p is not None for p in self.params)
+
     def check_unmodified(self) -> None:
         if self._versions() != self.versions:
             raise RuntimeError(

@@ -223,6 +223,18 @@ class WeightGradQueue:
             self._held_bytes = 0
             self._running_backwards.clear()
 
+    def discard_work_for(self, params: Sequence[Tensor]) -> None:
+        """Drop the queued work of ``params`` (what ``zero_grad`` does to a gradient plain
+        backward has computed); jobs left without a parameter go whole."""
+        dropped = {id(p) for p in params}
+        with self._lock:
+            kept: list[WeightGradJob] = []
+            gone: list[WeightGradJob] = []
+            for job in self._jobs:
+                (kept if job.drop_params(dropped) else gone).append(job)
+            self._jobs = kept
+            self._count(gone, -1)
+
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
         """Remove and return the jobs with the given tags (all jobs when ``tags`` is None)."""
         self._check_no_backward_elsewhere()
