@@ -479,3 +479,46 @@ def test_gradient_edges_as_inputs():
     for model in (patched, reference):
         loss_of(model, x).backward(inputs=[get_gradient_edge(model[2].weight)])
     finish_and_compare(patched, reference, jobs=1)
+
+
+def _attention(module, x):
+    return module(x, x, x, need_weights=False)[0]
+
+
+LAYERS_FROZEN_AFTER_FORWARD = {
+    "linear": (lambda: nn.Linear(4, 3), lambda: torch.randn(5, 4), None),
+    "conv2d": (lambda: nn.Conv2d(4, 3, 3), lambda: torch.randn(2, 4, 5, 5), None),
+    "layer-norm": (lambda: nn.LayerNorm(4), lambda: torch.randn(5, 4), None),
+    "batch-norm": (lambda: nn.BatchNorm1d(4), lambda: torch.randn(5, 4), None),
+    "group-norm": (lambda: nn.GroupNorm(2, 4), lambda: torch.randn(5, 4, 3), None),
+    "rms-norm": (lambda: nn.RMSNorm(4), lambda: torch.randn(5, 4), None),
+    "embedding": (lambda: nn.Embedding(7, 4), lambda: torch.randint(0, 7, (5,)), None),
+    "attention": (lambda: nn.MultiheadAttention(4, 2, batch_first=True), lambda: torch.randn(2, 3, 4), _attention),
+}
+
+
+@pytest.mark.parametrize("unfrozen_before_backward", [False, True], ids=["frozen-at-backward", "unfrozen-again"])
+@pytest.mark.parametrize("frozen", ["all", "weight-only"])
+@pytest.mark.parametrize("layer", LAYERS_FROZEN_AFTER_FORWARD.values(), ids=LAYERS_FROZEN_AFTER_FORWARD.keys())
+def test_parameters_frozen_between_forward_and_backward(layer, frozen, unfrozen_before_backward):
+    """As autograd's accumulator decides when backward reaches it: a parameter that no longer
+    requires grad then gets nothing (a GAN's discriminator frozen for the generator's loss
+    after a shared forward), one unfrozen again before backward gets its gradient."""
+    make, make_input, call = layer
+    patched, reference = patched_and_reference(make())
+    x = make_input()
+    for net in (patched, reference):
+        out = call(net, x) if call is not None else net(x)
+        weight = net.in_proj_weight if isinstance(net, nn.MultiheadAttention) else net.weight
+        params = list(net.parameters()) if frozen == "all" else [weight]
+        for p in params:
+            p.requires_grad_(False)
+        if unfrozen_before_backward:
+            for p in params:
+                p.requires_grad_(True)
+        out.pow(2).sum().backward()
+        for p in params:
+            p.requires_grad_(True)
+    assert all((p.grad is None) != unfrozen_before_backward for p in params)  # plain's verdict (reference ran last)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

@@ -88,12 +88,15 @@ class ParamDeferral(NamedTuple):
     def decide(self, ctx: Any) -> list[Decision]:
         """Refuse ``create_graph=True``; then per parameter 'defer' (this backward accumulates
         into it), 'now' (``autograd.grad`` asks for it, or it is no leaf: its gradient flows on
-        through autograd) or 'skip' (not wanted, frozen, or not reached by this backward)."""
+        through autograd) or 'skip' (not wanted, frozen, even since the forward, or not
+        reached by this backward)."""
         _refuse_create_graph()
         first = len(ctx.next_functions) - len(self.params)
         needed = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(self.params) :]
+        # A leaf frozen since the forward gets nothing, as autograd's accumulator skips a
+        # variable that no longer requires grad when backward reaches it.
         decisions: list[Decision] = [
-            "skip" if not need else "now" if param is None else _decide(node)
+            "skip" if not need else "now" if param is None else _decide(node) if param.requires_grad else "skip"
             for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed, strict=True)
         ]
         return decisions
