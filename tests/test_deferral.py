@@ -179,6 +179,45 @@ def test_tensor_and_post_accumulate_hooks_see_the_gradient_at_flush():
     assert_grads_match(patched, reference)
 
 
+def _optimizer_in_backward(model: nn.Module, *, skip_none: bool) -> None:
+    """PyTorch's optimizer-in-backward idiom: one optimizer per parameter, stepped (and its
+    gradient freed) by the parameter's post-accumulate-grad hook."""
+    optimizers = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
+
+    def step(p):
+        if skip_none and p.grad is None:
+            return
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
+def test_optimizer_in_backward_steps_at_the_flush():
+    patched, reference = patched_and_reference(mlp())
+    _optimizer_in_backward(patched, skip_none=True)
+    _optimizer_in_backward(reference, skip_none=True)
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        loss_of(patched, x).backward()
+        twobp.flush_weight_grads()
+        loss_of(reference, x).backward()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        assert p.grad is None, name  # freed by the hook
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_optimizer_in_backward_stepping_on_none_is_refused_with_the_fix():
+    """Its step during backward would skip the parameter (no gradient yet) and its zero_grad drop
+    the queued work: refused, naming the idiom's fix."""
+    patched = twobp.patch(mlp())
+    _optimizer_in_backward(patched, skip_none=False)
+    with pytest.raises(RuntimeError, match="post-accumulate-grad hook.*p.grad is None"):
+        loss_of(patched, torch.randn(4, 6)).backward()
+    twobp.discard_weight_grads()
+
+
 def test_bf16_autocast_on_cpu():
     patched, reference = patched_and_reference(mlp())
     x = torch.randn(8, 6)

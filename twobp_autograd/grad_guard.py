@@ -122,8 +122,14 @@ def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, k
 
 
 def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
-    closure_advice = " (with step(closure): inside the closure, after its backward)"
-    refuse_if_queued(_optimizer_params(optimizer), "optimizer.step()", closure_advice)
+    if torch._C._current_graph_task_id() >= 0:  # from a hook, inside a backward
+        advice = (
+            " (a step in a post-accumulate-grad hook, the optimizer-in-backward idiom: return from "
+            "the hook while p.grad is None; it runs again at the flush, with the gradient)"
+        )
+    else:
+        advice = " (with step(closure): inside the closure, after its backward)"
+    refuse_if_queued(_optimizer_params(optimizer), "optimizer.step()", advice)
 
 
 def _checked_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
