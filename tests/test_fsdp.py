@@ -358,33 +358,25 @@ def test_unsharded_parameters_are_freed_after_backward_and_flush(ranks: list[dic
     assert all(while_queued and after_flush for while_queued, after_flush in freed), freed
 
 
-@pytest.mark.parametrize("rank", range(WORLD))
-def test_optimizer_step_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
-    message = ranks[rank]["misuse"].get("step", "")
-    assert message.startswith("twobp: ") and "flush_weight_grads()" in message, message
+#: What each misuse must be refused with: (the message's start, a fix it names).
+MISUSES = {
+    "step": ("twobp: optimizer.step()", "flush_weight_grads()"),
+    "clip": ("twobp: gradient clipping", "flush_weight_grads()"),
+    # Unlike unsharded parameters' (dropped, as plain zero_grad drops them): the work is queued
+    # on FSDP2's unsharded stand-ins, whose reduction the flush still owes.
+    "zero_grad": ("twobp: FSDPNet.zero_grad()", "discard_weight_grads()"),
+    "shard_after_queue": ("twobp: ", "before calling fully_shard"),
+    "replicated_sync_on_sharded": ("twobp: ", "flush_weight_grads()"),
+}
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
-def test_clipping_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
-    message = ranks[rank]["misuse"].get("clip", "")
-    assert message.startswith("twobp: gradient clipping") and "flush_weight_grads()" in message, message
+@pytest.mark.parametrize("misuse", MISUSES)
+def test_misuse_over_queued_sharded_work_is_refused(ranks: list[dict], rank: int, misuse: str) -> None:
+    """An optimizer step, clipping or zero_grad over sharded parameters with work queued,
+    fully_shard over queued work, the replicated synchroniser on a sharded model."""
+    start, fix = MISUSES[misuse]
+    message = ranks[rank]["misuse"].get(misuse, "")
+    assert message.startswith(start) and fix in message, message
 
 
-@pytest.mark.parametrize("rank", range(WORLD))
-def test_zero_grad_with_queued_sharded_work_is_refused(ranks: list[dict], rank: int) -> None:
-    """Unlike unsharded parameters' (dropped, as plain zero_grad drops them): the work is queued
-    on FSDP2's unsharded stand-ins, whose reduction the flush still owes."""
-    message = ranks[rank]["misuse"].get("zero_grad", "")
-    assert message.startswith("twobp: FSDPNet.zero_grad()") and "discard_weight_grads()" in message, message
-
-
-@pytest.mark.parametrize("rank", range(WORLD))
-def test_fully_shard_over_queued_work_is_refused_at_the_flush(ranks: list[dict], rank: int) -> None:
-    message = ranks[rank]["misuse"].get("shard_after_queue", "")
-    assert message.startswith("twobp: ") and "before calling fully_shard" in message, message
-
-
-@pytest.mark.parametrize("rank", range(WORLD))
-def test_the_replicated_synchroniser_refuses_a_sharded_model(ranks: list[dict], rank: int) -> None:
-    message = ranks[rank]["misuse"].get("replicated_sync_on_sharded", "")
-    assert message.startswith("twobp: ") and "flush_weight_grads()" in message, message
