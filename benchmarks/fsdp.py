@@ -59,6 +59,11 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="2BP side: a queue with this max_pending_bytes (early flushes bound its memory)",
     )
+    parser.add_argument(
+        "--flush-each",
+        action="store_true",
+        help="2BP side: flush after every micro-batch's backward (FSDP2 alone has no bubble to fill)",
+    )
     parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
     parser.add_argument("--memory-steps", type=int, default=2, help="steps per side with the memory sampler")
     parser.add_argument("--warmup", type=int, default=2)
@@ -122,6 +127,8 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
             model.set_requires_gradient_sync(args.sync_each or index == len(micro) - 1)  # type: ignore[operator]
             with twobp.use_queue(queue):
                 (loss_fn(model(x), y) / len(micro)).backward()
+            if side == "fsdp2_2bp" and args.flush_each and index < len(micro) - 1:
+                queue.flush()
         if side == "fsdp2_2bp":
             held_before_flush.append(queue.pending().bytes)
             queue.flush()
@@ -171,6 +178,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
     }
     sync = "every micro-batch" if args.sync_each else "the last micro-batch"
     cap = "" if args.max_pending_mib is None else f", 2BP queue capped at {args.max_pending_mib:g} MiB"
+    cap += ", 2BP flushed after every micro-batch" if args.flush_each else ""
     rows = args.batch_size // args.micro_batches
     print(
         f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of {rows}, "

@@ -213,6 +213,9 @@ class _EventLog:
         self.events.append("reduce")
         self._reduce_group(group)
 
+    def completes(self, params: object) -> bool:
+        return False  # only watches: FSDP2's own watch says when to hand over
+
     def delivered(self, params: object) -> None:
         self.events.append("delivered")
 

@@ -58,7 +58,12 @@ class PartlyDelivered(RuntimeError):
 
 
 class DeliveryWatch(Protocol):
-    """Told by one flush which gradients are final (in ``.grad``), and when it has ended."""
+    """Told by one flush which gradients are final (in ``.grad``), and when it has ended;
+    asked whether handing over the gradients now final would complete something it waits for
+    (then they go at once, one hand-over for all; else they wait for the next such moment or
+    the end: each hand-over is an engine run)."""
+
+    def completes(self, params: Sequence[Tensor]) -> bool: ...
 
     def delivered(self, params: Sequence[Tensor]) -> None: ...
 
@@ -74,8 +79,9 @@ _watchers: list[FlushWatcher] = []
 
 def watch_flushes(watcher: FlushWatcher) -> Callable[[], None]:
     """Ask ``watcher`` at the start of every flush (e.g. FSDP2's reduction, which must follow
-    each parameter group's gradients as they become final). A flush with a watch hands each
-    gradient over as soon as it is final instead of in buckets. Returns what stops it."""
+    each parameter group's gradients as they become final). A flush with a watch hands the
+    gradients over as soon as one of its watches says they complete something, instead of in
+    buckets. Returns what stops it."""
     _watchers.append(watcher)
     return lambda: _watchers.remove(watcher)
 
@@ -127,7 +133,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                         del total
                         ready_bytes += param.numel() * param.element_size()
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
-                if ready and (watches or bucket_full):
+                if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
                     _deliver(ready, watches)
                     ready_bytes = 0
@@ -142,6 +148,13 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
         raise
     for watch in watches:
         watch.finished()
+
+
+def _completes_a_watch(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch]) -> bool:
+    if not watches:
+        return False
+    params = [param for param, _ in ready]
+    return any(watch.completes(params) for watch in watches)
 
 
 def _watches_for(groups: list[list[WeightGradJob]]) -> list[DeliveryWatch]:

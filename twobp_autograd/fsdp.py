@@ -61,6 +61,15 @@ class _GroupReductions:
             self._groups[id(group)] = group
         self._reduced: list[Any] = []
 
+    def completes(self, params: Sequence[Tensor]) -> bool:
+        """Whether ``params`` hold the last gradients a group still awaits."""
+        counts: dict[int, int] = {}
+        for param in params:
+            group = self._group_of.get(id(param))
+            if group is not None:
+                counts[id(group)] = counts.get(id(group), 0) + 1
+        return any(self._awaited[key] == count for key, count in counts.items())
+
     def delivered(self, params: Sequence[Tensor]) -> None:
         for param in params:
             group = self._group_of.get(id(param))
