@@ -223,14 +223,19 @@ def _failure(rank: int, culprit: nn.Module, culprit_rank: int) -> dict:
         stage, actions, num_micro_batches=m, loss_fn=lambda o, t: o.sum(), timeout=FAILURE_TIMEOUT
     )
     inputs, targets = torch.randn(4, 4), torch.zeros(4)
+    try:
+        runtime.step(inputs[:1], targets[:1])  # fewer samples than micro-batches: refused on every rank
+        too_few = None
+    except ValueError as error:
+        too_few = str(error)
     runtime.step(inputs, targets)  # a healthy first step fixes the shapes
     culprit.armed = True
     start = time.perf_counter()
     try:
         runtime.step(inputs, targets)
     except PipelineError as error:
-        return {"error": str(error), "elapsed": time.perf_counter() - start}
-    return {"error": None, "elapsed": time.perf_counter() - start}
+        return {"error": str(error), "elapsed": time.perf_counter() - start, "too_few": too_few}
+    return {"error": None, "elapsed": time.perf_counter() - start, "too_few": too_few}
 
 
 #: scenario -> (what each rank runs, number of ranks)
@@ -321,6 +326,8 @@ def test_a_hung_rank_makes_the_others_time_out(tmp_path) -> None:
 def test_a_shape_mismatch_ends_every_rank_with_an_error(tmp_path) -> None:
     sender, receiver = launch("shape_mismatch", str(tmp_path), deadline=90.0)
     assert sender is not None and receiver is not None
+    for result in (sender, receiver):  # and before it, a batch of 1 for 2 micro-batches, on both ranks
+        assert result["too_few"] and "at least num_micro_batches=2 samples" in result["too_few"], result
     assert sender.get("error") and "exchanged for this input shape" in sender["error"], sender
     assert receiver.get("error") and "rank 0" in receiver["error"], receiver
     assert sender["elapsed"] < 60.0 and receiver["elapsed"] < 60.0

@@ -355,7 +355,14 @@ class PipelineRuntime:
             header.copy_(_meta(inputs))  # type: ignore[arg-type]
         work = dist.broadcast(header, group_src=0, group=self.group, async_op=True)
         self._wait(work, "the step's input shape from rank 0", timer=None)
-        return tuple(header.tolist())
+        key = tuple(header.tolist())
+        batch = key[2] if key[1] > 0 else 0
+        if batch < self.num_micro_batches:  # on every rank alike: empty micro-batches would give NaN losses
+            raise ValueError(
+                f"a step's inputs must hold at least num_micro_batches={self.num_micro_batches} samples "
+                f"on dim 0 (one per micro-batch); got {batch}"
+            )
+        return key
 
     def _send_activation(self, step: _Step, out: Tensor, message: Message) -> None:
         k, peer = message.micro_batch, self._rank_of(message.receiver)
