@@ -62,9 +62,9 @@ class WeightGradJob:
         params = self.params
         if not any(p is not None and id(p) in dropped for p in params):
             return True
-        tensors = len(self.saved) + len(self.grad_outputs)
-        param_versions = iter(self.versions[tensors:])
-        kept_versions = [v for p in params if p is not None for v in [next(param_versions)] if id(p) not in dropped]
+        tensors = len(self.saved) + len(self.grad_outputs)  # the versions' order: see _versions
+        present = [p for p in params if p is not None]
+        kept_versions = [v for p, v in zip(present, self.versions[tensors:], strict=True) if id(p) not in dropped]
         self.params = tuple(None if p is None or id(p) in dropped else p for p in params)
         self.versions = (*self.versions[:tensors], *kept_versions)
         return any(p is not None for p in self.params)
