@@ -56,7 +56,7 @@ def conv_bn() -> nn.Module:
 
 
 class _ReentrantCheckpointed(nn.Module):
-    """A block under reentrant checkpointing (Hugging Face's default): its forward runs again
+    """A block under reentrant checkpointing (older Hugging Face versions' default): its forward runs again
     inside the backward, so its weight work is queued there, not in the stage's forward."""
 
     def __init__(self, width: int) -> None:
