@@ -199,3 +199,27 @@ def test_hugging_face_model_matches_plain_autograd(
     assert twobp.pending() == (0, 0)
     assert all(p.grad is not None for p in model.parameters())
     assert_grads_match(model, reference)
+
+
+@pytest.mark.parametrize("use_reentrant", [None, True], ids=["hugging-face-default", "reentrant"])
+def test_hugging_face_activation_checkpointing_matches_plain_autograd(use_reentrant: bool | None) -> None:
+    """``activation_checkpointing_enable()`` (non-reentrant by default) and the reentrant kind,
+    whose region re-runs its forward inside backward: the backward runs in the forward's
+    ``use_queue`` block, so that work joins the same queue."""
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    twobp.register(LlamaRMSNorm, twobp.ops.llama_rms_norm)
+    twobp.patch(model)
+    kwargs = None if use_reentrant is None else {"use_reentrant": use_reentrant}
+    for net in (model, reference):
+        net.config.use_cache = False
+        net.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    queue = twobp.WeightGradQueue()
+    for _ in range(MICRO_BATCHES):
+        ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE))
+        with twobp.use_queue(queue):
+            model(input_ids=ids, labels=ids).loss.backward()
+        reference(input_ids=ids.clone(), labels=ids.clone()).loss.backward()
+    assert queue.pending().jobs > 0 and twobp.pending().jobs == 0
+    queue.flush()
+    assert_grads_match(model, reference)
