@@ -9,6 +9,9 @@ ratios.
   forward), (I+W)/B (backward-p1 + flush / full backward) and, side by side, PyTorch's own split
   on the plain stage (``stage_backward_input`` + ``stage_backward_weight``) over the same B.
   Targets: F on/off <= 1.03, (I+W)/B <= 1.05 and no dearer than PyTorch's split.
+- **Where a stage's split cost sits**: every ATen call of the backward (plain) and of
+  backward-p1 + flush (2BP) timed under a dispatch mode, a few extra rounds: the kernels' own
+  (I+W)/B, and the time outside kernels (Python, autograd's engine) per side.
 
     python benchmarks/per_call.py [--rounds 30] [--calls 200] [--models mlp transformer ...]
 """
@@ -29,6 +32,7 @@ import torch
 from local_ranks import recorded_arguments, write_json  # beside this script
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import twobp_autograd as twobp
 from twobp_autograd.pipeline.split import blocks_of, defer_norms
@@ -192,6 +196,47 @@ class _StageSides:
         return {"F": forward, "I": middle - start, "W": end - middle}
 
 
+class _KernelTime(TorchDispatchMode):
+    """Sums the wall time of every ATen call made inside (its nested calls are not seen again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        start = time.perf_counter()
+        result = func(*args, **(kwargs or {}))
+        self.seconds += time.perf_counter() - start
+        return result
+
+
+def _backward_kernels(sides: _StageSides, rounds: int) -> dict[str, float]:
+    """Median kernel time and wall time of plain B and of 2BP's I + W under :class:`_KernelTime`."""
+    kernels: dict[str, list[float]] = {"B": [], "I+W": []}
+    walls: dict[str, list[float]] = {"B": [], "I+W": []}
+    for round_ in range(rounds):
+        for side in ("B", "I+W") if round_ % 2 else ("I+W", "B"):
+            stage = sides.plain if side == "B" else sides.patched
+            with twobp.use_queue(sides.queue):
+                _, out, _ = sides._forward(stage)
+            timer, start = _KernelTime(), time.perf_counter()
+            with timer:
+                out.backward(sides.grad)
+                sides.queue.flush()
+            walls[side].append(time.perf_counter() - start)
+            kernels[side].append(timer.seconds)
+            stage.zero_grad(set_to_none=True)
+    ms = {side: statistics.median(values) * 1e3 for side, values in kernels.items()}
+    outside = {side: (statistics.median(walls[side]) - statistics.median(kernels[side])) * 1e3 for side in walls}
+    return {
+        "B_kernels_ms": ms["B"],
+        "split_kernels_ms": ms["I+W"],
+        "kernels_split_over_B": ms["I+W"] / ms["B"],
+        "B_outside_kernels_ms": outside["B"],
+        "split_outside_kernels_ms": outside["I+W"],
+    }
+
+
 def stage_ratios(model_name: str, args: argparse.Namespace) -> dict[str, float]:
     """F on/off, (I+W)/B ours and PyTorch's, and ours over PyTorch's, medians of per-round ratios."""
     sides = _StageSides(*_stage(model_name, args))
@@ -210,6 +255,7 @@ def stage_ratios(model_name: str, args: argparse.Namespace) -> dict[str, float]:
         "split_over_B": _median_ratio(ours_split, backward),
         "pytorch_split_over_B": _median_ratio(theirs_split, backward),
         "split_over_pytorch_split": _median_ratio(ours_split, theirs_split),
+        **_backward_kernels(sides, args.kernel_rounds),
     }
 
 
@@ -227,6 +273,7 @@ def _print_layers(layers: dict[str, dict[str, float]]) -> None:
 
 _STAGE_HEADER = (
     f"{'stage':<14}{'F off':>9}{'B':>9}{'F on/off':>10}{'(I+W)/B':>9}{'PyTorch (I+W)/B':>17}{'ours/PyTorch':>14}"
+    f"{'kernels (I+W)/B':>17}{'outside kernels B / I+W':>25}"
 )
 
 
@@ -234,6 +281,8 @@ def _print_stage(name: str, row: dict[str, float]) -> None:
     print(
         f"{name:<14}{row['F_off_ms']:>7.2f}ms{row['B_ms']:>7.2f}ms{row['F_on_off']:>10.3f}{row['split_over_B']:>9.3f}"
         f"{row['pytorch_split_over_B']:>17.3f}{row['split_over_pytorch_split']:>14.3f}"
+        f"{row['kernels_split_over_B']:>17.3f}"
+        f"{row['B_outside_kernels_ms']:>12.2f}ms /{row['split_outside_kernels_ms']:>6.2f}ms"
     )
 
 
@@ -244,6 +293,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(STAGE_MODELS), help="stages to time")
     parser.add_argument("--stage-rounds", type=int, default=30, help="interleaved rounds per stage")
+    parser.add_argument(
+        "--kernel-rounds", type=int, default=10, help="extra rounds per stage with every ATen call timed"
+    )
     parser.add_argument("--stage-blocks", type=int, default=2, help="blocks per stage, from the model's middle")
     parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch of a stage")
     parser.add_argument("--width", type=int, default=None, help="hidden size (the sweep's default when omitted)")

@@ -27,7 +27,7 @@ def test_tiny_per_call_run_writes_every_layer_and_stage(per_call, tmp_path) -> N
     argv = [
         "--rounds", "2", "--calls", "2", "--warmup", "1", "--stage-rounds", "2", "--stage-blocks", "1",
         "--micro-batch", "1", "--width", "16", "--depth", "2", "--seq-len", "4", "--image-size", "32",
-        "--out", str(out),
+        "--kernel-rounds", "2", "--out", str(out),
     ]  # fmt: skip
     assert per_call.main(argv) == 0
     document = json.loads(out.read_text())
@@ -36,4 +36,6 @@ def test_tiny_per_call_run_writes_every_layer_and_stage(per_call, tmp_path) -> N
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("forward_ratio", "step_ratio"))
     for row in document["stages"].values():
         ratios = ("F_on_off", "split_over_B", "pytorch_split_over_B", "split_over_pytorch_split")
+        ratios += ("kernels_split_over_B",)
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ratios)
+        assert 0 < row["B_kernels_ms"] and 0 < row["split_kernels_ms"]
