@@ -22,13 +22,13 @@ the first patch keeps the unchecked function).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .queue import queues_with_work
+from .queue import WeightGradQueue, queues_with_work
 
 __all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued"]
 
@@ -53,17 +53,20 @@ def install_grad_guards() -> None:
 
 def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "") -> None:
     """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored)."""
-    queues = queues_with_work()
-    if not queues:
-        return
-    tensors = [p for p in params if isinstance(p, torch.Tensor)]
-    tensors += _stand_ins(tensors)
-    if any(q.has_work_for(tensors) for q in queues):
+    queues, tensors = _queued(params)
+    if queues and any(q.has_work_for(tensors + _stand_ins(tensors)) for q in queues):
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
             f"backward and before it{advice}."
         )
+
+
+def _queued(params: Iterable[Any]) -> tuple[list[WeightGradQueue], list[torch.Tensor]]:
+    """The queues holding work, and the tensors of ``params``, which are read only where some
+    queue holds work (a guard runs on every step and every ``zero_grad``)."""
+    queues = queues_with_work()
+    return (queues, [p for p in params if isinstance(p, torch.Tensor)]) if queues else ([], [])
 
 
 def _stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -72,10 +75,9 @@ def _stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _discard_queued_work(params: Iterable[Any], what: str) -> None:
     """Drop the work queued for ``params``; refused where it is queued for their stand-ins."""
-    queues = queues_with_work()
+    queues, tensors = _queued(params)
     if not queues:
         return
-    tensors = [p for p in params if isinstance(p, torch.Tensor)]
     stand_ins = _stand_ins(tensors)
     if any(q.has_work_for(stand_ins) for q in queues):
         raise RuntimeError(
@@ -92,11 +94,13 @@ def _guard_zero_grad() -> None:
         owner.zero_grad = _discarding_queued_work(owner.zero_grad, params_of)  # type: ignore[method-assign]
 
 
-def _module_params(module: torch.nn.Module) -> list[Any]:
-    return list(module.parameters())
+def _module_params(module: torch.nn.Module) -> Iterator[Any]:
+    return module.parameters()
 
 
-def _discarding_queued_work(zero_grad: Callable[..., Any], params_of: Callable[[Any], list[Any]]) -> Callable[..., Any]:
+def _discarding_queued_work(
+    zero_grad: Callable[..., Any], params_of: Callable[[Any], Iterable[Any]]
+) -> Callable[..., Any]:
     @functools.wraps(zero_grad)
     def discarding(self: Any, *args: Any, **kwargs: Any) -> Any:
         _discard_queued_work(params_of(self), f"{type(self).__name__}.zero_grad()")
@@ -105,8 +109,8 @@ def _discarding_queued_work(zero_grad: Callable[..., Any], params_of: Callable[[
     return discarding
 
 
-def _optimizer_params(optimizer: torch.optim.Optimizer) -> list[Any]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
+def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[Any]:
+    return (p for group in optimizer.param_groups for p in group["params"])
 
 
 def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
