@@ -55,6 +55,33 @@ def test_flush_adds_to_existing_grads_and_respects_set_to_none():
         torch.testing.assert_close(p, q)
 
 
+@pytest.mark.parametrize(
+    "flush_context",
+    [torch.enable_grad, torch.no_grad, torch.inference_mode],
+    ids=["grad-mode", "no-grad", "inference-mode"],
+)
+def test_a_flush_under_no_grad_or_inference_mode_leaves_gradients_the_next_steps_can_use(flush_context):
+    """A step run under ``no_grad`` / ``inference_mode`` (flush, clip, step): the flushed .grad
+    are plain tensors (not inference tensors, which every later in-place update refuses)."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3)))
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (patched, reference)]
+    for _ in range(3):
+        for _ in range(2):
+            x = torch.randn(4, 6)
+            loss_of(patched, x).backward()
+            loss_of(reference, x).backward()
+        with flush_context():
+            twobp.flush_weight_grads()
+            assert_grads_match(patched, reference)
+            assert not any(p.grad.is_inference() for p in patched.parameters())
+            for model, optimizer in zip((patched, reference), optimizers, strict=True):
+                nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # in place on every .grad
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=False)  # zero_() in place
+    for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
 def test_retain_graph_backward_twice():
     patched, reference = patched_and_reference(mlp())
     x = torch.randn(4, 6)

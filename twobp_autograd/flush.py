@@ -98,6 +98,12 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     over that many CUDA side streams, then summed and delivered in order (:mod:`.streams`)."""
     if not jobs:
         return
+    if torch.is_inference_mode_enabled():
+        # Made in inference mode, every new .grad would be an inference tensor, which the next
+        # in-place update (accumulation, clipping, zero_grad(set_to_none=False)) refuses: the
+        # gradients are made as the backward that queued them would have made them.
+        with torch.inference_mode(False):
+            return run_jobs(jobs, options)
     for job in jobs:
         job.check_unmodified()
     grouped: dict[Hashable, list[WeightGradJob]] = {}  # (kernel group, parameters, shapes) -> jobs
