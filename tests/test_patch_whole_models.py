@@ -223,3 +223,52 @@ def test_hugging_face_activation_checkpointing_matches_plain_autograd(use_reentr
     assert queue.pending().jobs > 0 and twobp.pending().jobs == 0
     queue.flush()
     assert_grads_match(model, reference)
+
+
+# -- Hugging Face Trainer: where the flush goes -------------------------------------------
+
+
+class _TokenIds(torch.utils.data.Dataset):
+    def __init__(self, samples: int) -> None:
+        self.ids = torch.randint(0, VOCAB, (samples, SEQUENCE), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+
+
+def test_hugging_face_trainer_with_the_readme_flush_trains_like_plain(tmp_path) -> None:
+    """Trainer clips and steps right after the last micro-batch's ``training_step``: README's
+    subclass flushes at its end (``accelerator.sync_gradients``). Without it, clipping is refused."""
+    pytest.importorskip("accelerate")
+    from transformers import Trainer, TrainingArguments
+
+    class TwoBPTrainer(Trainer):  # as README shows it
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.accelerator.sync_gradients:  # the step's last micro-batch: flush before clipping
+                twobp.flush_weight_grads()
+            return loss
+
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    twobp.register(LlamaRMSNorm, twobp.ops.llama_rms_norm)
+    twobp.patch(model)
+    arguments = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=3,
+        max_grad_norm=0.5, learning_rate=1e-2, seed=0, use_cpu=True, report_to=[], save_strategy="no",
+        logging_strategy="no", disable_tqdm=True,
+    )  # fmt: skip
+    data = _TokenIds(16)
+
+    with pytest.raises(RuntimeError, match=r"twobp: gradient clipping .* still queued"):
+        Trainer(model=copy.deepcopy(model), args=arguments, train_dataset=data).train()
+    twobp.discard_weight_grads()
+
+    TwoBPTrainer(model=model, args=arguments, train_dataset=data).train()
+    Trainer(model=reference, args=arguments, train_dataset=data).train()
+    assert twobp.pending().jobs == 0
+    for (name, trained), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
+        torch.testing.assert_close(trained, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
