@@ -128,11 +128,14 @@ ZERO_GRADS: dict[str, Callable[[nn.Module, bool], None]] = {
 @pytest.mark.parametrize("set_to_none", [True, False], ids=["set-to-none", "zeros"])
 @pytest.mark.parametrize("zero_grad", ZERO_GRADS.values(), ids=ZERO_GRADS.keys())
 @pytest.mark.parametrize("own_queue", [False, True], ids=["default-queue", "own-queue"])
+@pytest.mark.parametrize("backward_after", [True, False], ids=["another-backward-after", "last-micro-batch-skipped"])
 def test_zero_grad_before_the_flush_drops_that_work_as_plain_drops_those_grads(
-    zero_grad: Callable[[nn.Module, bool], None], set_to_none: bool, own_queue: bool
+    zero_grad: Callable[[nn.Module, bool], None], set_to_none: bool, own_queue: bool, backward_after: bool
 ) -> None:
     """A micro-batch skipped by zero_grad (a non-finite loss, say) must not reach the flush;
-    the work of parameters it does not zero stays queued, and a later backward's is kept."""
+    the work of parameters it does not zero stays queued, and a later backward's is kept.
+    ``set_to_none=False`` leaves zeros where plain backward had made a gradient, not None: an
+    optimizer steps a zero gradient (momentum, weight decay) but skips a None."""
     model = _model()
     reference = copy.deepcopy(model)
     twobp.patch(model)
@@ -141,13 +144,22 @@ def test_zero_grad_before_the_flush_drops_that_work_as_plain_drops_those_grads(
     with twobp.use_queue(queue) if queue is not None else contextlib.nullcontext():
         model(skipped).pow(2).sum().backward()
         zero_grad(model, set_to_none)
-        model(kept).pow(2).sum().backward()
+        if backward_after:
+            model(kept).pow(2).sum().backward()
     reference(skipped).pow(2).sum().backward()
     zero_grad(reference, set_to_none)
-    reference(kept).pow(2).sum().backward()
+    if backward_after:
+        reference(kept).pow(2).sum().backward()
     twobp.flush_weight_grads(queue)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        assert (p.grad is None) == (q.grad is None), f"{name}: {p.grad} against plain's {q.grad}"
+        if q.grad is not None:
+            assert p.grad.stride() == q.grad.stride(), name
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+    for net in (model, reference):
+        torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1).step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_zero_grad_of_other_parameters_keeps_the_work() -> None:

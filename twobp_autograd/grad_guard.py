@@ -73,8 +73,11 @@ def _stand_ins(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return [t for finds in stand_in_finders for t in finds(params)]
 
 
-def _discard_queued_work(params: Iterable[Any], what: str) -> None:
-    """Drop the work queued for ``params``; refused where it is queued for their stand-ins."""
+def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) -> None:
+    """Drop the work queued for ``params``; refused where it is queued for their stand-ins.
+    With ``set_to_none=False`` a parameter whose work is dropped while its ``.grad`` is None
+    gets a zero ``.grad``, as plain ``zero_grad`` zeroes the gradient backward gave it (an
+    optimizer steps a zero gradient, momentum and weight decay included, but skips a None)."""
     queues, tensors = _queued(params)
     if not queues:
         return
@@ -86,7 +89,10 @@ def _discard_queued_work(params: Iterable[Any], what: str) -> None:
             "that work."
         )
     for queue in queues:
-        queue.discard_work_for(tensors)
+        for param in queue.discard_work_for(tensors):
+            if not set_to_none and param.grad is None:
+                # As AccumulateGrad would have laid it out: the parameter's strides.
+                param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def _guard_zero_grad() -> None:
@@ -103,7 +109,8 @@ def _discarding_queued_work(
 ) -> Callable[..., Any]:
     @functools.wraps(zero_grad)
     def discarding(self: Any, *args: Any, **kwargs: Any) -> Any:
-        _discard_queued_work(params_of(self), f"{type(self).__name__}.zero_grad()")
+        set_to_none = kwargs.get("set_to_none", args[0] if args else True)  # both owners' only argument
+        _discard_queued_work(params_of(self), f"{type(self).__name__}.zero_grad()", bool(set_to_none))
         return zero_grad(self, *args, **kwargs)
 
     return discarding

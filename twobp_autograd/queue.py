@@ -223,17 +223,20 @@ class WeightGradQueue:
             self._held_bytes = 0
             self._running_backwards.clear()
 
-    def discard_work_for(self, params: Sequence[Tensor]) -> None:
+    def discard_work_for(self, params: Sequence[Tensor]) -> list[Tensor]:
         """Drop the queued work of ``params`` (what ``zero_grad`` does to a gradient plain
-        backward has computed); jobs left without a parameter go whole."""
+        backward has computed); jobs left without a parameter go whole. Returns the parameters
+        that had work (plain backward would have given each a ``.grad``)."""
         dropped = {id(p) for p in params}
         with self._lock:
+            had_work = {id(p): p for job in self._jobs for p in job.params if p is not None and id(p) in dropped}
             kept: list[WeightGradJob] = []
             gone: list[WeightGradJob] = []
             for job in self._jobs:
                 (kept if job.drop_params(dropped) else gone).append(job)
             self._jobs = kept
             self._count(gone, -1)
+        return list(had_work.values())
 
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
         """Remove and return the jobs with the given tags (all jobs when ``tags`` is None)."""
