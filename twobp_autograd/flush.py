@@ -108,7 +108,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
         job.check_unmodified()
     grouped: dict[Hashable, list[WeightGradJob]] = {}  # (kernel group, parameters, shapes) -> jobs
     for job in jobs:
-        shapes = tuple((t.shape[1:], t.dtype, t.device) for t in job.tensors())
+        shapes = tuple([(t.shape[1:], t.dtype, t.device) for t in job.tensors()])
         grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
@@ -128,16 +128,9 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                     options.weight_grad_streams,
                 )
             for index, group in enumerate(groups):
-                if launched is None:
-                    _add_group_grads(summing, group[0].params, _run_group(group, options))
-                else:
-                    _add_group_grads(summing, group[0].params, launched.take(index))
-                for param in group[0].params:
-                    if param is not None and last_group[id(param)] == index and id(param) in summing:
-                        done, total = summing.pop(id(param))
-                        ready.append((done, total.tensor))
-                        del total
-                        ready_bytes += param.numel() * param.element_size()
+                grads = _run_group(group, options) if launched is None else launched.take(index)
+                ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
+                del grads
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
                 if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
@@ -168,18 +161,40 @@ def _watches_for(groups: list[list[WeightGradJob]]) -> list[DeliveryWatch]:
     return [watch for watch in (watcher(delivering) for watcher in _watchers) if watch is not None]
 
 
-def _add_group_grads(
-    summing: dict[int, tuple[Tensor, _Sum]], params: Sequence[Tensor | None], grads: Sequence[Tensor | None]
-) -> None:
-    """Add one group's gradients, each cast to its parameter's dtype first as autograd casts
-    each path before summing. (A frame of its own: no local outlives it to hold a gradient.)"""
+def _take_group_grads(
+    params: Sequence[Tensor | None],
+    grads: Sequence[Tensor | None],
+    index: int,
+    last_group: dict[int, int],
+    summing: dict[int, tuple[Tensor, _Sum]],
+    ready: list[tuple[Tensor, Tensor]],
+) -> int:
+    """Add group ``index``'s gradients, each cast to its parameter's dtype first as autograd
+    casts each path before summing; a parameter whose last group this is goes to ``ready``
+    (most have one group: their gradient goes as the kernel made it). Returns the bytes made
+    ready. (A frame of its own: no local outlives it to hold a gradient, so AccumulateGrad can
+    take each without a copy.)"""
+    made_ready = 0
     for param, grad in zip(params, grads, strict=True):  # a kernel returns one per parameter
-        if param is None or grad is None:
+        if param is None:
             continue
-        entry = summing.get(id(param))
-        if grad.dtype != param.dtype:
+        key = id(param)
+        if grad is not None and grad.dtype != param.dtype:
             grad = grad.to(param.dtype)
-        summing[id(param)] = (param, entry[1].add(grad) if entry else _Sum(grad))
+        last = last_group[key] == index
+        entry = summing.pop(key, None) if last else summing.get(key)
+        if entry is None:
+            if grad is None:
+                continue
+            made = grad
+        else:
+            made = (entry[1] if grad is None else entry[1].add(grad)).tensor  # summed in place in `summing`
+        if last:
+            ready.append((param, made))
+            made_ready += param.numel() * param.element_size()
+        elif entry is None:
+            summing[key] = (param, _Sum(made))
+    return made_ready
 
 
 def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
