@@ -327,10 +327,16 @@ class PipelineRuntime:
             source = action.receives(self.rank, self._num_stages)
             if source is None:  # the last stage: ``out`` is the loss
                 out.backward()
-            elif self._is_local(source):
-                out.backward(step.handed_over.pop(source))
             else:
-                out.backward(self._receive_message(step, source, out.shape, out.dtype))
+                if self._is_local(source):
+                    grad = step.handed_over.pop(source)
+                else:
+                    grad = self._receive_message(step, source, out.shape, out.dtype)
+                # A stage with every parameter frozen, fed data that needs no gradient (the first
+                # stage, when fine-tuning leaves it frozen), has nothing to differentiate.
+                if out.requires_grad:
+                    out.backward(grad)
+                del grad
             destination = action.sends(self.rank, self._num_stages)
             if destination is not None and x.is_floating_point():
                 grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
