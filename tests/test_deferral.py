@@ -3,6 +3,7 @@ plain autograd after the flush, for every way autograd can be driven, and with t
 features a training step combines with it (hooks, retain_grad, anomaly mode, version counters,
 vmapped backward, the recompute rule)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -525,6 +526,43 @@ def test_recompute_rule_on_a_module_whose_last_op_saves_its_result(last):
         for model in (patched, reference):
             model(x).pow(2).sum().backward()
     finish_and_compare(patched, reference, jobs=6)
+
+
+class DropoutScale(nn.Module):
+    """A per-sample block with dropout: the kind of module README suggests for the recompute rule."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.dropout(x * self.weight)
+
+
+def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_random_numbers():
+    """The flush re-runs the forward later, on joined micro-batches: it cannot draw the same
+    dropout mask. Such a call runs again on plain autograd from the same random state (same
+    output, same generator state after it), and the module stays on plain autograd after."""
+    twobp.register(DropoutScale, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), DropoutScale(6), nn.Linear(6, 2)))
+    for step in range(3):
+        x = torch.randn(4, 6)
+        outputs, states = [], []
+        for model in (patched, reference):
+            torch.manual_seed(step)
+            with pytest.warns(UserWarning, match="DropoutScale.*random draws") if step == 0 and model is patched else (
+                contextlib.nullcontext()
+            ):
+                outputs.append(model(x))
+            states.append(torch.get_rng_state())
+            outputs[-1].pow(2).sum().backward()
+        torch.testing.assert_close(outputs[0], outputs[1])
+        assert torch.equal(states[0], states[1]), "the generator ends where one plain forward leaves it"
+        assert twobp.pending().jobs == 2 * (step + 1), "the two Linears defer, the dropout block does not"
+    assert patched[1].weight.grad is not None and patched[0].weight.grad is None
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
 
 
 def test_gradient_edges_as_inputs():

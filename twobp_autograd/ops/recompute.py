@@ -4,18 +4,23 @@ the parameters detached, and the flush re-runs it once on all queued micro-batch
 concatenated, with the parameters as leaves, to take their vector-Jacobian product.
 
 It costs one extra forward of the module per flush, and is wrong for modules that mix samples
-(BatchNorm in training): register an exact rule for those.
+(BatchNorm in training): register an exact rule for those. A forward that draws random numbers
+(dropout) cannot be replayed at the flush, which runs later and on joined micro-batches: such a
+call is run again on plain autograd from the same random state (so its output is plain's), and
+the module keeps plain autograd from then on, with one warning.
 """
 
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils.checkpoint import get_device_states, set_device_states
 
 from ..deferral import defer_weight_grads
 from .fallback import plain_forward, unsupported_tensors
@@ -43,17 +48,44 @@ def recompute_weight_grad(
     return [next(grads) if need else None for need in needs]
 
 
+_RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
+
+#: Modules whose forward was seen drawing random numbers: they keep plain autograd.
+_random_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
+    elif module in _random_modules:
+        reason = _RANDOM
     else:
         reason = unsupported_tensors(*inputs, *params.values())
     if reason is not None:
         return plain_forward(module, reason, *inputs, **kwargs)
+    tensors = (*inputs, *params.values())
+    random_state = (torch.get_rng_state(), *get_device_states(*tensors))
     outputs = _plain_forward(module, inputs, {n: p.detach() for n, p in params.items()})
+    if _random_numbers_drawn(random_state, tensors):
+        _random_modules.add(module)
+        cpu_state, devices, device_states = random_state
+        # The same draws again, so the output is the one plain autograd computes (and the
+        # generators end where one plain forward leaves them).
+        torch.set_rng_state(cpu_state)
+        set_device_states(devices, device_states)
+        return plain_forward(module, _RANDOM, *inputs)
     kernel = functools.partial(recompute_weight_grad, module=module)
     tapped = defer_weight_grads(outputs, tuple(params.values()), inputs, kernel)
     return tapped
+
+
+def _random_numbers_drawn(before: tuple[Tensor, list[int], list[Tensor]], tensors: Sequence[Tensor]) -> bool:
+    """Whether the CPU generator or that of a device ``tensors`` live on moved since ``before``."""
+    cpu_state, _, device_states = before
+    if not torch.equal(torch.get_rng_state(), cpu_state):
+        return True
+    _, now = get_device_states(*tensors)
+    return any(not torch.equal(a, b) for a, b in zip(now, device_states, strict=True))
