@@ -5,7 +5,9 @@ frozen, checkpointed, residual, beside unpatched layers) and trains it for a few
 steps; each micro-batch calls backward in one of the ways a training step does (retained graph,
 ``autograd.grad`` first, ``zero_grad`` after it, a parameter frozen before it, ``inputs=``, a
 hook on the output, an early flush of its tag, another queue, eval mode). After every flush,
-every ``.grad`` must equal plain autograd's, and after every step every parameter.
+every ``.grad`` and buffer must equal plain autograd's, and after every step every parameter.
+A second family does the same with image models (every kind of convolution, BatchNorm and
+GroupNorm, channels_last).
 
 The hand-written tests pin each case down; this one looks for combinations nobody listed (it
 found ``zero_grad(set_to_none=False)`` leaving ``None`` where plain leaves zeros).
@@ -78,6 +80,11 @@ class RandomNet(nn.Module):
                 layer.weight = first_linear.weight
         self.head = nn.Linear(WIDTH, 3)
 
+    def sample(self, rng: random.Random, batch: int) -> Tensor:
+        if self.embedding is not None:
+            return torch.randint(0, VOCAB, (batch, LENGTH))
+        return torch.randn(batch, LENGTH, WIDTH, dtype=torch.float64, requires_grad=rng.random() < 0.5)
+
     def forward(self, x: Tensor) -> Tensor:
         if self.embedding is not None:
             x = self.embedding(x)
@@ -99,6 +106,73 @@ class RandomNet(nn.Module):
                 x = layer(x)
             x = torch.tanh(x)
         return self.head(x)
+
+
+CONV_KINDS = (
+    "conv", "conv-stride-2", "conv-groups", "conv-dilated", "conv-1x1-no-bias", "batch-norm", "batch-norm-options",
+    "group-norm", "conv-transpose", "conv-transpose-stride-2", "layer-norm-channels-last", "reused", "residual",
+    "checkpointed", "frozen-batch-norm",
+)  # fmt: skip
+CHANNELS = 4
+PADDING_MODES = ("zeros", "reflect", "replicate", "circular")
+
+
+def _conv_layer(kind: str, rng: random.Random) -> nn.Module:
+    c = CHANNELS
+    makers = {
+        "conv": lambda: nn.Conv2d(c, c, 3, padding=1, padding_mode=rng.choice(PADDING_MODES)),
+        "conv-stride-2": lambda: nn.Conv2d(c, c, 3, stride=2, padding=1),
+        "conv-groups": lambda: nn.Conv2d(c, c, 3, padding=1, groups=2),
+        "conv-dilated": lambda: nn.Conv2d(c, c, 3, padding=2, dilation=2),
+        "conv-1x1-no-bias": lambda: nn.Conv2d(c, c, 1, bias=False),
+        "batch-norm": lambda: nn.BatchNorm2d(c),
+        "batch-norm-options": lambda: nn.BatchNorm2d(
+            c, affine=rng.random() < 0.5, track_running_stats=rng.random() < 0.5, momentum=rng.choice([None, 0.1])
+        ),
+        "group-norm": lambda: nn.GroupNorm(2, c),
+        "conv-transpose": lambda: nn.ConvTranspose2d(c, c, 3, padding=1),
+        "conv-transpose-stride-2": lambda: nn.ConvTranspose2d(c, c, 3, stride=2, padding=1, output_padding=1),
+        "layer-norm-channels-last": lambda: nn.LayerNorm(c),
+        "reused": lambda: nn.Conv2d(c, c, 3, padding=1),
+        "residual": lambda: nn.Conv2d(c, c, 3, padding=1),
+        "checkpointed": lambda: nn.Sequential(nn.Conv2d(c, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU()),
+        "frozen-batch-norm": lambda: nn.BatchNorm2d(c).requires_grad_(False),
+    }
+    return makers[kind]()
+
+
+class RandomConvNet(nn.Module):
+    """One to four random image layers (tanh after each), global pooling, a linear head; its
+    inputs sometimes channels_last, and the whole model sometimes too."""
+
+    def __init__(self, rng: random.Random) -> None:
+        super().__init__()
+        self.kinds = [rng.choice(CONV_KINDS) for _ in range(rng.randint(1, 4))]
+        self.layers = nn.ModuleList(_conv_layer(kind, rng) for kind in self.kinds)
+        self.head = nn.Linear(CHANNELS, 3)
+        self.channels_last = rng.random() < 0.4
+
+    def sample(self, rng: random.Random, batch: int) -> Tensor:
+        size = rng.choice([6, 7])
+        x = torch.randn(batch, CHANNELS, size, size, dtype=torch.float64)
+        if rng.random() < 0.3:
+            x = x.to(memory_format=torch.channels_last)
+        return x.requires_grad_(rng.random() < 0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        for kind, layer in zip(self.kinds, self.layers, strict=True):
+            if kind == "reused":
+                x = layer(torch.tanh(layer(x)))
+            elif kind == "residual":
+                x = x + layer(x)
+            elif kind == "checkpointed":
+                x = checkpoint(layer, x, use_reentrant=False)
+            elif kind == "layer-norm-channels-last":
+                x = layer(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+            else:
+                x = layer(x)
+            x = torch.tanh(x)
+        return self.head(x.mean((2, 3)))
 
 
 #: How one micro-batch's backward is driven (the same on both models).
@@ -129,10 +203,12 @@ def _backward(model: nn.Module, loss: Tensor, action: str, set_to_none: bool) ->
         loss.backward()
 
 
-def _train_and_compare(seed: int) -> None:
+def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet]) -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    model = RandomNet(rng).double()
+    model = family(rng).double()
+    if getattr(model, "channels_last", False):
+        model = model.to(memory_format=torch.channels_last)
     reference = copy.deepcopy(model)
     twobp.patch(model)
     queue = twobp.WeightGradQueue(
@@ -146,11 +222,7 @@ def _train_and_compare(seed: int) -> None:
             if action == "eval-mode" and "checkpointed" in model.kinds:
                 action = "backward"  # forwarded in eval, recomputed in train: a limit (README)
             story.append(action)
-            batch = rng.choice([1, 2, 3])
-            if model.embedding is not None:
-                x = torch.randint(0, VOCAB, (batch, LENGTH))
-            else:
-                x = torch.randn(batch, LENGTH, WIDTH, dtype=torch.float64, requires_grad=rng.random() < 0.5)
+            x = model.sample(rng, rng.choice([1, 2, 3]))
             set_to_none = rng.random() < 0.5
             target = current_queue() if action == "default-queue" else queue
             for net in (model, reference):
@@ -169,9 +241,11 @@ def _train_and_compare(seed: int) -> None:
                 queue.flush(tags=[(step, micro_batch)])
         queue.flush()
         twobp.flush_weight_grads()
-        where = f"seed {seed}, layers {model.kinds}, embedding {model.embedding is not None}, actions {story}"
+        where = f"{family.__name__} seed {seed}, layers {model.kinds}, actions {story}"
         try:
             assert_grads_match(model, reference, torch.float64)
+            for (name, buffer), expected in zip(model.named_buffers(), reference.buffers(), strict=True):
+                torch.testing.assert_close(buffer, expected, rtol=1e-10, atol=1e-12, msg=f"buffer {name}")
         except AssertionError as error:
             raise AssertionError(f"{where}: {error}") from None
         for optimizer in optimizers:
@@ -186,4 +260,11 @@ def _train_and_compare(seed: int) -> None:
 @pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")  # PyTorch's own, plain warns too
 @pytest.mark.parametrize("seed", range(160))
 def test_random_training_sequences_match_plain_autograd(seed: int) -> None:
-    _train_and_compare(seed)
+    _train_and_compare(seed, RandomNet)
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_random_image_models_match_plain_autograd(seed: int) -> None:
+    """Convolutions of every kind, BatchNorm (its running statistics as well) and GroupNorm,
+    channels_last models and inputs."""
+    _train_and_compare(seed, RandomConvNet)
