@@ -64,6 +64,17 @@ LAYER_KINDS = (
 )  # fmt: skip
 
 
+def _call(kind: str, layer: nn.Module, x: Tensor) -> Tensor:
+    """How both families call a layer of the kinds they share (reused, residual, checkpointed)."""
+    if kind == "reused":
+        return layer(torch.tanh(layer(x)))
+    if kind == "residual":
+        return x + layer(x)
+    if kind == "checkpointed":
+        return checkpoint(layer, x, use_reentrant=False)
+    return layer(x)
+
+
 class RandomNet(nn.Module):
     """An optional embedding, one to five random layers (tanh after each), a linear head."""
 
@@ -96,14 +107,8 @@ class RandomNet(nn.Module):
                 q = x.transpose(0, 1) if sequence_first else x
                 out = layer(q, q, q, need_weights=False)[0]
                 x = out.transpose(0, 1) if sequence_first else out
-            elif kind == "reused":
-                x = layer(torch.tanh(layer(x)))
-            elif kind == "residual":
-                x = x + layer(x)
-            elif kind == "checkpointed":
-                x = checkpoint(layer, x, use_reentrant=False)
             else:
-                x = layer(x)
+                x = _call(kind, layer, x)
             x = torch.tanh(x)
         return self.head(x)
 
@@ -161,16 +166,10 @@ class RandomConvNet(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         for kind, layer in zip(self.kinds, self.layers, strict=True):
-            if kind == "reused":
-                x = layer(torch.tanh(layer(x)))
-            elif kind == "residual":
-                x = x + layer(x)
-            elif kind == "checkpointed":
-                x = checkpoint(layer, x, use_reentrant=False)
-            elif kind == "layer-norm-channels-last":
+            if kind == "layer-norm-channels-last":
                 x = layer(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
             else:
-                x = layer(x)
+                x = _call(kind, layer, x)
             x = torch.tanh(x)
         return self.head(x.mean((2, 3)))
 

@@ -67,11 +67,10 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     if reason is not None:
         return plain_forward(module, reason, *inputs, **kwargs)
     tensors = (*inputs, *params.values())
-    random_state = (torch.get_rng_state(), *get_device_states(*tensors))
+    cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
     outputs = _plain_forward(module, inputs, {n: p.detach() for n, p in params.items()})
-    if _random_numbers_drawn(random_state, tensors):
+    if _random_numbers_drawn(cpu_state, device_states, tensors):
         _random_modules.add(module)
-        cpu_state, devices, device_states = random_state
         # The same draws again, so the output is the one plain autograd computes (and the
         # generators end where one plain forward leaves them).
         torch.set_rng_state(cpu_state)
@@ -82,9 +81,8 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     return tapped
 
 
-def _random_numbers_drawn(before: tuple[Tensor, list[int], list[Tensor]], tensors: Sequence[Tensor]) -> bool:
-    """Whether the CPU generator or that of a device ``tensors`` live on moved since ``before``."""
-    cpu_state, _, device_states = before
+def _random_numbers_drawn(cpu_state: Tensor, device_states: list[Tensor], tensors: Sequence[Tensor]) -> bool:
+    """Whether the CPU generator, or that of a device ``tensors`` live on, moved since those states."""
     if not torch.equal(torch.get_rng_state(), cpu_state):
         return True
     _, now = get_device_states(*tensors)
