@@ -11,6 +11,7 @@ from torch import nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, patched_and_reference
+from twobp_autograd import queue as queue_module
 from twobp_autograd.queue import current_queue, queues_with_work
 
 
@@ -350,6 +351,69 @@ def test_flush_while_another_thread_is_in_backward_is_refused():
     assert errors and "still running on another thread" in str(errors[0])
     queue.flush()
     assert model[0].weight.grad is not None and model[1].weight.grad is not None
+
+
+@pytest.mark.parametrize("action", ["flush", "step", "zero_grad", "clip", "tagged-flush", "clip-with-norm-read"])
+def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, action):
+    """Two threads on the default queue: the first one's flush takes the second's work too.
+    While those kernels run, the second thread's own flush, step, zero_grad and clipping wait
+    for them, as if the work were still queued (they used to find the queue empty: its flush
+    returned at once, and a step skipped the gradients still on their way). Clipping with a
+    norm read before (``clip_grads_with_norm_``) is refused instead."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(5, 3)
+    with current_queue().tagged("mine"):
+        patched(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    flushing, release = threading.Event(), threading.Event()
+    run_jobs = queue_module.run_jobs
+
+    def slow_run_jobs(jobs, options):
+        if threading.current_thread() is flusher:
+            flushing.set()
+            release.wait(30)
+        return run_jobs(jobs, options)
+
+    monkeypatch.setattr(queue_module, "run_jobs", slow_run_jobs)
+    flusher = threading.Thread(target=twobp.flush_weight_grads)
+    flusher.start()
+    assert flushing.wait(30)
+    assert twobp.pending().jobs == 0  # taken: the other thread's flush runs it now
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (patched, reference)]
+    threading.Timer(0.5, release.set).start()  # this thread is about to wait for that flush
+    try:
+        if action == "flush":
+            twobp.flush_weight_grads()
+        elif action == "tagged-flush":
+            current_queue().flush(tags=["mine"])
+        elif action == "step":
+            optimizers[0].step()
+        elif action == "clip":
+            norm = nn.utils.clip_grad_norm_(patched.parameters(), 0.1)
+        elif action == "clip-with-norm-read":
+            grads = [p.grad for p in patched.parameters()]
+            with pytest.raises(RuntimeError, match="still queued"):
+                nn.utils.clip_grads_with_norm_(patched.parameters(), 0.1, torch.tensor(1.0))
+            assert not release.is_set() and all(p.grad is g for p, g in zip(patched.parameters(), grads, strict=True))
+            return
+        else:
+            patched.zero_grad()
+        assert release.is_set(), f"{action} went on while the other thread's flush ran its work"
+        flusher.join(30)
+        if action in ("flush", "tagged-flush"):
+            assert_grads_match(patched, reference)
+        elif action == "step":
+            optimizers[1].step()
+            for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p, q)
+        elif action == "clip":
+            torch.testing.assert_close(norm, nn.utils.clip_grad_norm_(reference.parameters(), 0.1))
+            assert_grads_match(patched, reference)
+        else:
+            assert all(p.grad is None for p in patched.parameters())
+    finally:
+        release.set()
+        flusher.join(30)
 
 
 def test_bad_arguments():

@@ -153,7 +153,8 @@ class GradientSynchroniser:
         self._armed = True
         try:
             bucketed = dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4))
-            run_jobs(jobs, bucketed)
+            with queue.running(jobs):
+                run_jobs(jobs, bucketed)
         finally:
             self._armed = False
             self._final = set()

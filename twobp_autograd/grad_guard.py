@@ -12,16 +12,21 @@ at its flush. (FSDP2's sharded parameters are refused instead, see ``stand_in_fi
 PyTorch has a hook for the step only (a global step pre-hook; with a closure the check goes
 after each call of the closure, where the backward ran). ``zero_grad`` (on ``Optimizer`` and
 ``nn.Module``), clipping and ``unscale_`` are wrapped once, when the first model is patched:
-``GradScaler.unscale_`` on its class; ``clip_grad_norm_`` through the helper it calls to
-scale the gradients (``torch.nn.utils.clip_grad._clip_grads_with_norm_``, public as
-``clip_grads_with_norm_``), which catches it however the caller imported it;
-``clip_grad_value_`` where ``torch.nn.utils`` exposes it (a name imported from there before
-the first patch keeps the unchecked function).
+``GradScaler.unscale_`` on its class; ``clip_grad_norm_`` where ``torch.nn.utils`` exposes it
+and through the helper it calls to scale the gradients
+(``torch.nn.utils.clip_grad._clip_grads_with_norm_``, public as ``clip_grads_with_norm_``),
+which catches it however the caller imported it; ``clip_grad_value_`` where ``torch.nn.utils``
+exposes it (a name imported from there before the first patch keeps the unchecked function).
+
+Work that another thread's flush has taken out of a queue (:mod:`.queue`) is waited for, as
+it reaches ``.grad`` soon; by the clipping helper, which runs after the norm was read, it is
+refused instead.
 """
 
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -51,10 +56,12 @@ def install_grad_guards() -> None:
     _installed = True
 
 
-def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "") -> None:
-    """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored)."""
+def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait: bool = True) -> None:
+    """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored).
+    Work another thread's flush is running counts once it has landed (``wait``), or at once
+    (``wait=False``, for a caller that has read the gradients already)."""
     queues, tensors = _queued(params)
-    if queues and any(q.has_work_for(tensors + _stand_ins(tensors)) for q in queues):
+    if queues and any(q.has_work_for(tensors + _stand_ins(tensors), wait=wait) for q in queues):
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
@@ -159,24 +166,34 @@ def _as_list(parameters: Any) -> list[Any]:
     return [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
 
 
+def _like(original: Any, parameters: list[Any]) -> Any:
+    """The list handed on as the caller gave it: a generator stays one (``clip_grad_norm_``
+    warns about an empty generator)."""
+    return (p for p in parameters) if isinstance(original, types.GeneratorType) else parameters
+
+
 def _guard_clipping() -> None:
     from torch.nn import utils
     from torch.nn.utils import clip_grad
 
-    scale = _refusing_while_queued(clip_grad._clip_grads_with_norm_, "clip_grad_norm_ / clip_grads_with_norm_")
+    # The norm is taken before the helper runs: there another thread's flush that has not
+    # landed yet is refused, not waited for. The public function waits before reading.
+    scale = _refusing_while_queued(clip_grad._clip_grads_with_norm_, "clip_grad_norm_ / clip_grads_with_norm_", False)
+    clip_norm = _refusing_while_queued(clip_grad.clip_grad_norm_, "clip_grad_norm_")
     clamp = _refusing_while_queued(clip_grad.clip_grad_value_, "clip_grad_value_")
     clip_grad._clip_grads_with_norm_ = utils.clip_grads_with_norm_ = scale
+    clip_grad.clip_grad_norm_ = utils.clip_grad_norm_ = clip_norm
     clip_grad.clip_grad_value_ = utils.clip_grad_value_ = clamp
 
 
-def _refusing_while_queued(clip: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _refusing_while_queued(clip: Callable[..., Any], name: str, wait: bool = True) -> Callable[..., Any]:
     """``clip(parameters, ...)``, first refused while work for those parameters is queued."""
 
     @functools.wraps(clip)
     def checked(parameters: Any, *args: Any, **kwargs: Any) -> Any:
-        parameters = _as_list(parameters)
-        refuse_if_queued(parameters, f"gradient clipping ({name})")
-        return clip(parameters, *args, **kwargs)
+        listed = _as_list(parameters)
+        refuse_if_queued(listed, f"gradient clipping ({name})", wait=wait)
+        return clip(_like(parameters, listed), *args, **kwargs)
 
     return checked
 

@@ -9,6 +9,11 @@ thread-safe. :func:`use_queue` sends the forwards run inside it (on that thread)
 queue, for whoever wants separation (one per pipeline stage, one per concurrently training
 thread). A queue is bound at forward time, because on CUDA the backward runs on autograd's
 device threads, not the caller's.
+
+A flush takes its jobs out of the queue before it runs them. Until they reach ``.grad`` they
+still count as the queue's work for other threads: a flush, the step and clipping guards,
+``zero_grad``'s discard and ``clear`` on another thread wait for them (else a thread whose work
+another thread's flush had taken would find the queue empty and step on partial gradients).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import NamedTuple
 
 import torch
@@ -48,6 +53,20 @@ class PendingWork(NamedTuple):
 
 
 _live_queues: weakref.WeakSet[WeightGradQueue] = weakref.WeakSet()
+
+
+class _Flight(NamedTuple):
+    """Jobs taken out of a queue and running: the thread running them, their parameters' ids
+    and their tags (not the jobs: those would keep the saved tensors alive)."""
+
+    thread: int
+    param_ids: frozenset[int]
+    tags: frozenset[Hashable]
+
+    @classmethod
+    def of(cls, jobs: Sequence[WeightGradJob]) -> _Flight:
+        ids = frozenset(id(p) for job in jobs for p in job.params if p is not None)
+        return cls(threading.get_ident(), ids, frozenset(job.tag for job in jobs))
 
 
 class WeightGradQueue:
@@ -100,6 +119,8 @@ class WeightGradQueue:
         self._held: dict[tuple[int, torch.device], list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
         self._lock = threading.Lock()
+        self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
+        self._flight_landed = threading.Condition(self._lock)
         self._running_backwards: dict[int, int] = {}  # graph task id -> thread ident
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
@@ -174,7 +195,8 @@ class WeightGradQueue:
                     count += 1
                 oldest, self._jobs = self._jobs[:count], self._jobs[count:]
                 self._count(oldest, -1)
-            self._run(oldest)
+                flight = self._take_off(oldest)
+            self._run(oldest, flight)
 
     def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
         """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep
@@ -207,17 +229,36 @@ class WeightGradQueue:
     def tags(self) -> list[Hashable]:
         return list(dict.fromkeys(job.tag for job in self._jobs))
 
-    def has_work_for(self, params: Sequence[Tensor]) -> bool:
-        if not self._jobs:
+    def has_work_for(self, params: Sequence[Tensor], *, wait: bool = True) -> bool:
+        """Whether work for one of ``params`` is queued, once another thread's flush that runs
+        some has put it in ``.grad`` (``wait=False``: such a flush counts as work, for a caller
+        that has already read the gradients)."""
+        if not self._jobs and not self._flights:
             return False
-        queued = {id(p) for job in self._jobs for p in job.params if p is not None}
-        return any(id(p) in queued for p in params)
+        wanted = {id(p) for p in params}
+
+        def concerns(flight: _Flight) -> bool:
+            return not flight.param_ids.isdisjoint(wanted)
+
+        with self._lock:
+            if wait:
+                self._wait_for_flights_elsewhere(concerns)
+            elif self._flights_elsewhere(concerns):
+                return True
+            return any(id(p) in wanted for job in self._jobs for p in job.params if p is not None)
+
+    def busy(self) -> bool:
+        """Whether work is queued, or running in another thread's flush (seen from outside
+        autograd, see :meth:`_wait_for_flights_elsewhere`)."""
+        return bool(self._jobs) or self._flights_elsewhere(_ANY_WORK)
 
     # -- running -------------------------------------------------------------------------
 
     def clear(self) -> None:
-        """Drop all queued work without computing it."""
+        """Drop all queued work without computing it (a flush running on another thread
+        finishes first)."""
         with self._lock:
+            self._wait_for_flights_elsewhere(_ANY_WORK)
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
@@ -229,6 +270,9 @@ class WeightGradQueue:
         that had work (plain backward would have given each a ``.grad``)."""
         dropped = {id(p) for p in params}
         with self._lock:
+            # Gradients another thread's flush is computing for them must land first, so that
+            # the zero_grad after this drops them too.
+            self._wait_for_flights_elsewhere(lambda flight: not flight.param_ids.isdisjoint(dropped))
             had_work = {id(p): p for job in self._jobs for p in job.params if p is not None and id(p) in dropped}
             kept: list[WeightGradJob] = []
             gone: list[WeightGradJob] = []
@@ -239,16 +283,23 @@ class WeightGradQueue:
         return list(had_work.values())
 
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
-        """Remove and return the jobs with the given tags (all jobs when ``tags`` is None)."""
+        """Remove and return the jobs with the given tags (all jobs when ``tags`` is None),
+        after another thread's flush of such jobs has finished. The caller runs them inside
+        :meth:`running`."""
         self._check_no_backward_elsewhere()
         with self._lock:
-            if tags is None:
-                taken, self._jobs = self._jobs, []
-            else:
-                wanted = set(tags)
-                taken = [j for j in self._jobs if j.tag in wanted]
-                self._jobs = [j for j in self._jobs if j.tag not in wanted]
-            self._count(taken, -1)
+            return self._take_locked(tags)
+
+    def _take_locked(self, tags: Sequence[Hashable] | None) -> list[WeightGradJob]:
+        if tags is None:
+            self._wait_for_flights_elsewhere(_ANY_WORK)
+            taken, self._jobs = self._jobs, []
+        else:
+            wanted = set(tags)
+            self._wait_for_flights_elsewhere(lambda flight: not flight.tags.isdisjoint(wanted))
+            taken = [j for j in self._jobs if j.tag in wanted]
+            self._jobs = [j for j in self._jobs if j.tag not in wanted]
+        self._count(taken, -1)
         return taken
 
     def flush(self, tags: Sequence[Hashable] | None = None) -> None:
@@ -259,10 +310,14 @@ class WeightGradQueue:
         buckets (or FSDP2's reduction, which takes each group as it completes), one that raises
         midway has delivered part of its work, drops the rest and raises
         :class:`~twobp_autograd.flush.PartlyDelivered`: the step's gradients are incomplete."""
-        self._run(self.take(tags))
+        self._check_no_backward_elsewhere()
+        with self._lock:
+            jobs = self._take_locked(tags)
+            flight = self._take_off(jobs)
+        self._run(jobs, flight)
 
-    def _run(self, jobs: list[WeightGradJob]) -> None:
-        """Run jobs already taken out of the queue; on failure put them back, oldest first,
+    def _run(self, jobs: list[WeightGradJob], flight: _Flight) -> None:
+        """Run jobs taken out of the queue (``flight``); on failure put them back, oldest first,
         unless part of them already reached ``.grad`` (:class:`PartlyDelivered`)."""
         try:
             run_jobs(jobs, self.flush_options)
@@ -273,6 +328,43 @@ class WeightGradQueue:
                 self._jobs[:0] = jobs
                 self._count(jobs, +1)
             raise
+        finally:
+            self._land(flight)
+
+    @contextlib.contextmanager
+    def running(self, jobs: Sequence[WeightGradJob]) -> Iterator[None]:
+        """Run jobs got from :meth:`take` inside: until the block ends they count as this
+        queue's work for other threads (see the module's docstring)."""
+        with self._lock:
+            flight = self._take_off(jobs)
+        try:
+            yield
+        finally:
+            self._land(flight)
+
+    def _take_off(self, jobs: Sequence[WeightGradJob]) -> _Flight:
+        """With the lock held: ``jobs`` start running on this thread."""
+        flight = _Flight.of(jobs)
+        self._flights.append(flight)
+        return flight
+
+    def _land(self, flight: _Flight) -> None:
+        with self._lock:
+            self._flights = [f for f in self._flights if f is not flight]
+            self._flight_landed.notify_all()
+
+    def _wait_for_flights_elsewhere(self, concerns: Callable[[_Flight], bool]) -> None:
+        """With the lock held: until no other thread runs a flush that ``concerns``. Not from
+        inside autograd (a hook, a backward's capped flush): a flush's own hooks run there, on
+        autograd's device thread on CUDA, and the flush cannot land until they return."""
+        while self._flights_elsewhere(concerns):
+            self._flight_landed.wait()
+
+    def _flights_elsewhere(self, concerns: Callable[[_Flight], bool]) -> bool:
+        if not self._flights or torch._C._current_graph_task_id() >= 0:
+            return False
+        me = threading.get_ident()
+        return any(flight.thread != me and concerns(flight) for flight in self._flights)
 
     def _check_no_backward_elsewhere(self) -> None:
         me = threading.get_ident()
@@ -291,6 +383,10 @@ class WeightGradQueue:
                 "each thread its own queue with twobp.use_queue(). If that backward raised, "
                 "twobp.discard_weight_grads() (or queue.clear()) drops its partial work."
             )
+
+
+def _ANY_WORK(flight: _Flight) -> bool:
+    return True
 
 
 def _storage_key(t: Tensor) -> tuple[int, torch.device]:
@@ -342,5 +438,5 @@ def pending(queue: WeightGradQueue | None = None) -> PendingWork:
 
 
 def queues_with_work() -> list[WeightGradQueue]:
-    return [q for q in list(_live_queues) if len(q)]
+    return [q for q in list(_live_queues) if q.busy()]
 

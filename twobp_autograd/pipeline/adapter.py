@@ -59,7 +59,8 @@ class WeightGradRunner:
             )
         jobs, self.jobs = self.jobs, None  # release the saved activations as soon as possible
         # Delivered all at the end: PyTorch's schedule reads .grad only after the step.
-        run_jobs(jobs, dataclasses.replace(self.queue.flush_options, delivery_bucket_bytes=None))
+        with self.queue.running(jobs):
+            run_jobs(jobs, dataclasses.replace(self.queue.flush_options, delivery_bucket_bytes=None))
 
 
 class StageWeightGrads:
