@@ -56,17 +56,17 @@ _live_queues: weakref.WeakSet[WeightGradQueue] = weakref.WeakSet()
 
 
 class _Flight(NamedTuple):
-    """Jobs taken out of a queue and running: the thread running them, their parameters' ids
-    and their tags (not the jobs: those would keep the saved tensors alive)."""
+    """Jobs taken out of a queue and running on ``thread``. (The jobs' tensors stay alive
+    meanwhile anyway: the runner keeps the list, to put it back if the run fails.)"""
 
     thread: int
-    param_ids: frozenset[int]
-    tags: frozenset[Hashable]
+    jobs: Sequence[WeightGradJob]
 
-    @classmethod
-    def of(cls, jobs: Sequence[WeightGradJob]) -> _Flight:
-        ids = frozenset(id(p) for job in jobs for p in job.params if p is not None)
-        return cls(threading.get_ident(), ids, frozenset(job.tag for job in jobs))
+    def has_params(self, ids: set[int]) -> bool:
+        return any(id(p) in ids for job in self.jobs for p in job.params if p is not None)
+
+    def has_tags(self, tags: set[Hashable]) -> bool:
+        return any(job.tag in tags for job in self.jobs)
 
 
 class WeightGradQueue:
@@ -238,7 +238,7 @@ class WeightGradQueue:
         wanted = {id(p) for p in params}
 
         def concerns(flight: _Flight) -> bool:
-            return not flight.param_ids.isdisjoint(wanted)
+            return flight.has_params(wanted)
 
         with self._lock:
             if wait:
@@ -272,7 +272,7 @@ class WeightGradQueue:
         with self._lock:
             # Gradients another thread's flush is computing for them must land first, so that
             # the zero_grad after this drops them too.
-            self._wait_for_flights_elsewhere(lambda flight: not flight.param_ids.isdisjoint(dropped))
+            self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
             had_work = {id(p): p for job in self._jobs for p in job.params if p is not None and id(p) in dropped}
             kept: list[WeightGradJob] = []
             gone: list[WeightGradJob] = []
@@ -296,7 +296,7 @@ class WeightGradQueue:
             taken, self._jobs = self._jobs, []
         else:
             wanted = set(tags)
-            self._wait_for_flights_elsewhere(lambda flight: not flight.tags.isdisjoint(wanted))
+            self._wait_for_flights_elsewhere(lambda flight: flight.has_tags(wanted))
             taken = [j for j in self._jobs if j.tag in wanted]
             self._jobs = [j for j in self._jobs if j.tag not in wanted]
         self._count(taken, -1)
@@ -344,7 +344,7 @@ class WeightGradQueue:
 
     def _take_off(self, jobs: Sequence[WeightGradJob]) -> _Flight:
         """With the lock held: ``jobs`` start running on this thread."""
-        flight = _Flight.of(jobs)
+        flight = _Flight(threading.get_ident(), jobs)
         self._flights.append(flight)
         return flight
 
