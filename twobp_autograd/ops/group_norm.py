@@ -70,4 +70,6 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
         module.eps,
     )
     kernel, group = configured_kernel(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    return defer_weight_grads(output, params, (x, mean, rstd), kernel, group=group)
+    # The statistics detached: differentiable graph outputs under torch.compile with dynamic
+    # shapes, they made inductor's backward fail to compile.
+    return defer_weight_grads(output, params, (x, mean.detach(), rstd.detach()), kernel, group=group)
