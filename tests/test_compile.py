@@ -3,6 +3,8 @@ defer, and the flush gives plain autograd's gradients and buffers."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from torch import nn
@@ -54,3 +56,39 @@ def test_compiled_norms_recompiled_for_new_shapes_match_autograd(make, shapes):
         reference(x.clone().requires_grad_()).pow(2).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")  # PyTorch's own, plain warns too
+@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
+@pytest.mark.parametrize(
+    ("family", "seed"),
+    [("RandomNet", seed) for seed in range(4)] + [("RandomConvNet", seed) for seed in (0, 1, 2, 6)],
+    ids=lambda value: str(value),
+)
+def test_compiled_random_models_match_autograd(family, seed):
+    """The randomized comparison's models (``tests/test_random_training_steps.py``), compiled
+    with inductor and trained two steps of two micro-batches whose batch and image sizes
+    change (dynamo recompiles with symbolic sizes). Seed 6 of the image family is a GroupNorm
+    that inductor failed to compile before."""
+    from tests import test_random_training_steps as random_models
+
+    torch._dynamo.reset()
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = getattr(random_models, family)(rng).double()
+    patched, reference = patched_and_reference(model)
+    compiled = torch.compile(patched, backend="inductor")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (patched, reference)]
+    for _ in range(2):
+        for _ in range(2):
+            x = model.sample(rng, rng.choice([2, 3]))
+            for net in (compiled, reference):
+                y = net(x.detach().requires_grad_(x.requires_grad) if x.is_floating_point() else x)
+                (y.pow(2).mean() + 0.1 * y.sum()).backward()
+        twobp.flush_weight_grads()
+        assert_grads_match(patched, reference, torch.float64)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
