@@ -59,7 +59,6 @@ def test_compiled_norms_recompiled_for_new_shapes_match_autograd(make, shapes):
 
 
 @pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")  # PyTorch's own, plain warns too
-@pytest.mark.filterwarnings("ignore:Dynamo detected a call to a `functools.lru_cache`")
 @pytest.mark.parametrize(
     ("family", "seed"),
     [("RandomNet", seed) for seed in range(4)] + [("RandomConvNet", seed) for seed in (0, 1, 2, 6)],

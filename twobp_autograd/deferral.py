@@ -204,15 +204,26 @@ _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _STRIDED = torch.strided
 
 
-@functools.cache
 def configured_kernel(
     function: Callable[..., Sequence[Tensor | None]], **config: Hashable
 ) -> tuple[WeightGradKernel, Hashable]:
     """``functools.partial(function, **config)`` and its :func:`kernel_group`, built once per
     configuration instead of on every patched call. The cache keeps ``config`` alive: plain
     values only (shapes, dtypes, flags), never tensors or modules."""
+    if torch.compiler.is_compiling():
+        # Dynamo traces past a cache (and warns every user that it does): build it here.
+        return _configured(function, **config)
+    return _configured_once(function, **config)
+
+
+def _configured(
+    function: Callable[..., Sequence[Tensor | None]], **config: Hashable
+) -> tuple[WeightGradKernel, Hashable]:
     kernel = functools.partial(function, **config)
     return kernel, kernel_group(kernel)
+
+
+_configured_once = functools.cache(_configured)
 
 
 class _WeightGradTap(torch.autograd.Function):
