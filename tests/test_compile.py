@@ -91,3 +91,35 @@ def test_compiled_random_models_match_autograd(family, seed):
             optimizer.zero_grad()
     for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_compiled_llama_defers_its_rms_norms(monkeypatch):
+    """``llama_rms_norm`` checks once that the installed ``LlamaRMSNorm`` computes what the rule
+    computes. Asked first inside a compiled forward, that check ran on dynamo's fake tensors and
+    failed: every LlamaRMSNorm kept plain autograd, with a warning that its forward was not
+    Llama's. The check now runs eagerly wherever it is first asked."""
+    import importlib
+    import warnings
+
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from tests.tiny_models import llama
+    from twobp_autograd.queue import current_queue
+
+    rule = importlib.import_module("twobp_autograd.ops.llama_rms_norm")  # the module, not the function
+
+    monkeypatch.setattr(rule, "_verdicts", {})  # as in a fresh process
+    torch._dynamo.reset()
+    twobp.register(LlamaRMSNorm, twobp.ops.llama_rms_norm)
+    patched, reference = patched_and_reference(llama(vocab=50, hidden=32, layers=1, sequence=8))
+    compiled = torch.compile(patched)
+    ids = torch.randint(0, 50, (2, 8))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="twobp:")
+        compiled(input_ids=ids, labels=ids).loss.backward()
+    norms = sum(isinstance(m, LlamaRMSNorm) for m in patched.modules())
+    deferred = [job for job in current_queue()._jobs if job.kernel is rule.llama_rms_norm_weight_grad]
+    assert len(deferred) == norms == 3
+    reference(input_ids=ids, labels=ids).loss.backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

@@ -71,14 +71,18 @@ def computes_like_llama_rms_norm(module_type: type) -> bool:
     """Whether ``module_type.forward`` is the installed ``LlamaRMSNorm.forward`` (same code) and
     that forward computes exactly :func:`llama_rms_norm`'s output (checked once)."""
     verdict = _verdicts.get(module_type)
-    if verdict is None:
-        reference = _llama_rms_norm_class()
-        verdict = reference is not None and _same_code(module_type, reference) and _llama_matches_this_rule(reference)
-        _verdicts[module_type] = verdict
-    return verdict
+    return _judged(module_type) if verdict is None else verdict
 
 
 _verdicts: dict[type, bool] = {}  # module type -> computes_like_llama_rms_norm, asked on every call
+
+
+@torch.compiler.disable  # a first call traced by torch.compile: its fake tensors compare as nothing
+def _judged(module_type: type) -> bool:
+    reference = _llama_rms_norm_class()
+    verdict = reference is not None and _same_code(module_type, reference) and _llama_matches_this_rule(reference)
+    _verdicts[module_type] = verdict
+    return verdict
 
 
 def _llama_rms_norm_class() -> type[nn.Module] | None:
