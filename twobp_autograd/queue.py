@@ -167,8 +167,10 @@ class WeightGradQueue:
             self._enforce_cap()
 
     def _backward_finished(self, task: int) -> None:
-        """Run by autograd's engine when the backward ``task`` ends."""
-        self._running_backwards.pop(task, None)
+        """Run by autograd's engine when the backward ``task`` ends (on that backward's thread:
+        under the lock, as a flush on another thread may be reading the dict)."""
+        with self._lock:
+            self._running_backwards.pop(task, None)
 
     @contextlib.contextmanager
     def cap_enforced_after(self) -> Iterator[WeightGradQueue]:
