@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import twobp_autograd as twobp
-from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
+from tests.utils import assert_close_to_reference, assert_grads_match, assert_no_grads, patched_and_reference
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -90,7 +90,7 @@ def test_compiled_random_models_match_autograd(family, seed):
             optimizer.step()
             optimizer.zero_grad()
     for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
+        assert_close_to_reference(p, q, torch.float64, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_compiled_llama_defers_its_rms_norms(monkeypatch):

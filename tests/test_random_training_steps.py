@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import twobp_autograd as twobp
-from tests.utils import assert_grads_match
+from tests.utils import assert_close_to_reference, assert_grads_match
 from twobp_autograd.queue import current_queue
 
 WIDTH, LENGTH, VOCAB = 8, 5, 20
@@ -242,9 +242,13 @@ def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet])
         twobp.flush_weight_grads()
         where = f"{family.__name__} seed {seed}, layers {model.kinds}, actions {story}"
         try:
-            assert_grads_match(model, reference, torch.float64)
+            # fp64 rounding noise is relative to the gradients summed, not to the one that comes
+            # out: a gradient zero in exact arithmetic (attention's key bias, a bias before a
+            # norm) is noise of the others' size. Absolute part: rtol times the largest gradient.
+            grads = [q.grad.abs().max().item() for q in reference.parameters() if q.grad is not None and q.grad.numel()]
+            assert_grads_match(model, reference, torch.float64, scale=max(1.0, 100 * max(grads, default=0.0)))
             for (name, buffer), expected in zip(model.named_buffers(), reference.buffers(), strict=True):
-                torch.testing.assert_close(buffer, expected, rtol=1e-10, atol=1e-12, msg=f"buffer {name}")
+                assert_close_to_reference(buffer, expected, torch.float64, msg=f"buffer {name}")
         except AssertionError as error:
             raise AssertionError(f"{where}: {error}") from None
         for optimizer in optimizers:
@@ -253,7 +257,10 @@ def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet])
         for optimizer in optimizers:
             optimizer.zero_grad(set_to_none=set_to_none)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=lambda m, name=name: f"{where}, {name}: {m}")
+        # Scaled by the largest entry: a gradient that is zero in exact arithmetic (attention's key
+        # bias, a convolution's bias before a norm) is rounding noise of the others' size, which
+        # the steps carry into the parameter.
+        assert_close_to_reference(p, q, torch.float64, msg=lambda m, name=name: f"{where}, {name}: {m}")
 
 
 @pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")  # PyTorch's own, plain warns too

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +36,14 @@ def close_to_reference(value: Tensor, reference: Tensor, dtype: torch.dtype = to
     rtol, atol = TOLERANCES[dtype]
     scale = reference.abs().max().item() if reference.numel() else 0.0
     return torch.allclose(value, reference, rtol=rtol, atol=max(atol, rtol * scale))
+
+
+def assert_close_to_reference(value: Tensor, reference: Tensor, dtype: torch.dtype, msg: Any = None) -> None:
+    """:func:`close_to_reference` with ``torch.testing``'s report: for parameters and buffers
+    after optimizer steps, whose rounding noise scales with the largest update."""
+    rtol, atol = TOLERANCES[dtype]
+    scale = reference.abs().max().item() if reference.numel() else 0.0
+    torch.testing.assert_close(value, reference, rtol=rtol, atol=max(atol, rtol * scale), msg=msg)
 
 
 def patched_and_reference(model: nn.Module) -> tuple[nn.Module, nn.Module]:
