@@ -29,21 +29,25 @@ class Scale(nn.Module):
         return x * self.weight
 
 
-def close_to_reference(value: Tensor, reference: Tensor, dtype: torch.dtype = torch.float32) -> bool:
-    """``value`` within the dtype's tolerance of ``reference``, the absolute part scaled by the
+def _scaled_atol(reference: Tensor, dtype: torch.dtype, atol_scale: float = 1.0) -> float:
+    """The dtype's absolute tolerance (times ``atol_scale``), raised to rtol times the
     reference's largest entry: a gradient summed in another order (micro-batches concatenated
     into one convolution) differs by a rounding of its *largest* terms, even at entries near 0."""
     rtol, atol = TOLERANCES[dtype]
-    scale = reference.abs().max().item() if reference.numel() else 0.0
-    return torch.allclose(value, reference, rtol=rtol, atol=max(atol, rtol * scale))
+    largest = reference.abs().max().item() if reference.numel() else 0.0
+    return max(atol * atol_scale, rtol * largest)
+
+
+def close_to_reference(value: Tensor, reference: Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """``value`` within the dtype's tolerance of ``reference`` (absolute part: :func:`_scaled_atol`)."""
+    return torch.allclose(value, reference, rtol=TOLERANCES[dtype][0], atol=_scaled_atol(reference, dtype))
 
 
 def assert_close_to_reference(value: Tensor, reference: Tensor, dtype: torch.dtype, msg: Any = None) -> None:
     """:func:`close_to_reference` with ``torch.testing``'s report: for parameters and buffers
     after optimizer steps, whose rounding noise scales with the largest update."""
-    rtol, atol = TOLERANCES[dtype]
-    scale = reference.abs().max().item() if reference.numel() else 0.0
-    torch.testing.assert_close(value, reference, rtol=rtol, atol=max(atol, rtol * scale), msg=msg)
+    atol = _scaled_atol(reference, dtype)
+    torch.testing.assert_close(value, reference, rtol=TOLERANCES[dtype][0], atol=atol, msg=msg)
 
 
 def patched_and_reference(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -56,16 +60,14 @@ def assert_grads_match(
     patched: nn.Module, reference: nn.Module, dtype: torch.dtype = torch.float32, scale: float = 1.0
 ) -> None:
     """Every parameter's .grad equal (both None, or close within the dtype's tolerance)."""
-    rtol, atol = TOLERANCES[dtype]
+    rtol = TOLERANCES[dtype][0]
     for (name, p), (_, q) in zip(patched.named_parameters(), reference.named_parameters(), strict=True):
         if q.grad is None:
             assert p.grad is None, f"{name}: .grad should be None, got a tensor"
             continue
         assert p.grad is not None, f"{name}: .grad is None, plain autograd has one"
         assert p.grad.dtype == q.grad.dtype and p.grad.shape == q.grad.shape, name
-        # The absolute part scaled by the largest entry, as in close_to_reference.
-        largest = q.grad.abs().max().item() if q.grad.numel() else 0.0
-        tolerance = max(atol * scale, rtol * largest)
+        tolerance = _scaled_atol(q.grad, dtype, scale)
         torch.testing.assert_close(p.grad, q.grad, rtol=rtol, atol=tolerance, msg=lambda m, name=name: f"{name}: {m}")
 
 
