@@ -202,7 +202,8 @@ def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch
     if not ready:
         return
     params = [param for param, _ in ready]
-    handover = [[grad for _, grad in ready]]
+    copies_are_cheap = all(p.grad is not None or g.numel() * g.element_size() <= _COPY_BYTES for p, g in ready)
+    grads = [grad for _, grad in ready]
     ready.clear()
     # A parameter frozen (requires_grad_(False)) between backward and flush still gets the
     # gradient plain autograd gave it during backward: it is unfrozen for the hand-over.
@@ -210,17 +211,30 @@ def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch
     try:
         for param in frozen:
             param.requires_grad_(True)
-        with torch.enable_grad():
-            root = _HandOver.apply(handover, *params)
         # The engine itself, as Tensor.backward() calls it, without backward()'s argument
         # checks and its ones_like: a flush of a few small layers pays for little else.
-        ones = _ones_on(root.device)
-        _engine_run_backward((root,), (ones,), False, False, (), allow_unreachable=True, accumulate_grad=True)
+        if copies_are_cheap:
+            # The parameters as the roots: AccumulateGrad adds into an existing .grad, and copies
+            # a gradient into an empty one (this call still refers to it), which for a small one
+            # costs less than the hand-over node's Python.
+            roots, root_grads = tuple(params), tuple(grads)
+            del grads
+        else:
+            handover = [grads]
+            del grads
+            with torch.enable_grad():
+                root = _HandOver.apply(handover, *params)
+            roots, root_grads = (root,), (_ones_on(root.device),)
+        _engine_run_backward(roots, root_grads, False, False, (), allow_unreachable=True, accumulate_grad=True)
     finally:
         for param in frozen:
             param.requires_grad_(False)
     for watch in watches:
         watch.delivered(params)
+
+
+#: Up to this size a gradient reaching an empty ``.grad`` is copied there (see :func:`_deliver`).
+_COPY_BYTES = 1 << 16
 
 
 class _HandOver(torch.autograd.Function):

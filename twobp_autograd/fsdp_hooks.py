@@ -45,8 +45,14 @@ class ShardedParam(NamedTuple):
 
 
 def fsdp_in_use() -> bool:
-    """Whether FSDP2 is loaded at all (then sharded modules may exist)."""
-    return _STATE_MODULE in sys.modules
+    """Whether a module sharded by FSDP2 may exist: its module is loaded and some composable
+    state is registered. (Loaded alone says little: importing Dynamo loads it. This runs at
+    every flush.)"""
+    if _STATE_MODULE not in sys.modules:
+        return False
+    from torch.distributed._composable_state import _module_state_mapping
+
+    return len(_module_state_mapping) > 0
 
 
 def class_before_fully_shard(cls: type) -> type:
