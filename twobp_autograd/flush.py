@@ -269,7 +269,7 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Te
     needs = first.needs
     if len(group) == 1:
         return first.kernel(*first.on_device(), needs)
-    if first.concatenate is False or options.strategy == "loop":
+    if first.concatenate is False or options.strategy == "loop" or _subclassed(first):
         concat = False
     elif options.strategy == "concat":
         concat = True
@@ -292,6 +292,13 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Te
         for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
             total[i] = _sum(total[i], grad if grad is None or grad.dtype == dtypes[i] else grad.to(dtypes[i]))
     return [t.tensor if t is not None else None for t in total]
+
+
+def _subclassed(job: WeightGradJob) -> bool:
+    """Whether the job holds tensor subclasses (DTensors under tensor parallelism): those run one
+    micro-batch at a time, as backward would have run them. Joined, a sequence-sharded DTensor
+    is gathered, and the gradient comes out replicated where backward leaves it a partial sum."""
+    return any(type(t) is not Tensor for t in job.tensors())
 
 
 class _Sum:

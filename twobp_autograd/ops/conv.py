@@ -69,7 +69,7 @@ def conv_weight_grad(
         input = F.pad(input, extra_right_padding)
     need_weight, need_bias = needs
     # Never read (its gradient is not asked for): only its shape and layout steer the backend.
-    weight = torch.empty_strided(weight_shape, weight_stride, dtype=input.dtype, device=input.device)
+    weight = input.new_empty_strided(weight_shape, weight_stride)  # a DTensor where input is one
     bias_sizes = [grad_output.shape[1]] if need_bias else None
     _, weight_grad, bias_grad = torch.ops.aten.convolution_backward(
         grad_output,

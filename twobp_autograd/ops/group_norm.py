@@ -34,7 +34,7 @@ def group_norm_weight_grad(
     input, mean, rstd = saved  # (N, C, *), (N, groups), (N, groups)
     need_weight, need_bias = needs
     batch, channels = input.shape[:2]
-    weight = torch.ones(channels, dtype=weight_dtype, device=input.device)
+    weight = input.new_ones(channels, dtype=weight_dtype)  # a DTensor where input is one
     _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
         grad_outputs[0], input, mean, rstd, weight, batch, channels, math.prod(input.shape[2:]), num_groups,
         [False, need_weight, need_bias],

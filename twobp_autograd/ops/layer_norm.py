@@ -42,7 +42,8 @@ def layer_norm_weight_grad(
     rows, mean, rstd = saved  # (rows, *normalized_shape), (rows, 1, ...), (rows, 1, ...)
     need_weight, need_bias = needs
     grad = grad_outputs[0].reshape(rows.shape)
-    weight = torch.ones(normalized_shape, dtype=weight_dtype, device=rows.device)
+    # Made like the saved tensors (a DTensor under tensor parallelism, which refuses a mix).
+    weight = rows.new_ones(normalized_shape, dtype=weight_dtype)
     bias = weight if has_bias else None
     _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
         grad, rows, normalized_shape, mean, rstd, weight, bias, [False, need_weight, need_bias]

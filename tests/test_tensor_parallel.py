@@ -1,0 +1,237 @@
+"""Tensor parallelism (``torch.distributed.tensor.parallel``) on patched models, two gloo ranks:
+the layers compute with DTensor weights, inputs and output gradients, so the deferred kernels
+and the flush's hand-over run on DTensors. Each setting's gradients (values and placements)
+after the flush, and the parameters after an optimizer step, against the same plan on the
+unpatched model.
+
+The model is a Llama-style block stack as torchtitan parallelizes it: a row-wise embedding,
+column-wise q/k/v and feed-forward inputs, row-wise outputs, the norms sequence-parallel (or
+replicated), a column-wise head. All settings run in one spawn of two ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    ParallelStyle,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+import twobp_autograd as twobp
+from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.utils import close_to_reference
+
+WORLD = 2
+MICRO_BATCHES = 3
+VOCAB, WIDTH, HEADS, HIDDEN = 16, 32, 4, 640  # the feed-forward weights pass the flush's copy size
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        batch, length, _ = x.shape
+        # -1 heads: under tensor parallelism each rank holds HEADS / WORLD of them.
+        q, k, v = (proj(x).view(batch, length, -1, WIDTH // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(1, 2).reshape(batch, length, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.attention_norm, self.attention = norm(WIDTH), Attention()
+        self.ffn_norm = norm(WIDTH)
+        self.w1, self.w3 = nn.Linear(WIDTH, HIDDEN), nn.Linear(WIDTH, HIDDEN)
+        self.w2 = nn.Linear(HIDDEN, WIDTH)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+class Net(nn.Module):
+    def __init__(self, norm: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.blocks = nn.ModuleList(Block(norm) for _ in range(2))
+        self.norm = norm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
+
+
+@dataclass(frozen=True)
+class Setting:
+    norm: str = "LayerNorm"  # or "RMSNorm"
+    sequence_parallel: bool = True
+    order: str = "patch_then_parallelize"  # or "parallelize_then_patch"
+    strategy: str = "auto"  # the queue's flush strategy
+    capped: bool = False  # max_pending_bytes=0: every job flushed inside its backward
+    embedding: str = "rowwise"  # or "colwise" (the embedding dimension sharded)
+    loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits
+
+    @property
+    def id(self) -> str:
+        parts = [self.norm, "sequence_parallel" if self.sequence_parallel else "norms_replicated", self.order]
+        parts += [self.strategy] * (self.strategy != "auto") + ["capped"] * self.capped
+        return "-".join(
+            parts
+            + [f"embedding_{self.embedding}"] * (self.embedding != "rowwise")
+            + ["loss_parallel"] * self.loss_parallel
+        )
+
+
+SETTINGS = [
+    Setting(),
+    Setting(norm="RMSNorm"),
+    Setting(sequence_parallel=False),
+    Setting(norm="RMSNorm", sequence_parallel=False, order="parallelize_then_patch"),
+    Setting(order="parallelize_then_patch", strategy="concat"),
+    Setting(norm="RMSNorm", strategy="loop"),
+    Setting(norm="RMSNorm", strategy="concat", embedding="colwise"),
+    Setting(capped=True),
+    Setting(norm="RMSNorm", loss_parallel=True),
+]
+
+
+def _plan(setting: Setting) -> tuple[dict[str, ParallelStyle], dict[str, ParallelStyle]]:
+    """(the root's plan, each block's plan), as torchtitan writes them."""
+    layout = Shard(1) if setting.sequence_parallel else Replicate()
+    embed_style = RowwiseParallel if setting.embedding == "rowwise" else ColwiseParallel
+    root: dict[str, ParallelStyle] = {
+        "embed": embed_style(input_layouts=Replicate(), output_layouts=layout),
+        # Under loss_parallel the logits stay sharded over the vocabulary.
+        "head": ColwiseParallel(input_layouts=layout, output_layouts=Shard(-1), use_local_output=False)
+        if setting.loss_parallel
+        else ColwiseParallel(input_layouts=layout, output_layouts=Replicate()),
+    }
+    block: dict[str, ParallelStyle] = {
+        "attention.q": ColwiseParallel(input_layouts=layout),
+        "attention.k": ColwiseParallel(input_layouts=layout),
+        "attention.v": ColwiseParallel(input_layouts=layout),
+        "attention.o": RowwiseParallel(output_layouts=layout),
+        "w1": ColwiseParallel(input_layouts=layout),
+        "w3": ColwiseParallel(input_layouts=layout),
+        "w2": RowwiseParallel(output_layouts=layout),
+    }
+    if setting.sequence_parallel:
+        root["norm"] = SequenceParallel()
+        block.update(attention_norm=SequenceParallel(), ffn_norm=SequenceParallel())
+    return root, block
+
+
+def _build(setting: Setting, patched: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = Net(getattr(nn, setting.norm))
+    if patched and setting.order == "patch_then_parallelize":
+        twobp.patch(model)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    root_plan, block_plan = _plan(setting)
+    for block in model.blocks:
+        parallelize_module(block, mesh, copy.deepcopy(block_plan))
+    parallelize_module(model, mesh, root_plan)
+    if patched and setting.order == "parallelize_then_patch":
+        report = twobp.patch(model, report=True)
+        assert {"blocks.0.w1", "blocks.0.attention_norm", "embed", "head"} <= set(report.patched), report
+    return model
+
+
+def _step(model: nn.Module, setting: Setting, queue: twobp.WeightGradQueue) -> None:
+    with twobp.use_queue(queue), loss_parallel() if setting.loss_parallel else contextlib.nullcontext():
+        for micro in range(MICRO_BATCHES):
+            g = torch.Generator().manual_seed(micro)  # tensor parallel: every rank sees the same batch
+            tokens = torch.randint(0, VOCAB, (2, 6), generator=g)
+            targets = torch.randint(0, VOCAB, (2 * 6,), generator=g)
+            loss = F.cross_entropy(model(tokens).flatten(0, 1), targets) / MICRO_BATCHES
+            loss.backward()
+
+
+def _grads(model: nn.Module) -> dict[str, tuple[object, Tensor] | None]:
+    """Every parameter's gradient: (placements, the full tensor), or None."""
+    found: dict[str, tuple[object, Tensor] | None] = {}
+    for name, p in model.named_parameters():
+        grad = p.grad
+        if grad is None:
+            found[name] = None
+        elif isinstance(grad, DTensor):
+            found[name] = (tuple(grad.placements), grad.full_tensor())
+        else:
+            found[name] = (None, grad.clone())
+    return found
+
+
+def _params(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.full_tensor() if isinstance(p, DTensor) else p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _run_setting(setting: Setting, rank: int) -> dict:
+    ours, plain = _build(setting, patched=True), _build(setting, patched=False)
+    queue = twobp.WeightGradQueue(setting.strategy, max_pending_bytes=0 if setting.capped else None)  # type: ignore[arg-type]
+    _step(plain, setting, twobp.WeightGradQueue())
+    _step(ours, setting, queue)
+    queued = twobp.pending(queue).jobs
+    twobp.flush_weight_grads(queue)
+    result: dict = {"queued": queued, "ours": _grads(ours), "plain": _grads(plain)}
+    for model in (ours, plain):  # the step takes DTensor gradients as they were delivered
+        torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9).step()
+    result["ours_params"], result["plain_params"] = _params(ours), _params(plain)
+    return result
+
+
+def _scenario(rank: int) -> dict:
+    results = {}
+    for setting in SETTINGS:
+        try:
+            results[setting.id] = _run_setting(setting, rank)
+        except Exception as error:  # noqa: BLE001 - one setting's failure is that test's report
+            results[setting.id] = {"error": f"{type(error).__name__}: {error}"}
+    return results
+
+
+@pytest.fixture(scope="module")
+def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    directory = str(tmp_path_factory.mktemp("tensor_parallel"))
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _scenario, store, results), deadline=240.0)
+    return read_results(results, WORLD)
+
+
+@pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
+def test_tensor_parallel_gradients_and_step_equal_the_unpatched_plan(
+    rank_results: list[dict], setting: Setting
+) -> None:
+    for rank, results in enumerate(rank_results):
+        result = results[setting.id]
+        assert "error" not in result, f"rank {rank}: {result['error']}"
+        assert setting.capped or result["queued"] > 0, "nothing was deferred"
+        for name, want in result["plain"].items():
+            got = result["ours"][name]
+            assert (got is None) == (want is None), f"rank {rank} {name}: .grad {got} where plain has {want}"
+            if want is None:
+                continue
+            assert got[0] == want[0], f"rank {rank} {name}: placements {got[0]}, plain's {want[0]}"
+            assert close_to_reference(got[1], want[1]), f"rank {rank} {name}: {(got[1] - want[1]).abs().max()}"
+        for name, want in result["plain_params"].items():
+            assert close_to_reference(result["ours_params"][name], want), f"rank {rank} {name} after the step"
