@@ -1,4 +1,5 @@
-"""Tensor parallelism (``torch.distributed.tensor.parallel``) on patched models, two gloo ranks:
+"""Tensor parallelism (``torch.distributed.tensor.parallel``) on patched models, two gloo ranks
+(and FSDP2 over it on a 2 x 2 mesh, torchtitan's layout, four ranks):
 the layers compute with DTensor weights, inputs and output gradients, so the deferred kernels
 and the flush's hand-over run on DTensors. Each setting's gradients (values and placements)
 after the flush, and the parameters after an optimizer step, against the same plan on the
@@ -6,21 +7,24 @@ unpatched model.
 
 The model is a Llama-style block stack as torchtitan parallelizes it: a row-wise embedding,
 column-wise q/k/v and feed-forward inputs, row-wise outputs, the norms sequence-parallel (or
-replicated), a column-wise head. All settings run in one spawn of two ranks.
+replicated), a column-wise head. All settings of one world size run in one spawn.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import os
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -91,10 +95,12 @@ class Setting:
     capped: bool = False  # max_pending_bytes=0: every job flushed inside its backward
     embedding: str = "rowwise"  # or "colwise" (the embedding dimension sharded)
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits
+    fsdp: bool = False  # fully_shard over "dp" of the model tensor-parallel over "tp" (2 x 2 ranks)
 
     @property
     def id(self) -> str:
-        parts = [self.norm, "sequence_parallel" if self.sequence_parallel else "norms_replicated", self.order]
+        parts = ["fsdp2"] * self.fsdp
+        parts += [self.norm, "sequence_parallel" if self.sequence_parallel else "norms_replicated", self.order]
         parts += [self.strategy] * (self.strategy != "auto") + ["capped"] * self.capped
         return "-".join(
             parts
@@ -113,6 +119,9 @@ SETTINGS = [
     Setting(norm="RMSNorm", strategy="concat", embedding="colwise"),
     Setting(capped=True),
     Setting(norm="RMSNorm", loss_parallel=True),
+    Setting(fsdp=True),
+    Setting(fsdp=True, norm="RMSNorm", order="parallelize_then_patch"),
+    Setting(fsdp=True, sequence_parallel=False, capped=True),
 ]
 
 
@@ -147,11 +156,15 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
     model = Net(getattr(nn, setting.norm))
     if patched and setting.order == "patch_then_parallelize":
         twobp.patch(model)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh("cpu", (WORLD, WORLD) if setting.fsdp else (1, WORLD), mesh_dim_names=("dp", "tp"))
     root_plan, block_plan = _plan(setting)
     for block in model.blocks:
-        parallelize_module(block, mesh, copy.deepcopy(block_plan))
-    parallelize_module(model, mesh, root_plan)
+        parallelize_module(block, mesh["tp"], copy.deepcopy(block_plan))
+    parallelize_module(model, mesh["tp"], root_plan)
+    if setting.fsdp:
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
     if patched and setting.order == "parallelize_then_patch":
         report = twobp.patch(model, report=True)
         assert {"blocks.0.w1", "blocks.0.attention_norm", "embed", "head"} <= set(report.patched), report
@@ -161,7 +174,8 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
 def _step(model: nn.Module, setting: Setting, queue: twobp.WeightGradQueue) -> None:
     with twobp.use_queue(queue), loss_parallel() if setting.loss_parallel else contextlib.nullcontext():
         for micro in range(MICRO_BATCHES):
-            g = torch.Generator().manual_seed(micro)  # tensor parallel: every rank sees the same batch
+            # Every rank of a tensor-parallel group sees the same batch; data-parallel ranks their own.
+            g = torch.Generator().manual_seed(100 * (dist.get_rank() // WORLD) + micro)
             tokens = torch.randint(0, VOCAB, (2, 6), generator=g)
             targets = torch.randint(0, VOCAB, (2 * 6,), generator=g)
             loss = F.cross_entropy(model(tokens).flatten(0, 1), targets) / MICRO_BATCHES
@@ -200,9 +214,9 @@ def _run_setting(setting: Setting, rank: int) -> dict:
     return result
 
 
-def _scenario(rank: int) -> dict:
+def _scenario(fsdp: bool, rank: int) -> dict:
     results = {}
-    for setting in SETTINGS:
+    for setting in (s for s in SETTINGS if s.fsdp == fsdp):
         try:
             results[setting.id] = _run_setting(setting, rank)
         except Exception as error:  # noqa: BLE001 - one setting's failure is that test's report
@@ -210,18 +224,31 @@ def _scenario(rank: int) -> dict:
     return results
 
 
-@pytest.fixture(scope="module")
-def rank_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+def _spawn(tmp_path_factory: pytest.TempPathFactory, fsdp: bool) -> list[dict]:
+    world = WORLD * WORLD if fsdp else WORLD
     directory = str(tmp_path_factory.mktemp("tensor_parallel"))
     store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, WORLD, (WORLD, _scenario, store, results), deadline=240.0)
-    return read_results(results, WORLD)
+    run_ranks(gloo_rank_main, world, (world, functools.partial(_scenario, fsdp), store, results), deadline=240.0)
+    return read_results(results, world)
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _spawn(tmp_path_factory, fsdp=False)
+
+
+@pytest.fixture(scope="module")
+def fsdp_tensor_parallel_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    return _spawn(tmp_path_factory, fsdp=True)
 
 
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: s.id)
 def test_tensor_parallel_gradients_and_step_equal_the_unpatched_plan(
-    rank_results: list[dict], setting: Setting
+    request: pytest.FixtureRequest, setting: Setting
 ) -> None:
+    rank_results = request.getfixturevalue(
+        "fsdp_tensor_parallel_results" if setting.fsdp else "tensor_parallel_results"
+    )
     for rank, results in enumerate(rank_results):
         result = results[setting.id]
         assert "error" not in result, f"rank {rank}: {result['error']}"
