@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import close_to_reference
+from twobp_autograd.data_parallel import GradientSynchroniser
 
 WORLD = 2
 MICRO_BATCHES = 3
@@ -214,8 +215,16 @@ def _run_setting(setting: Setting, rank: int) -> dict:
     return result
 
 
+def _synchroniser_refused() -> str:
+    try:
+        GradientSynchroniser(_build(Setting(), patched=True))
+    except TypeError as error:
+        return str(error)
+    return "constructed"
+
+
 def _scenario(fsdp: bool, rank: int) -> dict:
-    results = {}
+    results: dict = {} if fsdp else {"synchroniser": _synchroniser_refused()}
     for setting in (s for s in SETTINGS if s.fsdp == fsdp):
         try:
             results[setting.id] = _run_setting(setting, rank)
@@ -262,3 +271,9 @@ def test_tensor_parallel_gradients_and_step_equal_the_unpatched_plan(
             assert close_to_reference(got[1], want[1]), f"rank {rank} {name}: {(got[1] - want[1]).abs().max()}"
         for name, want in result["plain_params"].items():
             assert close_to_reference(result["ours_params"][name], want), f"rank {rank} {name} after the step"
+
+
+def test_gradient_synchroniser_refuses_tensor_parallel_parameters(tensor_parallel_results: list[dict]) -> None:
+    """Their gradients need not be laid out as the parameters: FSDP2 over "dp" is the way."""
+    for results in tensor_parallel_results:
+        assert results["synchroniser"].startswith("twobp:") and "fully_shard" in results["synchroniser"]

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
 from .flush import run_jobs
@@ -105,6 +106,14 @@ class GradientSynchroniser:
                     "sharded with fully_shard, which reduces its own: call twobp.flush_weight_grads() "
                     "after backward (it reduce-scatters each group as its gradients become final)."
                 )
+        if any(isinstance(p, DTensor) for p in module.parameters()):
+            raise TypeError(
+                "twobp: GradientSynchroniser averages plain tensors, but this module has DTensor "
+                "parameters (tensor parallel): their gradients may be laid out otherwise than the "
+                "parameters (a row-wise Embedding's is replicated, a sequence-parallel norm's a partial "
+                "sum). For data parallel over a tensor-parallel model, shard it with fully_shard over "
+                "the data-parallel mesh dimension and call twobp.flush_weight_grads() (tested)."
+            )
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
