@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -97,12 +98,15 @@ class Setting:
     embedding: str = "rowwise"  # or "colwise" (the embedding dimension sharded)
     loss_parallel: bool = False  # cross-entropy on vocabulary-sharded logits
     fsdp: bool = False  # fully_shard over "dp" of the model tensor-parallel over "tp" (2 x 2 ranks)
+    checkpoint: bool = False  # each block in a non-reentrant checkpoint_wrapper, after parallelizing
 
     @property
     def id(self) -> str:
         parts = ["fsdp2"] * self.fsdp
         parts += [self.norm, "sequence_parallel" if self.sequence_parallel else "norms_replicated", self.order]
-        parts += [self.strategy] * (self.strategy != "auto") + ["capped"] * self.capped
+        parts += (
+            [self.strategy] * (self.strategy != "auto") + ["capped"] * self.capped + ["checkpoint"] * self.checkpoint
+        )
         return "-".join(
             parts
             + [f"embedding_{self.embedding}"] * (self.embedding != "rowwise")
@@ -120,9 +124,11 @@ SETTINGS = [
     Setting(norm="RMSNorm", strategy="concat", embedding="colwise"),
     Setting(capped=True),
     Setting(norm="RMSNorm", loss_parallel=True),
+    Setting(norm="RMSNorm", checkpoint=True),
     Setting(fsdp=True),
     Setting(fsdp=True, norm="RMSNorm", order="parallelize_then_patch"),
     Setting(fsdp=True, sequence_parallel=False, capped=True),
+    Setting(fsdp=True, checkpoint=True, order="parallelize_then_patch"),
 ]
 
 
@@ -162,13 +168,17 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
     for block in model.blocks:
         parallelize_module(block, mesh["tp"], copy.deepcopy(block_plan))
     parallelize_module(model, mesh["tp"], root_plan)
+    if setting.checkpoint:  # torchtitan's order: tensor parallel, activation checkpointing, FSDP2
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     if setting.fsdp:
         for block in model.blocks:
             fully_shard(block, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
     if patched and setting.order == "parallelize_then_patch":
         report = twobp.patch(model, report=True)
-        assert {"blocks.0.w1", "blocks.0.attention_norm", "embed", "head"} <= set(report.patched), report
+        block = "blocks.0._checkpoint_wrapped_module" if setting.checkpoint else "blocks.0"
+        assert {f"{block}.w1", f"{block}.attention_norm", "embed", "head"} <= set(report.patched), report
     return model
 
 
