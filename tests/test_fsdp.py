@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 
 import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
-from tests.utils import Scale, close_to_reference
+from tests.utils import Scale, TokenStack, close_to_reference
 from twobp_autograd import fsdp_hooks
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.flush import watch_flushes
@@ -50,22 +50,14 @@ class Block(nn.Module):
         return x + self.down(F.gelu(self.scale(self.up(self.norm(x)))))
 
 
-class Net(nn.Module):
+class Net(TokenStack):
     """Embedding, three blocks, a final norm and head: patched and unpatched parameters in
     every FSDP2 group, odd sizes so that sharding pads."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.norm = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+        super().__init__(
+            nn.Embedding(VOCAB, WIDTH), (Block() for _ in range(3)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+        )
 
 
 @dataclass(frozen=True)
@@ -381,5 +373,3 @@ def test_misuse_over_queued_sharded_work_is_refused(ranks: list[dict], rank: int
     start, fix = MISUSES[misuse]
     message = ranks[rank]["misuse"].get(misuse, "")
     assert message.startswith(start) and fix in message, message
-
-

@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import (
 
 import twobp_autograd as twobp
 from tests.ranks import gloo_rank_main, read_results, run_ranks
-from tests.utils import close_to_reference
+from tests.utils import TokenStack, close_to_reference
 from twobp_autograd.data_parallel import GradientSynchroniser
 
 WORLD = 2
@@ -73,19 +73,10 @@ class Block(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-class Net(nn.Module):
+class Net(TokenStack):
     def __init__(self, norm: type[nn.Module]) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.ModuleList(Block(norm) for _ in range(2))
-        self.norm = norm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-
-    def forward(self, tokens: Tensor) -> Tensor:
-        h = self.embed(tokens)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(self.norm(h))
+        blocks = (Block(norm) for _ in range(2))
+        super().__init__(nn.Embedding(VOCAB, WIDTH), blocks, norm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False))
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -27,6 +27,20 @@ class Scale(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return x * self.weight
+
+
+class TokenStack(nn.Module):
+    """A language model's shape: an embedding, blocks, a final norm and a head."""
+
+    def __init__(self, embed: nn.Module, blocks: Iterable[nn.Module], norm: nn.Module, head: nn.Module) -> None:
+        super().__init__()
+        self.embed, self.blocks, self.norm, self.head = embed, nn.ModuleList(blocks), norm, head
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.norm(h))
 
 
 def _scaled_atol(reference: Tensor, dtype: torch.dtype, atol_scale: float = 1.0) -> float:
