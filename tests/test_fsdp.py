@@ -56,7 +56,7 @@ class Net(TokenStack):
 
     def __init__(self) -> None:
         super().__init__(
-            nn.Embedding(VOCAB, WIDTH), (Block() for _ in range(3)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+            nn.Embedding(VOCAB, WIDTH), [Block() for _ in range(3)], nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
         )
 
 

@@ -75,7 +75,7 @@ class Block(nn.Module):
 
 class Net(TokenStack):
     def __init__(self, norm: type[nn.Module]) -> None:
-        blocks = (Block(norm) for _ in range(2))
+        blocks = [Block(norm) for _ in range(2)]
         super().__init__(nn.Embedding(VOCAB, WIDTH), blocks, norm(WIDTH), nn.Linear(WIDTH, VOCAB, bias=False))
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -30,9 +30,10 @@ class Scale(nn.Module):
 
 
 class TokenStack(nn.Module):
-    """A language model's shape: an embedding, blocks, a final norm and a head."""
+    """A language model's shape: an embedding, blocks, a final norm and a head. (The blocks are
+    a built sequence: a generator would build them after the norm and head, with other weights.)"""
 
-    def __init__(self, embed: nn.Module, blocks: Iterable[nn.Module], norm: nn.Module, head: nn.Module) -> None:
+    def __init__(self, embed: nn.Module, blocks: Sequence[nn.Module], norm: nn.Module, head: nn.Module) -> None:
         super().__init__()
         self.embed, self.blocks, self.norm, self.head = embed, nn.ModuleList(blocks), norm, head
 
