@@ -3,6 +3,7 @@ either order, with the replacement named; DDP on an unpatched (or unpatched-agai
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
+from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.utils import close_to_reference
 
 
 @pytest.fixture
@@ -43,3 +46,55 @@ def test_patching_a_model_inside_ddp_is_refused(one_rank_group: None) -> None:
         twobp.patch(wrapped)
     with pytest.raises(RuntimeError, match="GradientSynchroniser"):
         twobp.patch(nn.Sequential(wrapped))
+
+
+def test_replicate_over_a_patched_model_is_refused_in_either_order(one_rank_group: None) -> None:
+    """DDP's composable form builds its DDP at the first forward over a list of the module's
+    parameters, which the check on DDP's module alone missed: the gradients came out unreduced."""
+    from torch.distributed._composable import replicate
+
+    patched_first = replicate(twobp.patch(_model()))
+    with pytest.raises(RuntimeError, match="replicate.*GradientSynchroniser"):
+        patched_first(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="replicate.*GradientSynchroniser"):
+        twobp.patch(replicate(_model()))
+    plain = replicate(_model())  # unpatched: DDP as usual
+    plain(torch.randn(2, 3)).sum().backward()
+    assert all(p.grad is not None for p in plain.parameters())
+
+
+def test_replicate_built_on_fsdp2_reduces_after_the_flush(one_rank_group: None) -> None:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    torch.manual_seed(0)
+    reference = _model()
+    patched = twobp.patch(copy.deepcopy(reference))
+    x = torch.randn(5, 3)
+    for model in (replicate(reference), replicate(patched)):
+        model(x).pow(2).sum().backward()
+    assert all(p.grad is None for p in patched.parameters())  # deferred
+    twobp.flush_weight_grads()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=name)
+
+
+def _replicated_grads(rank: int) -> dict:
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
+    grads = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = replicate(twobp.patch(_model()) if patched else _model())
+        for micro in range(2):  # each rank its own micro-batches
+            model(torch.randn(4, 3, generator=torch.Generator().manual_seed(10 * rank + micro))).pow(2).sum().backward()
+        twobp.flush_weight_grads()
+        grads[patched] = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+    return grads
+
+
+def test_replicate_built_on_fsdp2_averages_the_flushed_gradients_over_two_ranks(tmp_path) -> None:
+    store, results = str(tmp_path / "store"), str(tmp_path / "result")
+    run_ranks(gloo_rank_main, 2, (2, _replicated_grads, store, results), deadline=120.0)
+    for grads in read_results(results, 2):
+        for name, want in grads[False].items():
+            assert close_to_reference(grads[True][name], want), name

@@ -2,7 +2,11 @@
 in backward, before the deferred weight gradients exist, and its hooks then see them arrive at
 the flush, outside any reduction it planned (measured on 2 ranks: the deferred parameters'
 `.grad` stays each rank's own, not the mean). So wrapping a patched model in DDP, or patching a
-model inside DDP, is refused with the replacement named: ``GradientSynchroniser``.
+model inside DDP, is refused with the replacement named: ``GradientSynchroniser``. The same goes
+for DDP's composable form, ``torch.distributed._composable.replicate``, which builds its DDP at
+the first forward over a list of the module's parameters (not the module): that construction is
+matched by parameters. (``replicate`` built on FSDP2, in ``replicate_with_fsdp``, reduces after
+the flush like ``fully_shard`` and needs no refusal.)
 
 PyTorch has no hook on DDP's construction, so its ``__init__`` is wrapped once, the first time
 a model is patched."""
@@ -10,7 +14,8 @@ a model is patched."""
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
@@ -26,8 +31,11 @@ _ADVICE = (
 _installed = False
 
 
-def refuse_ddp_over_patched_models(is_patched: Callable[[nn.Module], bool]) -> None:
-    """Make ``DistributedDataParallel(model)`` raise when ``model`` holds a patched module."""
+def refuse_ddp_over_patched_models(
+    is_patched: Callable[[nn.Module], bool], patched_modules: Callable[[], Iterable[nn.Module]]
+) -> None:
+    """Make ``DistributedDataParallel(model)`` raise when ``model`` holds a patched module, or
+    holds parameters of one (``replicate``'s list of parameters)."""
     global _installed
     if _installed:
         return
@@ -37,8 +45,14 @@ def refuse_ddp_over_patched_models(is_patched: Callable[[nn.Module], bool]) -> N
 
     @functools.wraps(original)
     def checked_init(self: DistributedDataParallel, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        if any(is_patched(m) for m in module.modules()):
-            raise RuntimeError(f"twobp: DistributedDataParallel over a patched model. {_ADVICE}")
+        wrapped = {id(p) for p in module.parameters()}
+        if any(is_patched(m) for m in module.modules()) or any(
+            id(p) in wrapped for m in patched_modules() for p in m.parameters()
+        ):
+            raise RuntimeError(
+                "twobp: DistributedDataParallel (or replicate(), which builds one at its first forward) "
+                f"over a patched model. {_ADVICE}"
+            )
         original(self, module, *args, **kwargs)
 
     DistributedDataParallel.__init__ = checked_init  # type: ignore[method-assign]
@@ -51,3 +65,6 @@ def check_not_inside_ddp(model: nn.Module) -> None:
 
     if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
         raise RuntimeError(f"twobp: patch() on a model wrapped in DistributedDataParallel. {_ADVICE}")
+    replicate = sys.modules.get("torch.distributed._composable.replicate")  # loaded by whoever called it
+    if replicate is not None and any(isinstance(m, replicate.DDP) for m in model.modules()):
+        raise RuntimeError(f"twobp: patch() on a model under replicate() (DDP's composable form). {_ADVICE}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,13 @@ def _selected(name: str, module: nn.Module, selectors: Iterable[Selector]) -> bo
 
 _warned: set[tuple[type, str]] = set()
 
+#: Every module patched so far that is alive (those unpatched since are filtered by their forward).
+_patched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _is_patched(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), DeferredForwardCall)
+
 
 def patch(
     model: nn.Module,
@@ -105,14 +113,14 @@ def patch(
     exclude = list(exclude or ())
     check_not_inside_ddp(model)
     install_grad_guards()
-    refuse_ddp_over_patched_models(lambda m: isinstance(m.__dict__.get("forward"), DeferredForwardCall))
+    refuse_ddp_over_patched_models(_is_patched, lambda: [m for m in list(_patched) if _is_patched(m)])
     result = PatchReport(model)
     for name, module in model.named_modules():
         if include is not None and not _selected(name, module, include):
             continue
         if _selected(name, module, exclude):
             continue
-        if isinstance(module.__dict__.get("forward"), DeferredForwardCall):
+        if _is_patched(module):
             # Patched before (its class may have changed since: a parametrization's subclass).
             result.patched.append(name)
             continue
@@ -135,6 +143,7 @@ def patch(
         current = module.__dict__.get("forward")
         if not isinstance(current, DeferredForwardCall):
             module.forward = DeferredForwardCall(module, rule.forward, current)
+            _patched.add(module)
         result.patched.append(name)
     return result if report else model
 
