@@ -21,12 +21,21 @@ exposes it (a name imported from there before the first patch keeps the unchecke
 Work that another thread's flush has taken out of a queue (:mod:`.queue`) is waited for, as
 it reaches ``.grad`` soon; by the clipping helper, which runs after the norm was read, it is
 refused instead.
+
+PyTorch's pipeline schedules (``torch.distributed.pipelining``) end a step by dividing each
+stage's ``.grad`` by the number of micro-batches (``scale_grads``, inside
+``perform_reduce_grad``). A patched stage built without this package's ``dw_builder`` still has
+work queued then (its schedule never flushes it), so the division would miss it and the flush
+after the step would add it unscaled: n times too large. There the queued work of the stage's
+parameters is flushed first (with one warning naming ``dw_builder``, which runs it inside the
+schedule).
 """
 
 from __future__ import annotations
 
 import functools
 import types
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -53,6 +62,7 @@ def install_grad_guards() -> None:
     _guard_zero_grad()
     _guard_clipping()
     _guard_unscale()
+    _flush_before_pipeline_grad_scaling()
     _installed = True
 
 
@@ -210,3 +220,40 @@ def _guard_unscale() -> None:
         original(self, optimizer)
 
     GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+
+
+def _flush_before_pipeline_grad_scaling() -> None:
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    for name in ("perform_reduce_grad", "scale_grads"):  # the first calls the second (after FSDP2's reduction)
+        setattr(_PipelineStageBase, name, _flushing_first(getattr(_PipelineStageBase, name)))
+
+
+_warned_no_dw_builder = False
+
+
+def _flushing_first(scale: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(scale)
+    def flushed_first(stage: Any, *args: Any, **kwargs: Any) -> Any:
+        params = list(stage.submod.parameters())
+        queues, tensors = _queued(params)
+        stand_ins = _stand_ins(tensors) if queues else []
+        pending = [q for q in queues if q.has_work_for(tensors + stand_ins)]
+        if pending:
+            global _warned_no_dw_builder
+            if not _warned_no_dw_builder:
+                _warned_no_dw_builder = True
+                warnings.warn(
+                    "twobp: a pipeline schedule ended its step with this stage's weight gradients still "
+                    "queued; they are flushed before it scales the gradients. Build the stage with "
+                    "PipelineStage(..., dw_builder=twobp_autograd.pipeline.dw_builder(module)) to run them "
+                    "inside the schedule, in its W steps.",
+                    stacklevel=3,
+                )
+            for queue in pending:
+                queue.flush()
+        return scale(stage, *args, **kwargs)
+
+    return flushed_first

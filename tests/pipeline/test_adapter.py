@@ -9,6 +9,7 @@ import datetime
 import gc
 import os
 import socket
+import warnings
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,29 @@ def run_setting(setting: Setting, rank: int) -> dict[str, Any]:
     return result
 
 
+def run_without_dw_builder(schedule_name: str, rank: int) -> dict[str, Any]:
+    """Patched stages built as for unpatched ones (no ``dw_builder``): the schedule never runs
+    their queued work, and it scales .grad by 1/n at the end of its step."""
+    model = make_model()
+    inputs, targets = make_data()
+    indices = stages_of_rank(schedule_name, rank)
+    modules = {index: twobp.patch(stage_module(model, index)) for index in indices}
+    stages = [PipelineStage(modules[index], index, STAGES, torch.device("cpu")) for index in indices]
+    schedule = SCHEDULES[schedule_name](stages, n_microbatches=MICRO_BATCHES, loss_fn=F.mse_loss)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schedule.step(*((inputs,) if 0 in indices else ()), target=targets if STAGES - 1 in indices else None)
+    return {
+        "grads": {
+            f"{i}.{n}": None if p.grad is None else p.grad.clone()
+            for i, m in modules.items()
+            for n, p in m.named_parameters()
+        },
+        "default_pending": tuple(twobp.pending()),
+        "warned": any("dw_builder" in str(w.message) for w in caught),
+    }
+
+
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -172,6 +196,7 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     )
     try:
         results = {setting.id: run_setting(setting, rank) for setting in SETTINGS}
+        results.update({f"no-dw-builder-{name}": run_without_dw_builder(name, rank) for name in SCHEDULES})
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -197,6 +222,13 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
             key: {k: v for part in parts for k, v in part[key].items()} for key in parts[0] if key != "default_pending"
         }
         merged[setting.id]["default_pending"] = [part["default_pending"] for part in parts]
+    for name in SCHEDULES:
+        parts = [results[f"no-dw-builder-{name}"] for results in per_rank]
+        merged[f"no-dw-builder-{name}"] = {
+            "grads": {k: v for part in parts for k, v in part["grads"].items()},
+            "default_pending": [part["default_pending"] for part in parts],
+            "warned": [part["warned"] for part in parts],
+        }
     return merged
 
 
@@ -241,6 +273,24 @@ def test_nothing_stays_queued_after_the_step(setting: Setting, pipelined: dict) 
     assert all(p == (0, 0) for p in pipelined[setting.id]["pending"].values()), pipelined[setting.id]["pending"]
     leaked = pipelined[setting.id]["default_pending"]
     assert all(p == (0, 0) for p in leaked), "work leaked into the default queue"
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_without_dw_builder_the_queued_work_is_flushed_before_the_schedule_scales(
+    schedule: str, pipelined: dict, reference_grads: dict
+) -> None:
+    """The schedule divides .grad by the number of micro-batches at the end of its step: work
+    still queued then (no dw_builder runs it) was left out and came n times too large."""
+    result = pipelined[f"no-dw-builder-{schedule}"]
+    rtol, atol = TOLERANCES[torch.float32]
+    for name, expected in reference_grads.items():
+        assert result["grads"][name] is not None, f"{name}: no gradient after the step"
+        torch.testing.assert_close(result["grads"][name], expected, rtol=rtol, atol=atol, msg=name)
+    assert all(p == (0, 0) for p in result["default_pending"])
+
+
+def test_without_dw_builder_one_warning_names_it(pipelined: dict) -> None:
+    assert any(any(pipelined[f"no-dw-builder-{schedule}"]["warned"]) for schedule in SCHEDULES)
 
 
 # -- one process: the builder and its hooks ---------------------------------------------------
