@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
+    ScheduleDualPipeV,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
@@ -43,6 +44,7 @@ MICRO_BATCHES = 4
 SCHEDULES = {
     "interleaved_zb": ScheduleInterleavedZeroBubble,
     "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,  # V placement; overlaps one micro-batch's forward with another's backward
     # Not split: every backward is full, so each runner is called as soon as it is built.
     "interleaved_1f1b": ScheduleInterleaved1F1B,
 }
@@ -64,6 +66,7 @@ SETTINGS = [
     Setting("zbv", static_shapes=True),
     Setting("zbv", static_shapes=False),
     Setting("interleaved_1f1b", static_shapes=False),
+    Setting("dualpipev", static_shapes=False),
 ]
 
 
@@ -90,7 +93,7 @@ def stage_module(model: nn.Sequential, stage: int) -> nn.Sequential:
 
 
 def stages_of_rank(schedule: str, rank: int) -> list[int]:
-    if schedule == "zbv":  # V shape: rank 0 holds the first and the last stage
+    if schedule in ("zbv", "dualpipev"):  # V shape: rank 0 holds the first and the last stage
         return [rank, STAGES - 1 - rank]
     return [rank, rank + WORLD]
 
