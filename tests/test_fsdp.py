@@ -373,3 +373,45 @@ def test_misuse_over_queued_sharded_work_is_refused(ranks: list[dict], rank: int
     start, fix = MISUSES[misuse]
     message = ranks[rank]["misuse"].get(misuse, "")
     assert message.startswith(start) and fix in message, message
+
+
+# -- HSDP: fully_shard over a 2-D ("replicate", "shard") mesh, four ranks ---------------------
+
+HSDP_ACCUMULATIONS = ["sync_each", "sync_last"]
+
+
+def _hsdp(rank: int) -> dict:
+    """FSDP2's post-backward reduce-scatters within a shard group, then all-reduces across the
+    replicas: the flush runs that same post-backward, group by group."""
+    mesh = init_device_mesh("cpu", (WORLD, WORLD), mesh_dim_names=("replicate", "shard"))
+    results = {}
+    for accumulate in HSDP_ACCUMULATIONS:
+        setting, grads, queued = Setting(accumulate=accumulate), {}, 0
+        for patched in (False, True):
+            torch.manual_seed(0)
+            model = twobp.patch(Net()) if patched else Net()
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            _train_step(model, setting, rank)
+            queued = twobp.pending().jobs
+            twobp.flush_weight_grads()
+            grads[patched] = _full_grads(model)
+        results[accumulate] = {"queued": queued, "ours": grads[True], "plain": grads[False]}
+    return results
+
+
+@pytest.fixture(scope="module")
+def hsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    directory = str(tmp_path_factory.mktemp("hsdp"))
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    run_ranks(gloo_rank_main, WORLD * WORLD, (WORLD * WORLD, _hsdp, store, results), deadline=300.0)
+    return read_results(results, WORLD * WORLD)
+
+
+@pytest.mark.parametrize("accumulate", HSDP_ACCUMULATIONS)
+def test_hsdp_grads_equal_hsdp_on_the_unpatched_model(hsdp_ranks: list[dict], accumulate: str) -> None:
+    for rank, results in enumerate(hsdp_ranks):
+        result = results[accumulate]
+        assert result["queued"] > 0, "nothing was deferred"
+        _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)

@@ -5,10 +5,10 @@ FSDP2 (``torch.distributed.fsdp.fully_shard``) reduce-scatters a parameter group
 in the group's post-backward hook, which runs before any deferred weight gradient exists.
 Its public API has no "reduce this group now": the flush therefore calls the group's own
 post-backward itself (:func:`reduce_group`), so the reduction is FSDP2's own: its reduce dtype,
-divide factor and ``set_requires_gradient_sync`` (HSDP and CPU offload take the same path, but
-are not tested here). What that
-needs: the live FSDP2 states (to find the group owning an unsharded parameter), each group's
-training state, and the events and buffers FSDP2 itself waits on at the end of a backward.
+divide factor and ``set_requires_gradient_sync`` (HSDP too, on a 2-D mesh; CPU offload takes the
+same path, untested). What that needs: the live FSDP2 states (to find the group owning an
+unsharded parameter), each group's training state, and the events and buffers FSDP2 itself
+waits on at the end of a backward.
 
 Nothing here imports FSDP2 before the program does: a process that never shards pays nothing.
 """
