@@ -337,7 +337,12 @@ def test_bf16_mixed_precision_within_plain_fsdp2s_own_error(ranks: list[dict], s
         plain_error = (plain - expected).abs().max().item()
         our_error = (ours - expected).abs().max().item()
         assert close_to_reference(ours, expected, torch.bfloat16), f"{name}: error {our_error:.3g}"
-        assert our_error <= 2 * plain_error + 1e-6, f"{name}: error {our_error:.3g}, plain FSDP2's {plain_error:.3g}"
+        # Plus one bf16 rounding of the gradient's scale: where plain's error is itself one lucky
+        # rounding, ours (summed in another order before the cast) may round once the other way.
+        one_rounding = 2**-8 * expected.abs().max().item()
+        assert our_error <= 2 * plain_error + one_rounding, (
+            f"{name}: error {our_error:.3g}, plain FSDP2's {plain_error:.3g}"
+        )
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
