@@ -225,13 +225,18 @@ def _guard_unscale() -> None:
 def _flush_before_pipeline_grad_scaling() -> None:
     if not torch.distributed.is_available():
         return
-    from torch.distributed.pipelining.stage import _PipelineStageBase
+    from torch.distributed.pipelining import PipelineStage
 
-    # The first calls the second, after FSDP2's reduction. (FSDP2-sharded stages without
-    # dw_builder are not covered: PyTorch's zero-bubble schedules give them other gradients than
-    # one process even unpatched, measured with tests/test_fsdp_pipeline.py's model.)
+    # On the class that defines each (a private base today), found through the public class, so
+    # that a rename in PyTorch leaves patch() working and fails tests/pipeline/test_adapter.py's
+    # schedules without dw_builder instead. The first calls the second, after FSDP2's reduction.
+    # (FSDP2-sharded stages without dw_builder are not covered: PyTorch's zero-bubble schedules
+    # give them other gradients than one process even unpatched, measured with
+    # tests/test_fsdp_pipeline.py's model.)
     for name in ("perform_reduce_grad", "scale_grads"):
-        setattr(_PipelineStageBase, name, _flushing_first(getattr(_PipelineStageBase, name)))
+        owner = next((c for c in PipelineStage.__mro__ if name in c.__dict__), None)
+        if owner is not None:
+            setattr(owner, name, _flushing_first(owner.__dict__[name]))
 
 
 _warned_no_dw_builder = False
