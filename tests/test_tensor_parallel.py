@@ -278,3 +278,69 @@ def test_gradient_synchroniser_refuses_tensor_parallel_parameters(tensor_paralle
     """Their gradients need not be laid out as the parameters: FSDP2 over "dp" is the way."""
     for results in tensor_parallel_results:
         assert results["synchroniser"].startswith("twobp:") and "fully_shard" in results["synchroniser"]
+
+
+# -- pipeline x tensor parallel: this package's runtime over a ("pp", "tp") mesh, four ranks ----
+
+PIPELINE_SCHEDULES = ["gpipe", "1f1b-2", "zb"]
+PIPELINE_BLOCKS = 4
+
+
+def _pipeline_blocks() -> list[Block]:
+    torch.manual_seed(0)
+    return [Block(nn.LayerNorm) for _ in range(PIPELINE_BLOCKS)]
+
+
+def _pipeline_data(micro_batches: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(micro_batches * 2, 6, WIDTH, generator=g), torch.randn(micro_batches * 2, 6, WIDTH, generator=g)
+
+
+def _pipeline(rank: int) -> dict:
+    """Each pipeline stage's blocks tensor-parallel over its pair of ranks; the stages' inputs
+    and outputs replicated (every rank of a pair sends and receives the whole activation)."""
+    from twobp_autograd.pipeline import PipelineRuntime
+    from twobp_autograd.pipeline.schedules import default_num_micro_batches, schedule
+
+    mesh = init_device_mesh("cpu", (WORLD, WORLD), mesh_dim_names=("pp", "tp"))
+    pp, per_stage = mesh.get_local_rank("pp"), PIPELINE_BLOCKS // WORLD
+    _, block_plan = _plan(Setting(sequence_parallel=False))
+    results = {}
+    for name in PIPELINE_SCHEDULES:
+        stage = twobp.patch(nn.Sequential(*_pipeline_blocks()[pp * per_stage : (pp + 1) * per_stage]))
+        for block in stage:
+            parallelize_module(block, mesh["tp"], copy.deepcopy(block_plan))
+        m = default_num_micro_batches(name, WORLD)
+        runtime = PipelineRuntime(
+            stage, schedule(name, WORLD, m, True)[pp], num_micro_batches=m, loss_fn=F.mse_loss,
+            twobp=True, group=mesh.get_group("pp"), timeout=60.0,
+        )  # fmt: skip
+        inputs, targets = _pipeline_data(m)
+        report = runtime.step(inputs if pp == 0 else None, targets if pp == WORLD - 1 else None, gather=False)
+        grads = {f"{pp * per_stage + int(n.split('.')[0])}.{n.split('.', 1)[1]}": g for n, g in _grads(stage).items()}
+        results[name] = {"m": m, "deferred": report.deferred_jobs, "grads": grads}
+    return results
+
+
+@pytest.fixture(scope="module")
+def pipeline_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    directory = str(tmp_path_factory.mktemp("pipeline_tensor_parallel"))
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    run_ranks(gloo_rank_main, WORLD * WORLD, (WORLD * WORLD, _pipeline, store, results), deadline=240.0)
+    return read_results(results, WORLD * WORLD)
+
+
+@pytest.mark.parametrize("name", PIPELINE_SCHEDULES)
+def test_pipelined_tensor_parallel_gradients_equal_one_process(pipeline_results: list[dict], name: str) -> None:
+    m = pipeline_results[0][name]["m"]
+    model = nn.Sequential(*_pipeline_blocks())
+    inputs, targets = _pipeline_data(m)
+    for x, y in zip(inputs.chunk(m), targets.chunk(m), strict=True):
+        (F.mse_loss(model(x), y) / m).backward()
+    for rank, results in enumerate(pipeline_results):
+        result = results[name]
+        assert result["deferred"] > 0, f"rank {rank}: nothing was deferred"
+        for key, got in result["grads"].items():
+            want = model.get_parameter(key).grad
+            assert got is not None and want is not None, f"rank {rank} {key}"
+            assert close_to_reference(got[1], want), f"rank {rank} {key}: {(got[1] - want).abs().max()}"
