@@ -344,3 +344,60 @@ def test_pipelined_tensor_parallel_gradients_equal_one_process(pipeline_results:
             want = model.get_parameter(key).grad
             assert got is not None and want is not None, f"rank {rank} {key}"
             assert close_to_reference(got[1], want), f"rank {rank} {key}: {(got[1] - want).abs().max()}"
+
+
+# -- torchtitan's full layout: PyTorch's pipelining x FSDP2 x tensor parallel, eight ranks -------
+
+
+def _three_dimensional(rank: int) -> dict:
+    """A 2 x 2 x 2 ("pp", "dp", "tp") mesh: four stages (two per pipeline rank, interleaved
+    zero bubble with our dw_builder), each block tensor-parallel over "tp" and sharded over "dp"."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble
+
+    from twobp_autograd.pipeline import dw_builder
+
+    mesh = init_device_mesh("cpu", (WORLD, WORLD, WORLD), mesh_dim_names=("pp", "dp", "tp"))
+    pp, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    _, block_plan = _plan(Setting(sequence_parallel=False))
+    blocks, indices, modules, stages = _pipeline_blocks(), [pp, pp + WORLD], {}, []
+    for index in indices:
+        module = twobp.patch(nn.Sequential(blocks[index]))
+        parallelize_module(module[0], mesh["tp"], copy.deepcopy(block_plan))
+        fully_shard(module, mesh=mesh["dp"])
+        builder = dw_builder(module)
+        stages.append(
+            PipelineStage(
+                module, index, PIPELINE_BLOCKS, torch.device("cpu"), group=mesh.get_group("pp"), dw_builder=builder
+            )
+        )
+        modules[index] = module
+    schedule = ScheduleInterleavedZeroBubble(stages, n_microbatches=4, loss_fn=F.mse_loss)
+    inputs, targets = _replica_data(replica)
+    schedule.step(*((inputs,) if 0 in indices else ()), target=targets if PIPELINE_BLOCKS - 1 in indices else None)
+    return {
+        f"{index}.{name.split('.', 1)[1]}": grad
+        for index, module in modules.items()
+        for name, grad in _grads(module).items()
+    }
+
+
+def _replica_data(replica: int) -> tuple[Tensor, Tensor]:
+    g = torch.Generator().manual_seed(10 + replica)
+    return torch.randn(8, 6, WIDTH, generator=g), torch.randn(8, 6, WIDTH, generator=g)
+
+
+def test_pipelining_over_fsdp2_over_tensor_parallel_equals_one_process(tmp_path: object) -> None:
+    directory = str(tmp_path)
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    world = WORLD**3
+    run_ranks(gloo_rank_main, world, (world, _three_dimensional, store, results), deadline=240.0)
+    model = nn.Sequential(*_pipeline_blocks())
+    for replica in range(WORLD):  # every replica's micro-batches: the mean over all of them
+        inputs, targets = _replica_data(replica)
+        for x, y in zip(inputs.chunk(4), targets.chunk(4), strict=True):
+            (F.mse_loss(model(x), y) / (4 * WORLD)).backward()
+    for rank, grads in enumerate(read_results(results, world)):
+        assert grads, f"rank {rank}: no gradients"
+        for key, got in grads.items():
+            want = model.get_parameter(key).grad
+            assert got is not None and close_to_reference(got[1], want), f"rank {rank} {key}"
