@@ -23,7 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
+    Schedule1F1B,
     ScheduleDualPipeV,
+    ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleZBVZeroBubble,
@@ -188,6 +190,21 @@ def run_without_dw_builder(schedule_name: str, rank: int) -> dict[str, Any]:
     }
 
 
+#: One stage per rank: these schedules end a step through ``perform_reduce_grad``.
+SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def run_single_stage_without_dw_builder(schedule_name: str, rank: int) -> dict[str, Any]:
+    model = make_model()
+    inputs, targets = make_data()
+    per_rank = BLOCKS // WORLD
+    module = twobp.patch(model[rank * per_rank : (rank + 1) * per_rank])  # keeps the model's names
+    stage = PipelineStage(module, rank, WORLD, torch.device("cpu"))
+    schedule = SINGLE_STAGE_SCHEDULES[schedule_name](stage, n_microbatches=MICRO_BATCHES, loss_fn=F.mse_loss)
+    schedule.step(*((inputs,) if rank == 0 else ()), target=targets if rank == WORLD - 1 else None)
+    return {name: None if p.grad is None else p.grad.clone() for name, p in module.named_parameters()}
+
+
 def worker(rank: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -200,6 +217,9 @@ def worker(rank: int, port: int, out_dir: str) -> None:
     try:
         results = {setting.id: run_setting(setting, rank) for setting in SETTINGS}
         results.update({f"no-dw-builder-{name}": run_without_dw_builder(name, rank) for name in SCHEDULES})
+        results.update(
+            {f"single-stage-{name}": run_single_stage_without_dw_builder(name, rank) for name in SINGLE_STAGE_SCHEDULES}
+        )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -231,6 +251,10 @@ def pipelined(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, A
             "grads": {k: v for part in parts for k, v in part["grads"].items()},
             "default_pending": [part["default_pending"] for part in parts],
             "warned": [part["warned"] for part in parts],
+        }
+    for name in SINGLE_STAGE_SCHEDULES:
+        merged[f"single-stage-{name}"] = {
+            k: v for results in per_rank for k, v in results[f"single-stage-{name}"].items()
         }
     return merged
 
@@ -290,6 +314,19 @@ def test_without_dw_builder_the_queued_work_is_flushed_before_the_schedule_scale
         assert result["grads"][name] is not None, f"{name}: no gradient after the step"
         torch.testing.assert_close(result["grads"][name], expected, rtol=rtol, atol=atol, msg=name)
     assert all(p == (0, 0) for p in result["default_pending"])
+
+
+@pytest.mark.parametrize("schedule", list(SINGLE_STAGE_SCHEDULES))
+def test_single_stage_schedules_without_dw_builder_flush_before_scaling(schedule: str, pipelined: dict) -> None:
+    model = make_model()
+    inputs, targets = make_data()
+    for x, y in zip(inputs.chunk(MICRO_BATCHES), targets.chunk(MICRO_BATCHES), strict=True):
+        (F.mse_loss(model(x), y) / MICRO_BATCHES).backward()
+    grads = pipelined[f"single-stage-{schedule}"]
+    rtol, atol = TOLERANCES[torch.float32]
+    for name, p in model.named_parameters():
+        assert grads[name] is not None, f"{name}: no gradient after the step"
+        torch.testing.assert_close(grads[name], p.grad, rtol=rtol, atol=atol, msg=name)
 
 
 def test_without_dw_builder_one_warning_names_it(pipelined: dict) -> None:
