@@ -98,3 +98,25 @@ def test_replicate_built_on_fsdp2_averages_the_flushed_gradients_over_two_ranks(
     for grads in read_results(results, 2):
         for name, want in grads[False].items():
             assert close_to_reference(grads[True][name], want), name
+
+
+@pytest.mark.filterwarnings("ignore:FSDP is switching to use")  # PyTorch's own, for a world of one
+@pytest.mark.parametrize("order", ["patch_then_wrap", "wrap_then_patch"])
+def test_fsdp1_over_a_patched_model_warns_that_nothing_is_deferred(
+    one_rank_group: None, order: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FSDP1's layers compute with views of its flat parameters: plain's gradients, nothing queued."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from twobp_autograd import ddp_guard
+
+    monkeypatch.setattr(ddp_guard, "_warned_fsdp1", False)  # one warning per process
+    model = _model()
+    with pytest.warns(UserWarning, match="FSDP1.*nothing is deferred.*fully_shard"):
+        if order == "patch_then_wrap":
+            wrapped = FullyShardedDataParallel(twobp.patch(model), device_id=torch.device("cpu"))
+        else:
+            wrapped = twobp.patch(FullyShardedDataParallel(model, device_id=torch.device("cpu")))
+    wrapped(torch.randn(2, 3)).sum().backward()
+    assert twobp.pending().jobs == 0
+    assert all(p.grad is not None for p in wrapped.parameters())

@@ -8,13 +8,18 @@ the first forward over a list of the module's parameters (not the module): that 
 matched by parameters. (``replicate`` built on FSDP2, in ``replicate_with_fsdp``, reduces after
 the flush like ``fully_shard`` and needs no refusal.)
 
-PyTorch has no hook on DDP's construction, so its ``__init__`` is wrapped once, the first time
-a model is patched."""
+FSDP1 (``FullyShardedDataParallel``) gives plain's gradients on a patched model but defers
+nothing (its layers compute with views of its flat parameters, which autograd differentiates at
+once): that gets one warning, in either order, naming FSDP2.
+
+PyTorch has no hook on DDP's (or FSDP1's) construction, so its ``__init__`` is wrapped once, the
+first time a model is patched."""
 
 from __future__ import annotations
 
 import functools
 import sys
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -56,7 +61,46 @@ def refuse_ddp_over_patched_models(
         original(self, module, *args, **kwargs)
 
     DistributedDataParallel.__init__ = checked_init  # type: ignore[method-assign]
+    _warn_on_fsdp1_over_patched_models(is_patched)
     _installed = True
+
+
+_FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
+_warned_fsdp1 = False
+
+
+def _warn_fsdp1() -> None:
+    global _warned_fsdp1
+    if not _warned_fsdp1:
+        _warned_fsdp1 = True
+        warnings.warn(
+            "twobp: FullyShardedDataParallel (FSDP1) over a patched model: its layers compute with "
+            "views of its flat parameters, which autograd differentiates at once, so the gradients "
+            "are right but nothing is deferred. Shard with fully_shard (FSDP2) to defer them.",
+            stacklevel=4,
+        )
+
+
+def _warn_on_fsdp1_over_patched_models(is_patched: Callable[[nn.Module], bool]) -> None:
+    fsdp1 = sys.modules.get(_FSDP1_MODULE)
+    if fsdp1 is None:
+        try:
+            import torch.distributed.fsdp as _  # noqa: F401  (loads FSDP1's module)
+        except ImportError:  # a build without torch.distributed
+            return
+        fsdp1 = sys.modules.get(_FSDP1_MODULE)
+    wrapper = getattr(fsdp1, "FullyShardedDataParallel", None)
+    if not isinstance(wrapper, type):
+        return
+    original = vars(wrapper)["__init__"]
+
+    @functools.wraps(original)
+    def warning_init(self: nn.Module, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if any(is_patched(m) for m in module.modules()):
+            _warn_fsdp1()
+        original(self, module, *args, **kwargs)
+
+    setattr(wrapper, "__init__", warning_init)  # noqa: B010  (mypy refuses a direct assignment)
 
 
 def check_not_inside_ddp(model: nn.Module) -> None:
@@ -67,6 +111,9 @@ def check_not_inside_ddp(model: nn.Module) -> None:
         raise RuntimeError(f"twobp: patch() on a model wrapped in DistributedDataParallel. {_ADVICE}")
     # Loaded by whoever called replicate(); its marker class is private (a rename fails
     # tests/test_ddp_guard.py, not patch()).
+    fsdp1 = getattr(sys.modules.get(_FSDP1_MODULE), "FullyShardedDataParallel", None)
+    if isinstance(fsdp1, type) and any(isinstance(m, fsdp1) for m in model.modules()):
+        _warn_fsdp1()
     replicate = sys.modules.get("torch.distributed._composable.replicate")
     marker = getattr(replicate, "DDP", None)
     if isinstance(marker, type) and any(isinstance(m, marker) for m in model.modules()):
