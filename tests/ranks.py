@@ -44,6 +44,14 @@ def run_ranks(target: Callable[..., None], world: int, args: tuple, deadline: fl
         raise AssertionError(f"{error}{what}") from None
 
 
+def run_scenario(scenario: Callable[[int], Any], world: int, directory: str, deadline: float = 120.0) -> list[Any]:
+    """``scenario(rank)`` (a module-level function or a partial of one) on ``world`` spawned gloo
+    ranks, files in ``directory``; each rank's result, none of them a crash."""
+    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
+    run_ranks(gloo_rank_main, world, (world, scenario, store, results), deadline)
+    return read_results(results, world)
+
+
 def read_results(prefix: str, world: int, *, required: bool = True) -> list[Any]:
     """Each rank's ``torch.save``d result at ``prefix.<rank>`` (None if absent and not required);
     a required result must exist and must not report a crash."""

@@ -9,8 +9,6 @@ synchroniser that reduced nothing (or summed instead of averaging) would not mat
 from __future__ import annotations
 
 import copy
-import os
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -20,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
-from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.ranks import run_scenario
 from tests.utils import TOLERANCES, Scale
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
@@ -31,13 +29,6 @@ VOCAB, WIDTH, STEPS, MICRO_BATCHES = 11, 8, 2, 2
 
 
 # -- spawning --------------------------------------------------------------------------------
-
-
-def launch(scenario: Callable[[int], dict], world: int, directory: str, deadline: float = 120.0) -> list[dict]:
-    """Run ``scenario(rank)`` (a module-level function) on ``world`` spawned gloo ranks."""
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, world, (world, scenario, store, results), deadline)
-    return read_results(results, world)
 
 
 # -- a model with every case at once ---------------------------------------------------------
@@ -180,12 +171,12 @@ def _pipeline_times_data(rank: int, stages: int = 2, replicas: int = 2) -> dict:
 
 @pytest.fixture(scope="module")
 def versus_ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch(_versus_ddp, 2, str(tmp_path_factory.mktemp("ddp")))
+    return run_scenario(_versus_ddp, 2, str(tmp_path_factory.mktemp("ddp")))
 
 
 @pytest.fixture(scope="module")
 def pipeline_times_data(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch(_pipeline_times_data, 4, str(tmp_path_factory.mktemp("pp_dp")))
+    return run_scenario(_pipeline_times_data, 4, str(tmp_path_factory.mktemp("pp_dp")))
 
 
 def _assert_same(ours: dict[str, Tensor | None], theirs: dict[str, Tensor | None], what: str) -> None:

@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
-from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.ranks import run_scenario
 from tests.utils import close_to_reference
 
 
@@ -93,9 +93,7 @@ def _replicated_grads(rank: int) -> dict:
 
 
 def test_replicate_built_on_fsdp2_averages_the_flushed_gradients_over_two_ranks(tmp_path) -> None:
-    store, results = str(tmp_path / "store"), str(tmp_path / "result")
-    run_ranks(gloo_rank_main, 2, (2, _replicated_grads, store, results), deadline=120.0)
-    for grads in read_results(results, 2):
+    for grads in run_scenario(_replicated_grads, 2, str(tmp_path)):
         for name, want in grads[False].items():
             assert close_to_reference(grads[True][name], want), name
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,7 +25,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 import twobp_autograd as twobp
-from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.ranks import run_scenario
 from tests.utils import Scale, TokenStack, close_to_reference
 from twobp_autograd import fsdp_hooks
 from twobp_autograd.data_parallel import GradientSynchroniser
@@ -288,10 +287,7 @@ def _scenario(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    directory = str(tmp_path_factory.mktemp("fsdp"))
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, WORLD, (WORLD, _scenario, store, results), deadline=300.0)
-    return read_results(results, WORLD)
+    return run_scenario(_scenario, WORLD, str(tmp_path_factory.mktemp("fsdp")), deadline=300.0)
 
 
 def _assert_all_close(ours: dict, theirs: dict, what: str, check: Callable[[Tensor, Tensor], bool]) -> None:
@@ -408,10 +404,7 @@ def _hsdp(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def hsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    directory = str(tmp_path_factory.mktemp("hsdp"))
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, WORLD * WORLD, (WORLD * WORLD, _hsdp, store, results), deadline=300.0)
-    return read_results(results, WORLD * WORLD)
+    return run_scenario(_hsdp, WORLD * WORLD, str(tmp_path_factory.mktemp("hsdp")), deadline=300.0)
 
 
 @pytest.mark.parametrize("accumulate", HSDP_ACCUMULATIONS)

@@ -7,13 +7,12 @@ spawned gloo rank (a world of one: FSDP2 runs its whole machinery but the collec
 from __future__ import annotations
 
 import importlib
-import os
 
 import pytest
 import torch
 from torch import nn
 
-from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.ranks import run_scenario
 from twobp_autograd import fsdp_hooks
 
 
@@ -89,10 +88,7 @@ def _behaviour(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def behaviour(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    directory = str(tmp_path_factory.mktemp("fsdp_hooks"))
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, 1, (1, _behaviour, store, results), deadline=120.0)
-    return read_results(results, 1)[0]
+    return run_scenario(_behaviour, 1, str(tmp_path_factory.mktemp("fsdp_hooks")))[0]
 
 
 @pytest.mark.parametrize(

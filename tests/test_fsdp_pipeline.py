@@ -9,7 +9,6 @@ Everything runs in one spawn of four ranks; the tests read what each rank return
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -21,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.pipelining import PipelineStage, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble
 
 import twobp_autograd as twobp
-from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.ranks import run_scenario
 from tests.utils import Scale, close_to_reference
 from twobp_autograd.fsdp import ShardedGradientSync
 from twobp_autograd.pipeline import PipelineRuntime, dw_builder
@@ -168,10 +167,7 @@ def _scenario(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    directory = str(tmp_path_factory.mktemp("fsdp_pipeline"))
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, WORLD, (WORLD, _scenario, store, results), deadline=400.0)
-    return read_results(results, WORLD)
+    return run_scenario(_scenario, WORLD, str(tmp_path_factory.mktemp("fsdp_pipeline")), deadline=400.0)
 
 
 def one_process_grads(micro_batches: int) -> dict[str, Tensor]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -37,7 +36,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import twobp_autograd as twobp
-from tests.ranks import gloo_rank_main, read_results, run_ranks
+from tests.ranks import run_scenario
 from tests.utils import TokenStack, close_to_reference
 from twobp_autograd.data_parallel import GradientSynchroniser
 
@@ -237,9 +236,7 @@ def _scenario(fsdp: bool, rank: int) -> dict:
 def _spawn(tmp_path_factory: pytest.TempPathFactory, fsdp: bool) -> list[dict]:
     world = WORLD * WORLD if fsdp else WORLD
     directory = str(tmp_path_factory.mktemp("tensor_parallel"))
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, world, (world, functools.partial(_scenario, fsdp), store, results), deadline=240.0)
-    return read_results(results, world)
+    return run_scenario(functools.partial(_scenario, fsdp), world, directory, deadline=240.0)
 
 
 @pytest.fixture(scope="module")
@@ -325,9 +322,7 @@ def _pipeline(rank: int) -> dict:
 @pytest.fixture(scope="module")
 def pipeline_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     directory = str(tmp_path_factory.mktemp("pipeline_tensor_parallel"))
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    run_ranks(gloo_rank_main, WORLD * WORLD, (WORLD * WORLD, _pipeline, store, results), deadline=240.0)
-    return read_results(results, WORLD * WORLD)
+    return run_scenario(_pipeline, WORLD * WORLD, directory, deadline=240.0)
 
 
 @pytest.mark.parametrize("name", PIPELINE_SCHEDULES)
@@ -387,16 +382,13 @@ def _replica_data(replica: int) -> tuple[Tensor, Tensor]:
 
 
 def test_pipelining_over_fsdp2_over_tensor_parallel_equals_one_process(tmp_path: object) -> None:
-    directory = str(tmp_path)
-    store, results = os.path.join(directory, "store"), os.path.join(directory, "result")
-    world = WORLD**3
-    run_ranks(gloo_rank_main, world, (world, _three_dimensional, store, results), deadline=240.0)
+    ranks = run_scenario(_three_dimensional, WORLD**3, str(tmp_path), deadline=240.0)
     model = nn.Sequential(*_pipeline_blocks())
     for replica in range(WORLD):  # every replica's micro-batches: the mean over all of them
         inputs, targets = _replica_data(replica)
         for x, y in zip(inputs.chunk(4), targets.chunk(4), strict=True):
             (F.mse_loss(model(x), y) / (4 * WORLD)).backward()
-    for rank, grads in enumerate(read_results(results, world)):
+    for rank, grads in enumerate(ranks):
         assert grads, f"rank {rank}: no gradients"
         for key, got in grads.items():
             want = model.get_parameter(key).grad
