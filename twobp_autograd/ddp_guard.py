@@ -46,10 +46,7 @@ def refuse_ddp_over_patched_models(
         return
     from torch.nn.parallel import DistributedDataParallel
 
-    original = DistributedDataParallel.__init__
-
-    @functools.wraps(original)
-    def checked_init(self: DistributedDataParallel, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+    def refuse(module: nn.Module) -> None:
         wrapped = {id(p) for p in module.parameters()}
         if any(is_patched(m) for m in module.modules()) or any(
             id(p) in wrapped for m in patched_modules() for p in m.parameters()
@@ -58,11 +55,28 @@ def refuse_ddp_over_patched_models(
                 "twobp: DistributedDataParallel (or replicate(), which builds one at its first forward) "
                 f"over a patched model. {_ADVICE}"
             )
+
+    def warn(module: nn.Module) -> None:
+        if any(is_patched(m) for m in module.modules()):
+            _warn_fsdp1()
+
+    _check_before_init(DistributedDataParallel, refuse)
+    fsdp1 = _fsdp1_class()
+    if fsdp1 is not None:
+        _check_before_init(fsdp1, warn)
+    _installed = True
+
+
+def _check_before_init(wrapper: type, check: Callable[[nn.Module], None]) -> None:
+    """Make ``wrapper(module, ...)`` call ``check(module)`` first."""
+    original = vars(wrapper)["__init__"]
+
+    @functools.wraps(original)
+    def checked_init(self: nn.Module, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        check(module)
         original(self, module, *args, **kwargs)
 
-    DistributedDataParallel.__init__ = checked_init  # type: ignore[method-assign]
-    _warn_on_fsdp1_over_patched_models(is_patched)
-    _installed = True
+    setattr(wrapper, "__init__", checked_init)  # noqa: B010  (mypy refuses a direct assignment)
 
 
 _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
@@ -81,26 +95,15 @@ def _warn_fsdp1() -> None:
         )
 
 
-def _warn_on_fsdp1_over_patched_models(is_patched: Callable[[nn.Module], bool]) -> None:
-    fsdp1 = sys.modules.get(_FSDP1_MODULE)
-    if fsdp1 is None:
+def _fsdp1_class(*, load: bool = True) -> type | None:
+    """``FullyShardedDataParallel``, loading its module if asked (None without torch.distributed)."""
+    if load and _FSDP1_MODULE not in sys.modules:
         try:
             import torch.distributed.fsdp as _  # noqa: F401  (loads FSDP1's module)
-        except ImportError:  # a build without torch.distributed
-            return
-        fsdp1 = sys.modules.get(_FSDP1_MODULE)
-    wrapper = getattr(fsdp1, "FullyShardedDataParallel", None)
-    if not isinstance(wrapper, type):
-        return
-    original = vars(wrapper)["__init__"]
-
-    @functools.wraps(original)
-    def warning_init(self: nn.Module, module: nn.Module, *args: Any, **kwargs: Any) -> None:
-        if any(is_patched(m) for m in module.modules()):
-            _warn_fsdp1()
-        original(self, module, *args, **kwargs)
-
-    setattr(wrapper, "__init__", warning_init)  # noqa: B010  (mypy refuses a direct assignment)
+        except ImportError:
+            return None
+    wrapper = getattr(sys.modules.get(_FSDP1_MODULE), "FullyShardedDataParallel", None)
+    return wrapper if isinstance(wrapper, type) else None
 
 
 def check_not_inside_ddp(model: nn.Module) -> None:
@@ -109,11 +112,11 @@ def check_not_inside_ddp(model: nn.Module) -> None:
 
     if any(isinstance(m, DistributedDataParallel) for m in model.modules()):
         raise RuntimeError(f"twobp: patch() on a model wrapped in DistributedDataParallel. {_ADVICE}")
+    fsdp1 = _fsdp1_class(load=False)
+    if fsdp1 is not None and any(isinstance(m, fsdp1) for m in model.modules()):
+        _warn_fsdp1()
     # Loaded by whoever called replicate(); its marker class is private (a rename fails
     # tests/test_ddp_guard.py, not patch()).
-    fsdp1 = getattr(sys.modules.get(_FSDP1_MODULE), "FullyShardedDataParallel", None)
-    if isinstance(fsdp1, type) and any(isinstance(m, fsdp1) for m in model.modules()):
-        _warn_fsdp1()
     replicate = sys.modules.get("torch.distributed._composable.replicate")
     marker = getattr(replicate, "DDP", None)
     if isinstance(marker, type) and any(isinstance(m, marker) for m in model.modules()):

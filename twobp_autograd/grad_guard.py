@@ -70,13 +70,22 @@ def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait
     """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored).
     Work another thread's flush is running counts once it has landed (``wait``), or at once
     (``wait=False``, for a caller that has read the gradients already)."""
-    queues, tensors = _queued(params)
-    if queues and any(q.has_work_for(tensors + _stand_ins(tensors), wait=wait) for q in queues):
+    if _holding_work_for(params, wait=wait):
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
             f"backward and before it{advice}."
         )
+
+
+def _holding_work_for(params: Iterable[Any], *, wait: bool = True) -> list[WeightGradQueue]:
+    """The queues holding work for one of ``params`` or for their stand-ins (see
+    :meth:`WeightGradQueue.has_work_for` for ``wait``)."""
+    queues, tensors = _queued(params)
+    if not queues:
+        return []
+    wanted = tensors + _stand_ins(tensors)
+    return [q for q in queues if q.has_work_for(wanted, wait=wait)]
 
 
 def _queued(params: Iterable[Any]) -> tuple[list[WeightGradQueue], list[torch.Tensor]]:
@@ -245,10 +254,7 @@ _warned_no_dw_builder = False
 def _flushing_first(scale: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(scale)
     def flushed_first(stage: Any, *args: Any, **kwargs: Any) -> Any:
-        params = list(stage.submod.parameters())
-        queues, tensors = _queued(params)
-        stand_ins = _stand_ins(tensors) if queues else []
-        pending = [q for q in queues if q.has_work_for(tensors + stand_ins)]
+        pending = _holding_work_for(stage.submod.parameters())
         if pending:
             global _warned_no_dw_builder
             if not _warned_no_dw_builder:
