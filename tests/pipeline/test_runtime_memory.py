@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tests.test_data_parallel import _assert_same, _grads, launch
+from tests.ranks import run_scenario
+from tests.test_data_parallel import _assert_same, _grads
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, split_model
 from twobp_autograd.pipeline.schedules import schedule
@@ -52,7 +53,7 @@ def _capped_and_uncapped(rank: int) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    return launch(_capped_and_uncapped, WORLD, str(tmp_path_factory.mktemp("cap")))
+    return run_scenario(_capped_and_uncapped, WORLD, str(tmp_path_factory.mktemp("cap")))
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
