@@ -12,6 +12,7 @@ from torch import nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
+from twobp_autograd.flush import PartlyDelivered
 
 
 def mlp(dtype=torch.float32) -> nn.Module:
@@ -187,24 +188,123 @@ def test_create_graph_is_refused_not_silently_wrong(call):
     assert twobp.pending().jobs == 0
 
 
-def test_tensor_and_post_accumulate_hooks_see_the_gradient_at_flush():
-    """During backward-p1 a deferred parameter's hooks are called with None (its gradient does
-    not exist yet, as for any custom autograd Function returning None); at the flush they see
-    the real gradient, and the hook's result is what lands in .grad."""
+def test_post_accumulate_hooks_see_the_gradient_at_flush():
+    """During backward-p1 a deferred parameter's post-accumulate hooks are called with None (its
+    gradient does not exist yet, as for any custom autograd Function returning None); at the
+    flush they see the real gradient."""
     patched, reference = patched_and_reference(mlp())
-    seen = {"pre": [], "post": []}
-    for model in (patched, reference):
-        model[0].weight.register_hook(lambda g: None if g is None else g * 2)
-    patched[0].weight.register_hook(lambda g: seen["pre"].append(g))
-    patched[0].weight.register_post_accumulate_grad_hook(lambda p: seen["post"].append(p.grad))
+    seen = []
+    patched[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
     x = torch.randn(4, 6)
     loss_of(patched, x).backward()
-    assert seen == {"pre": [None], "post": [None]}
+    assert seen == [None] and twobp.pending().jobs == 3
     twobp.flush_weight_grads()
-    assert len(seen["pre"]) == 2 and seen["pre"][1] is not None
-    assert seen["post"][1] is patched[0].weight.grad
+    assert len(seen) == 2 and seen[1] is patched[0].weight.grad
     loss_of(reference, x).backward()
     assert_grads_match(patched, reference)
+
+
+class _TiedLM(nn.Module):
+    """Embedding and head sharing one weight: two contributions to it in every backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(tokens))).flatten(0, 1)
+
+
+def _tied_lm_step(model: nn.Module, seed: int) -> None:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 10, (4, 5), generator=generator)
+    targets = torch.randint(0, 10, (20,), generator=generator)
+    nn.functional.cross_entropy(model(tokens), targets).backward()
+
+
+def _clamped(grad: torch.Tensor | None) -> torch.Tensor | None:
+    return None if grad is None else grad.clamp(-0.01, 0.01)
+
+
+# (case, what the patched side does around its backward calls)
+_HOOKED_CASES = ["three-backward-calls-per-flush", "tied-weight-capped-queue", "tied-weight-two-queues"]
+
+
+@pytest.mark.filterwarnings("ignore:twobp. a parameter with a tensor hook")
+@pytest.mark.parametrize("case", _HOOKED_CASES)
+def test_a_non_linear_tensor_hook_sees_each_backward_s_gradient(case):
+    """A tensor hook runs on each backward's gradient in plain autograd; applied to a sum over
+    several backward calls, or to part of one backward's gradient (a capped queue's early flush,
+    two queues sharing a tied weight), a clamp would give another result. Such a parameter
+    takes its gradient during backward, as plain autograd does."""
+    torch.manual_seed(0)
+    if case == "three-backward-calls-per-flush":
+        patched, reference = patched_and_reference(mlp())
+        hooked = [(patched[0].weight, reference[0].weight), (patched[4].bias, reference[4].bias)]
+    else:
+        patched, reference = patched_and_reference(_TiedLM())
+        hooked = [(patched.embed.weight, reference.embed.weight)]
+    for ours, theirs in hooked:
+        ours.register_hook(_clamped)
+        theirs.register_hook(_clamped)
+    if case == "three-backward-calls-per-flush":
+        for _ in range(3):
+            x = torch.randn(5, 6)
+            loss_of(patched, x).backward()
+            loss_of(reference, x).backward()
+        # Computed in backward, as plain does; their layers still queue the other parameter.
+        assert patched[0].weight.grad is not None and patched[4].bias.grad is not None
+        assert patched[0].bias.grad is None and twobp.pending().jobs == 9
+        twobp.flush_weight_grads()
+    elif case == "tied-weight-capped-queue":
+        queue = twobp.WeightGradQueue(max_pending_bytes=64)
+        with twobp.use_queue(queue):
+            _tied_lm_step(patched, 0)
+        queue.flush()
+        _tied_lm_step(reference, 0)
+    else:
+        embed_queue, head_queue = twobp.WeightGradQueue(), twobp.WeightGradQueue()
+        tokens = torch.randint(0, 10, (4, 5))
+        with twobp.use_queue(embed_queue):
+            hidden = torch.tanh(patched.embed(tokens))
+        with twobp.use_queue(head_queue):
+            patched.head(hidden).pow(2).sum().backward()
+        embed_queue.flush()
+        head_queue.flush()
+        reference.head(torch.tanh(reference.embed(tokens))).pow(2).sum().backward()
+    assert_grads_match(patched, reference)
+
+
+@pytest.mark.filterwarnings("ignore:twobp. a capped WeightGradQueue")
+@pytest.mark.parametrize("model_kind", ["tied-embedding-and-head", "linear-applied-twice"])
+def test_optimizer_in_backward_with_a_capped_queue_steps_once_on_the_whole_gradient(model_kind):
+    """A capped queue flushes old work early, inside the backward; for a parameter with two
+    contributions that would deliver its gradient in two parts, and an optimizer-in-backward
+    hook would step on each (or step between the two uses, which autograd then refuses). Such
+    parameters' work waits for the flush the caller runs."""
+    torch.manual_seed(0)
+    if model_kind == "tied-embedding-and-head":
+        patched, reference = patched_and_reference(_TiedLM())
+    else:
+        patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), nn.Tanh()))
+    _optimizer_in_backward(patched, skip_none=True)
+    _optimizer_in_backward(reference, skip_none=True)
+    queue = twobp.WeightGradQueue(max_pending_bytes=64)
+    for seed in range(3):
+        if model_kind == "tied-embedding-and-head":
+            with twobp.use_queue(queue):
+                _tied_lm_step(patched, seed)
+            _tied_lm_step(reference, seed)
+        else:
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+            with twobp.use_queue(queue):
+                patched[0](patched(x)).pow(2).sum().backward()
+            reference[0](reference(x)).pow(2).sum().backward()
+        queue.flush()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def _optimizer_in_backward(model: nn.Module, *, skip_none: bool) -> None:
@@ -244,6 +344,22 @@ def test_optimizer_in_backward_stepping_on_none_is_refused_with_the_fix():
     with pytest.raises(RuntimeError, match="post-accumulate-grad hook.*p.grad is None"):
         loss_of(patched, torch.randn(4, 6)).backward()
     twobp.discard_weight_grads()
+
+
+def test_optimizer_in_backward_over_several_backward_calls_per_flush_is_refused():
+    """Plain autograd steps after each backward and runs the next forward on the stepped
+    weights; one flush for several backward calls cannot do that: its hook's step is refused,
+    naming the fix, instead of stepping once on the sum."""
+    patched = twobp.patch(mlp())
+    _optimizer_in_backward(patched, skip_none=True)
+    before = [p.detach().clone() for p in patched.parameters()]
+    for _ in range(2):
+        loss_of(patched, torch.randn(4, 6)).backward()
+    with pytest.raises(PartlyDelivered, match="several backward calls.*flush after every backward"):
+        twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 0
+    for p, b in zip(patched.parameters(), before, strict=True):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)  # no step taken
 
 
 def test_bf16_autocast_on_cpu():

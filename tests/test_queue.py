@@ -6,6 +6,7 @@ import gc
 import math
 import random
 import threading
+import warnings
 
 import pytest
 import torch
@@ -530,6 +531,35 @@ def test_max_pending_bytes_bounds_memory_and_keeps_gradients_exact():
     assert_grads_match(patched, reference)
     with pytest.raises(ValueError, match="max_pending_bytes"):
         twobp.WeightGradQueue(max_pending_bytes=-1)
+
+
+def _ignore(param: torch.Tensor) -> None:
+    pass
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["optimizer-in-backward-hook", "partial-gradients-hook"])
+def test_a_capped_queue_keeps_the_work_of_parameters_whose_hook_wants_the_whole_gradient(marked):
+    """Work for a parameter with a post-accumulate-grad hook stays queued past the cap (one
+    warning), for the flush the caller runs; a hook marked ``takes_partial_gradients`` (the
+    data-parallel synchroniser's) lets it be flushed early like the rest."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    hook = queue_module.takes_partial_gradients(_ignore) if marked else _ignore
+    patched[0].weight.register_post_accumulate_grad_hook(hook)
+    queue = twobp.WeightGradQueue(max_pending_bytes=1)
+    with twobp.use_queue(queue), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(4, 16)
+            patched(x).pow(2).sum().backward()
+            reference(x).pow(2).sum().backward()
+    kept_warning = [w for w in caught if "capped WeightGradQueue holds more" in str(w.message)]
+    if marked:
+        assert len(queue) == 0 and not kept_warning
+    else:
+        assert len(queue) == 3 and len(kept_warning) >= 1  # layer 0's three jobs
+        assert patched[0].weight.grad is None and patched[1].weight.grad is not None
+    queue.flush()
+    assert_grads_match(patched, reference)
 
 
 def test_cap_enforced_after_a_block_lets_work_pass_the_cap_until_it_ends():

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
 from .flush import run_jobs
-from .queue import WeightGradQueue, current_queue
+from .queue import WeightGradQueue, current_queue, takes_partial_gradients
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
 
@@ -212,6 +212,7 @@ class GradientSynchroniser:
 
     # -- readiness ------------------------------------------------------------------------
 
+    @takes_partial_gradients
     def _on_accumulated(self, param: Tensor) -> None:
         # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
         # unarmed flush calls it before the gradient is final: only armed deliveries count.

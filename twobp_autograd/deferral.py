@@ -26,6 +26,7 @@ graph lacks the detached weights, so a backward through it to them is refused (:
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
@@ -87,16 +88,18 @@ class ParamDeferral(NamedTuple):
 
     def decide(self, ctx: Any) -> list[Decision]:
         """Refuse ``create_graph=True``; then per parameter 'defer' (this backward accumulates
-        into it), 'now' (``autograd.grad`` asks for it, or it is no leaf: its gradient flows on
-        through autograd) or 'skip' (not wanted, frozen, even since the forward, or not
-        reached by this backward)."""
+        into it), 'now' (``autograd.grad`` asks for it, it is no leaf, or a tensor hook waits for
+        each backward's gradient of it: its gradient flows on through autograd) or 'skip' (not
+        wanted, frozen, even since the forward, or not reached by this backward)."""
         _refuse_create_graph()
         first = len(ctx.next_functions) - len(self.params)
         needed = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(self.params) :]
         # A leaf frozen since the forward gets nothing, as autograd's accumulator skips a
         # variable that no longer requires grad when backward reaches it.
         decisions: list[Decision] = [
-            "skip" if not need else "now" if param is None else _decide(node) if param.requires_grad else "skip"
+            "skip" if not need or (param is not None and not param.requires_grad)
+            else "now" if param is None
+            else _decide_param(param, node)
             for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed, strict=True)
         ]
         return decisions
@@ -322,6 +325,32 @@ def guard_tangent(tangent: Tensor, primals: Sequence[Tensor | None], *, bump_ver
     if bump_version:
         torch.autograd.graph.increment_version(tangent)
     return tangent
+
+
+def _decide_param(param: Tensor, node: Any) -> Decision:
+    """:func:`_decide` for a leaf parameter; one with a tensor hook takes its gradient now."""
+    decision = _decide(node)
+    if decision == "defer" and param._backward_hooks:
+        _warn_hooked_param_once()
+        return "now"
+    return decision
+
+
+def _warn_hooked_param_once() -> None:
+    global _warned_hooked_param
+    if not _warned_hooked_param:
+        _warned_hooked_param = True
+        warnings.warn(
+            "twobp: a parameter with a tensor hook (Tensor.register_hook) gets its weight gradient "
+            "during backward, as plain autograd computes it, so that the hook sees each backward's "
+            "gradient (a hook such as a clamp would give another result on a sum over micro-batches); "
+            "such parameters are not deferred. Hooks registered with "
+            "register_post_accumulate_grad_hook do not stop deferral.",
+            stacklevel=2,
+        )
+
+
+_warned_hooked_param = False
 
 
 def _decide(param_node: Any) -> Decision:

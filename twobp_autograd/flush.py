@@ -12,7 +12,7 @@ how to run them: one entry point, :func:`run_jobs`, so a new option is added onc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -31,6 +31,7 @@ __all__ = [
     "FlushWatcher",
     "PartlyDelivered",
     "watch_flushes",
+    "summed_over_backward_calls",
 ]
 
 FlushStrategy = Literal["concat", "loop", "auto"]
@@ -53,8 +54,8 @@ class FlushOptions:
 
 
 class PartlyDelivered(RuntimeError):
-    """A flush failed after handing part of its gradients over: that part is in ``.grad``, the
-    rest of its work is dropped (queued again, it would be added twice on a retry)."""
+    """A flush failed while or after handing its gradients over: part of them may be in
+    ``.grad``, the rest of its work is dropped (queued again, it would be added twice on a retry)."""
 
 
 class DeliveryWatch(Protocol):
@@ -113,6 +114,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
     watches = _watches_for(groups) if _watchers else []
+    _running.append(jobs)
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
     ready: list[tuple[Tensor, Tensor]] = []
@@ -136,17 +138,41 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                     handed_over = True
                     _deliver(ready, watches)
                     ready_bytes = 0
+        # From here a failure (a hook raising) may leave part of the gradients in .grad.
+        handed_over = handed_over or bool(ready)
         _deliver(ready, watches)
     except Exception as error:
         if handed_over:
             raise PartlyDelivered(
-                "twobp: a flush failed after handing part of its gradients over (delivery buckets, or "
-                "FSDP2's reduction group by group): .grad holds part of that work and the rest is "
-                "dropped. Zero the gradients (optimizer.zero_grad()) and run the step again."
+                "twobp: a flush failed while handing its gradients over (a hook raised, or after a "
+                "delivery bucket or FSDP2's reduction group by group): .grad may hold part of that "
+                "work and the rest is dropped. Zero the gradients (optimizer.zero_grad()) and run the "
+                f"step again. The failure: {error}"
             ) from error
         raise
+    finally:
+        del _running[next(i for i, running in enumerate(_running) if running is jobs)]
     for watch in watches:
         watch.finished()
+
+
+#: The jobs of the flushes running now (in any thread: on CUDA, hooks run on autograd's threads).
+_running: list[Sequence[WeightGradJob]] = []
+
+
+def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
+    """Whether a running flush delivers, to one of ``params``, work queued by more than one
+    backward call (asked by the optimizer step guard: a step in a post-accumulate-grad hook)."""
+    if not _running:  # every step asks
+        return False
+    wanted = {id(p) for p in params}
+    task_of: dict[int, int] = {}
+    for jobs in list(_running):
+        for job in jobs:
+            for param in job.params:
+                if param is not None and id(param) in wanted and task_of.setdefault(id(param), job.task) != job.task:
+                    return True
+    return False
 
 
 def _completes_a_watch(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch]) -> bool:

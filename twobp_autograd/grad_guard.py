@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .flush import summed_over_backward_calls
 from .queue import WeightGradQueue, queues_with_work
 
 __all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued"]
@@ -159,7 +160,16 @@ def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, k
 
 
 def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
-    if torch._C._current_graph_task_id() >= 0:  # from a hook, inside a backward
+    in_backward = torch._C._current_graph_task_id() >= 0  # from a hook: of a backward, or of a flush
+    if in_backward and summed_over_backward_calls(_optimizer_params(optimizer)):
+        raise RuntimeError(
+            "twobp: optimizer.step() in a post-accumulate-grad hook (optimizer-in-backward) at a "
+            "flush that sums the weight gradients of several backward calls: plain autograd steps "
+            "after each backward, and runs the next forward on the stepped weights, which deferred "
+            "weight gradients cannot reproduce. With optimizer-in-backward, flush after every "
+            "backward (twobp.flush_weight_grads() right after loss.backward())."
+        )
+    if in_backward:
         advice = (
             " (a step in a post-accumulate-grad hook, the optimizer-in-backward idiom: return from "
             "the hook while p.grad is None; it runs again at the flush, with the gradient)"

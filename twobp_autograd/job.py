@@ -30,7 +30,9 @@ class WeightGradJob:
     """One patched call's deferred weight-gradient work (built once per call in backward-p1:
     a slotted class, kept cheap)."""
 
-    __slots__ = ("kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "versions", "parked")
+    __slots__ = (
+        "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "versions", "parked"
+    )
 
     def __init__(
         self,
@@ -49,6 +51,7 @@ class WeightGradJob:
         self.saved = saved
         self.grad_outputs = grad_outputs
         self.tag = tag
+        self.task = -1  # the backward call (autograd graph task) that queued it, set on enqueue
         self.versions = self._versions()
         self.parked: ParkedTensors | None = None  # set when offloaded to host memory
 

@@ -25,7 +25,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
@@ -42,6 +42,7 @@ __all__ = [
     "flush_weight_grads",
     "discard_weight_grads",
     "pending",
+    "takes_partial_gradients",
 ]
 
 class PendingWork(NamedTuple):
@@ -51,6 +52,8 @@ class PendingWork(NamedTuple):
     jobs: int
     bytes: int
 
+
+_Hook = TypeVar("_Hook", bound=Callable[..., Any])
 
 _live_queues: weakref.WeakSet[WeightGradQueue] = weakref.WeakSet()
 
@@ -154,6 +157,7 @@ class WeightGradQueue:
         with self._lock:
             if job.tag is None:  # not tagged at forward time: take the backward's tag
                 job.tag = self._tag
+            job.task = task
             if self._offload is not None:
                 job.park(self._offload)
             self._jobs.append(job)
@@ -187,18 +191,28 @@ class WeightGradQueue:
             self._enforce_cap()
 
     def _enforce_cap(self) -> None:
-        """Flush the oldest jobs until the rest fits under ``max_pending_bytes``."""
+        """Flush the oldest jobs until the rest fits under ``max_pending_bytes``. Jobs of a
+        parameter whose post-accumulate-grad hook wants its whole gradient (optimizer-in-backward)
+        stay for the flush the caller runs: delivered in parts, the hook would step on each."""
         while self.max_pending_bytes is not None and self._held_bytes > self.max_pending_bytes and self._jobs:
             with self._lock:
                 over = self._held_bytes - self.max_pending_bytes
-                count, freed = 0, 0
-                while freed < over and count < len(self._jobs):  # a guess: storages shared by jobs count twice
-                    freed += sum(t.untyped_storage().nbytes() for t in self._jobs[count].held_tensors())
-                    count += 1
-                oldest, self._jobs = self._jobs[:count], self._jobs[count:]
-                self._count(oldest, -1)
-                flight = self._take_off(oldest)
-            self._run(oldest, flight)
+                early: list[WeightGradJob] = []
+                kept: list[WeightGradJob] = []
+                freed = 0
+                for job in self._jobs:  # oldest first; a guess: storages shared by jobs count twice
+                    if freed < over and not _waits_for_the_flush(job):
+                        early.append(job)
+                        freed += sum(t.untyped_storage().nbytes() for t in job.held_tensors())
+                    else:
+                        kept.append(job)
+                if not early:
+                    _warn_cap_kept_for_hooks_once()
+                    return
+                self._jobs = kept
+                self._count(early, -1)
+                flight = self._take_off(early)
+            self._run(early, flight)
 
     def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
         """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep
@@ -385,6 +399,41 @@ class WeightGradQueue:
                 "each thread its own queue with twobp.use_queue(). If that backward raised, "
                 "twobp.discard_weight_grads() (or queue.clear()) drops its partial work."
             )
+
+
+def takes_partial_gradients(hook: _Hook) -> _Hook:
+    """Mark a post-accumulate-grad hook that ignores the deliveries of a capped queue's early
+    flushes (a data-parallel synchroniser that counts only its own flush's): the parameter's
+    work may then be flushed early like any other."""
+    hook._twobp_takes_partial_gradients = True  # type: ignore[attr-defined]
+    return hook
+
+
+def _waits_for_the_flush(job: WeightGradJob) -> bool:
+    """Whether a parameter of the job has a post-accumulate-grad hook that must see its whole
+    gradient once per flush (see :meth:`WeightGradQueue._enforce_cap`)."""
+    for param in job.params:
+        hooks = None if param is None else param._post_accumulate_grad_hooks
+        if hooks and any(not getattr(h, "_twobp_takes_partial_gradients", False) for h in hooks.values()):
+            return True
+    return False
+
+
+_warned_cap_kept = False
+
+
+def _warn_cap_kept_for_hooks_once() -> None:
+    global _warned_cap_kept
+    if not _warned_cap_kept:
+        _warned_cap_kept = True
+        warnings.warn(
+            "twobp: a capped WeightGradQueue holds more than max_pending_bytes because its work is for "
+            "parameters with post-accumulate-grad hooks (optimizer-in-backward): that work is not "
+            "flushed early, so that each hook sees the parameter's gradient once, at the flush you "
+            "call. Flush more often to bound the memory.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def _ANY_WORK(flight: _Flight) -> bool:
