@@ -51,15 +51,54 @@ def test_include_and_exclude_by_type_and_name():
     assert twobp.patch(copy.deepcopy(twobp.unpatch(model)), exclude=[nn.Linear], report=True).patched == []
 
 
-def test_subclass_keeps_plain_autograd_until_registered():
-    class MyLinear(nn.Linear):
-        pass
+class _MyLinear(nn.Linear):
+    pass
 
-    model = nn.Sequential(MyLinear(3, 3))
-    report = twobp.patch(model, report=True)
-    assert report.patched == [] and "MyLinear" in report.skipped["0"]
+
+def test_subclass_keeps_plain_autograd_until_registered():
+    model = nn.Sequential(_MyLinear(3, 3))
+    with pytest.warns(UserWarning, match="twobp: patch.. found no layer it covers in this Sequential .* _MyLinear"):
+        report = twobp.patch(model, report=True)
+    assert report.patched == [] and "_MyLinear" in report.skipped["0"]
     model(torch.randn(2, 3)).sum().backward()
     assert model[0].weight.grad is not None and twobp.pending().jobs == 0
+
+
+def test_a_model_with_nothing_to_patch_warns_once_and_one_excluded_on_purpose_does_not():
+    """Nothing deferred by a model whose layers are all of unregistered types (a stage traced by
+    pipelining's pipeline() holds InterpreterModules): one warning per root type. A model whose
+    covered layers were all excluded by the caller says nothing."""
+
+    class Stage(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = _MyLinear(3, 3)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        twobp.patch(Stage())
+        twobp.patch(Stage())
+        twobp.patch(nn.Sequential(nn.Linear(3, 3)), exclude=[nn.Linear])
+    assert [str(w.message)[:48] for w in caught] == ["twobp: patch() found no layer it covers in this "]
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
+def test_torch_export_of_a_patched_model_records_the_plain_forward(strict):
+    """Export traces the plain forward's ops (the deferred ones' custom Functions have no place
+    in an exported program), with no warning and nothing queued."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GELU(), nn.Linear(4, 2))
+    x = torch.randn(3, 4)
+    plain_program = torch.export.export(copy.deepcopy(model), (x,), strict=strict)
+    twobp.patch(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        program = torch.export.export(model, (x,), strict=strict)
+
+    def ops(exported: torch.export.ExportedProgram) -> list[object]:
+        return [node.target for node in exported.graph.nodes if node.op == "call_function"]
+
+    assert ops(program) == ops(plain_program) and twobp.pending().jobs == 0
+    torch.testing.assert_close(program.module()(x), plain_program.module()(x))
 
 
 def test_unpatch_restores_plain_autograd():

@@ -40,8 +40,9 @@ class PatchReport:
 
 class DeferredForwardCall:
     """The instance ``forward`` of a patched module: the plain forward wherever no weight
-    gradient can be wanted (no grad mode, inference mode, eval, frozen) or autograd is not the
-one differentiating (inside a ``torch.func`` transform), else the rule's."""
+    gradient can be wanted (no grad mode, inference mode, eval, frozen), autograd is not the
+    one differentiating (inside a ``torch.func`` transform) or ``torch.export`` traces it, else
+    the rule's."""
 
     def __init__(self, module: nn.Module, deferred: DeferredForward, original: Any) -> None:
         self.module = module
@@ -59,6 +60,7 @@ one differentiating (inside a ``torch.func`` transform), else the rule's."""
             torch.is_grad_enabled()
             and module.training
             and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
+            and not _is_exporting()  # torch.export records the plain forward's ops
             and _wants_grad(module)
         ):
             return self.deferred(module, *args, **kwargs)
@@ -66,6 +68,7 @@ one differentiating (inside a ``torch.func`` transform), else the rule's."""
 
 
 _maybe_current_level = torch._C._functorch.maybe_current_level
+_is_exporting = torch.compiler.is_exporting
 
 
 def _wants_grad(module: nn.Module) -> bool:
@@ -145,7 +148,29 @@ def patch(
             module.forward = DeferredForwardCall(module, rule.forward, current)
             _patched.add(module)
         result.patched.append(name)
+    if not result.patched:
+        _warn_nothing_covered(model, result)
     return result if report else model
+
+
+def _warn_nothing_covered(model: nn.Module, result: PatchReport) -> None:
+    """A model none of whose layers is of a registered type defers nothing: say so once per
+    root type and layer types (a stage that ``torch.distributed.pipelining.pipeline()`` traced holds
+    ``InterpreterModule``s calling ATen ops, no nn.Linear left to patch)."""
+    reasons = result.skipped.values()
+    unregistered = sorted({why.split(" is not registered")[0] for why in reasons if "is not registered" in why})
+    key = (type(model), ", ".join(unregistered))
+    if not unregistered or key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"twobp: patch() found no layer it covers in this {type(model).__name__} (its parameters sit "
+        f"in {', '.join(unregistered[:4])}): nothing is deferred. Register a rule for such layers "
+        "(twobp.register), or patch the model built from nn.Linear, nn.Conv*, norm, attention and "
+        "embedding modules (a pipeline stage traced by torch.distributed.pipelining.pipeline() "
+        "calls ATen ops instead: build the stages from your own modules).",
+        stacklevel=3,
+    )
 
 
 def unpatch(model: nn.Module) -> nn.Module:
