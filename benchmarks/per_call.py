@@ -11,7 +11,9 @@ ratios.
   Targets: F on/off <= 1.03, (I+W)/B <= 1.05 and no dearer than PyTorch's split.
 - **Where a stage's split cost sits**: the backward (plain) and backward-p1 + flush (2BP) run
   under ``torch.profiler`` a few extra rounds: the kernels' own (I+W)/B (the top-level ATen
-  calls' CPU time), and the time outside kernels (Python, autograd's engine) per side.
+  calls' CPU time), and the time outside kernels (Python, autograd's engine) per side; and the
+  flush's kernels timed right after backward-p1, with the caches evicted, and warm (run again at
+  once): what running weight gradients after the backward, on tensors that left the cache, costs.
 
     python benchmarks/per_call.py [--rounds 30] [--calls 200] [--models mlp transformer ...]
 """
@@ -262,6 +264,43 @@ def _backward_kernels(sides: _StageSides, rounds: int) -> dict[str, float]:
     }
 
 
+#: Written before a "cold" run: larger than the last-level cache of the machines measured here.
+_EVICTION_BYTES = 64 << 20
+
+
+def _weight_kernels_warm_and_cold(sides: _StageSides, rounds: int) -> dict[str, float]:
+    """The flush's kernels on one micro-batch's jobs, run three times: right after the
+    backward-p1 that queued them (where a flush runs in this benchmark), after writing a buffer
+    larger than the cache (cold), and again at once (warm: their tensors cached). Plain autograd
+    runs each layer's weight-gradient kernel while its output gradient is still cached; a
+    deferred one finds it in memory. Medians of the ratios to warm."""
+    evict = torch.empty(_EVICTION_BYTES // 4)
+    after_backward, cold = [], []
+
+    def run(jobs: list[Any]) -> float:
+        start = time.perf_counter()
+        with torch.no_grad():
+            for job in jobs:
+                job.kernel(*job.on_device(), job.needs)
+        return time.perf_counter() - start
+
+    for _ in range(rounds):
+        with twobp.use_queue(sides.queue):
+            _, out, _ = sides._forward(sides.patched)
+        out.backward(sides.grad)
+        jobs = sides.queue.take()
+        first = run(jobs)
+        evict.fill_(1.0)
+        evicted = run(jobs)
+        warm = run(jobs)
+        after_backward.append(first / warm)
+        cold.append(evicted / warm)
+    return {
+        "W_kernels_after_I_over_warm": statistics.median(after_backward),
+        "W_kernels_cold_over_warm": statistics.median(cold),
+    }
+
+
 def stage_ratios(model_name: str, args: argparse.Namespace) -> dict[str, float]:
     """F on/off, (I+W)/B ours and PyTorch's, and ours over PyTorch's, medians of per-round ratios."""
     sides = _StageSides(*_stage(model_name, args))
@@ -281,6 +320,7 @@ def stage_ratios(model_name: str, args: argparse.Namespace) -> dict[str, float]:
         "pytorch_split_over_B": _median_ratio(theirs_split, backward),
         "split_over_pytorch_split": _median_ratio(ours_split, theirs_split),
         **_backward_kernels(sides, args.kernel_rounds),
+        **_weight_kernels_warm_and_cold(sides, args.kernel_rounds),
     }
 
 
@@ -298,7 +338,7 @@ def _print_layers(layers: dict[str, dict[str, float]]) -> None:
 
 _STAGE_HEADER = (
     f"{'stage':<14}{'F off':>9}{'B':>9}{'F on/off':>10}{'(I+W)/B':>9}{'PyTorch (I+W)/B':>17}{'ours/PyTorch':>14}"
-    f"{'kernels (I+W)/B':>17}{'outside kernels B / I+W':>25}"
+    f"{'kernels (I+W)/B':>17}{'outside kernels B / I+W':>25}{'W kernels after I / cold, over warm':>37}"
 )
 
 
@@ -308,6 +348,7 @@ def _print_stage(name: str, row: dict[str, float]) -> None:
         f"{row['pytorch_split_over_B']:>17.3f}{row['split_over_pytorch_split']:>14.3f}"
         f"{row['kernels_split_over_B']:>17.3f}"
         f"{row['B_outside_kernels_ms']:>12.2f}ms /{row['split_outside_kernels_ms']:>6.2f}ms"
+        f"{row['W_kernels_after_I_over_warm']:>29.3f} /{row['W_kernels_cold_over_warm']:>6.3f}"
     )
 
 

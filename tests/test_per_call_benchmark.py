@@ -36,6 +36,6 @@ def test_tiny_per_call_run_writes_every_layer_and_stage(per_call, tmp_path) -> N
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("forward_ratio", "step_ratio"))
     for row in document["stages"].values():
         ratios = ("F_on_off", "split_over_B", "pytorch_split_over_B", "split_over_pytorch_split")
-        ratios += ("kernels_split_over_B",)
+        ratios += ("kernels_split_over_B", "W_kernels_after_I_over_warm", "W_kernels_cold_over_warm")
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ratios)
         assert 0 < row["B_kernels_ms"] and 0 < row["split_kernels_ms"]
