@@ -75,16 +75,21 @@ class DeliveryWatch(Protocol):
 #: :class:`DeliveryWatch` to follow that flush, or None.
 FlushWatcher = Callable[[Sequence[Tensor]], "DeliveryWatch | None"]
 
-_watchers: list[FlushWatcher] = []
+_watchers: list[tuple[FlushWatcher, Callable[[], bool]]] = []
 
 
-def watch_flushes(watcher: FlushWatcher) -> Callable[[], None]:
+def _always() -> bool:
+    return True
+
+
+def watch_flushes(watcher: FlushWatcher, *, active: Callable[[], bool] = _always) -> Callable[[], None]:
     """Ask ``watcher`` at the start of every flush (e.g. FSDP2's reduction, which must follow
-    each parameter group's gradients as they become final). A flush with a watch hands the
-    gradients over as soon as one of its watches says they complete something, instead of in
-    buckets. Returns what stops it."""
-    _watchers.append(watcher)
-    return lambda: _watchers.remove(watcher)
+    each parameter group's gradients as they become final) for which ``active()`` holds (a cheap
+    question: every flush asks it). A flush with a watch hands the gradients over as soon as one
+    of its watches says they complete something, instead of in buckets. Returns what stops it."""
+    entry = (watcher, active)
+    _watchers.append(entry)
+    return lambda: _watchers.remove(entry)
 
 
 _DEFAULT_OPTIONS = FlushOptions()  # frozen: one shared instance is safe as a default
@@ -113,7 +118,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
         grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
-    watches = _watches_for(groups) if _watchers else []
+    watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
     _running.append(jobs)
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
@@ -184,7 +189,8 @@ def _completes_a_watch(ready: list[tuple[Tensor, Tensor]], watches: Sequence[Del
 
 def _watches_for(groups: list[list[WeightGradJob]]) -> list[DeliveryWatch]:
     delivering = list({id(p): p for group in groups for p in group[0].params if p is not None}.values())
-    return [watch for watch in (watcher(delivering) for watcher in _watchers) if watch is not None]
+    asked = [watcher(delivering) for watcher, active in _watchers if active()]
+    return [watch for watch in asked if watch is not None]
 
 
 def _take_group_grads(

@@ -132,7 +132,7 @@ def _watch(params: Sequence[Tensor]) -> _GroupReductions | None:
     return _GroupReductions(sharded) if sharded else None
 
 
-watch_flushes(_watch)
+watch_flushes(_watch, active=fsdp_hooks.fsdp_in_use)
 stand_in_finders.append(fsdp_hooks.unsharded_params_of)
 
 

@@ -383,6 +383,8 @@ class WeightGradQueue:
         return any(flight.thread != me and concerns(flight) for flight in self._flights)
 
     def _check_no_backward_elsewhere(self) -> None:
+        if not self._running_backwards:  # unlocked: a backward starting just after is the same race either way
+            return
         me = threading.get_ident()
         current = torch._C._current_graph_task_id()
         with self._lock:

@@ -90,6 +90,8 @@ class _DeferredLayerNorm(torch.autograd.Function):
 
 def _layer_norm_rows(x: Tensor, mean: Tensor, rstd: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
     """What the weight kernel takes: any leading dims flattened to rows (the statistics are per row)."""
+    if x.dim() == len(shape) + 1:  # rows already, the statistics (rows, 1, ...) with them
+        return x, mean, rstd
     ones = (1,) * len(shape)
     return x.reshape(-1, *shape), mean.reshape(-1, *ones), rstd.reshape(-1, *ones)
 
