@@ -167,7 +167,10 @@ def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
             "flush that sums the weight gradients of several backward calls: plain autograd steps "
             "after each backward, and runs the next forward on the stepped weights, which deferred "
             "weight gradients cannot reproduce. With optimizer-in-backward, flush after every "
-            "backward (twobp.flush_weight_grads() right after loss.backward())."
+            "backward (twobp.flush_weight_grads() right after loss.backward()). (A reentrant "
+            "activation checkpoint runs a backward call of its own: one that reaches a parameter "
+            "also used outside it, or in another checkpoint, counts as a second call; use "
+            "checkpoint(..., use_reentrant=False).)"
         )
     if in_backward:
         advice = (
