@@ -11,6 +11,7 @@ from torch import nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
+from twobp_autograd import patching
 from twobp_autograd.ops import recompute
 
 
@@ -278,3 +279,84 @@ def test_the_package_exports_exactly_its_public_api() -> None:
     assert all(hasattr(twobp, name) for name in expected)
     assert isinstance(twobp.patch(nn.Linear(2, 2), report=True), twobp.PatchReport)
     assert isinstance(twobp.pending(), twobp.PendingWork)
+
+
+def _doubling_wrapper(module: nn.Module) -> None:
+    """A wrapper on the instance, as accelerate's hooks or a user's monkey-patch install."""
+    inner = module.forward
+    module.forward = lambda x: inner(x) * 2
+
+
+def test_a_module_with_its_own_instance_forward_keeps_plain_autograd(fresh_warnings):
+    """The deferred forward computes what the class's forward does: a wrapper installed on the
+    instance before patch() would be bypassed in training (other outputs and gradients, silently).
+    Such a module is left unpatched, with one warning; the rest of the model still defers."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    _doubling_wrapper(model[0])
+    _doubling_wrapper(reference[0])
+    with pytest.warns(UserWarning, match="twobp: Linear with an instance-level forward of its own"):
+        report = twobp.patch(model, report=True)
+    assert report.patched == ["2"] and "instance-level forward" in report.skipped["0"]
+    x = torch.randn(3, 4)
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 1
+    twobp.flush_weight_grads()
+    assert_grads_match(model, reference)
+
+
+def test_a_wrapper_added_after_patch_runs_around_the_deferred_forward_and_unpatch_reaches_it():
+    """Wrapping a patched module's forward (accelerate's add_hook_to_module does it) keeps both:
+    the wrapper runs, the weight work is deferred, the module still counts as patched; unpatch
+    then turns the deferred forward the wrapper calls into the plain one."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    reference = copy.deepcopy(twobp.unpatch(copy.deepcopy(model)))
+    _doubling_wrapper(model[0])
+    _doubling_wrapper(reference[0])
+    assert twobp.patch(model, report=True).patched == ["0", "2"]  # patched before, wrapper or not
+    x = torch.randn(3, 4)
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 2
+    twobp.flush_weight_grads()
+    assert_grads_match(model, reference)
+    twobp.unpatch(model)
+    model(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 0 and model[0].weight.grad is not None
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """patch() warns once per process and reason: each test starts from none given."""
+    monkeypatch.setattr(patching, "_warned", set())
+
+
+@pytest.mark.parametrize("where", ["module", "global"])
+def test_a_deprecated_non_full_backward_hook_keeps_plain_autograd(where, fresh_warnings):
+    """register_backward_hook (non-full) sees the gradients of the module's last autograd node,
+    a Linear's weight gradients among them, and may change them: deferred, the hook would see
+    other gradients and the weights would miss its change. Such modules run plain autograd."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 3), nn.Tanh()))
+
+    def triple(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+        return tuple(None if g is None else g * 3 for g in grad_input)
+
+    handles = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PyTorch's deprecation of non-full hooks
+        if where == "module":
+            handles = [m[0].register_backward_hook(triple) for m in (patched, reference)]
+        else:
+            handles = [torch.nn.modules.module.register_module_backward_hook(triple)]
+        try:
+            with pytest.warns(UserWarning, match="twobp: Linear with a non-full backward hook"):
+                for _ in range(2):
+                    x = torch.randn(5, 4)
+                    for m in (patched, reference):
+                        m(x).pow(3).sum().backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(patched, reference)

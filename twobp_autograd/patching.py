@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as module_hooks
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
@@ -41,17 +42,15 @@ class PatchReport:
 class DeferredForwardCall:
     """The instance ``forward`` of a patched module: the plain forward wherever no weight
     gradient can be wanted (no grad mode, inference mode, eval, frozen), autograd is not the
-    one differentiating (inside a ``torch.func`` transform) or ``torch.export`` traces it, else
-    the rule's."""
+    one differentiating (inside a ``torch.func`` transform), ``torch.export`` traces it or the
+    module has a deprecated non-full backward hook; else the rule's (the class's forward once
+    unpatched under a wrapper added since, such as accelerate's hooks, which keep calling it)."""
 
-    def __init__(self, module: nn.Module, deferred: DeferredForward, original: Any) -> None:
+    def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         self.module = module
-        self.deferred = deferred
-        self.original = original  # an instance-level forward that was there before, or None
+        self.deferred = deferred  # the class's forward once unpatched
 
     def plain(self, *args: Any, **kwargs: Any) -> Any:
-        if self.original is not None:
-            return self.original(*args, **kwargs)
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -63,12 +62,38 @@ class DeferredForwardCall:
             and not _is_exporting()  # torch.export records the plain forward's ops
             and _wants_grad(module)
         ):
+            if module._is_full_backward_hook is False or _global_non_full_backward_hooks():
+                _warn_non_full_backward_hook_once(module)
+                return self.plain(*args, **kwargs)
             return self.deferred(module, *args, **kwargs)
         return self.plain(*args, **kwargs)
 
 
 _maybe_current_level = torch._C._functorch.maybe_current_level
 _is_exporting = torch.compiler.is_exporting
+
+
+_GLOBAL_BACKWARD_HOOKS = module_hooks._global_backward_hooks  # one dict, filled in place
+
+
+def _global_non_full_backward_hooks() -> bool:
+    """``register_module_backward_hook`` (deprecated, non-full) hooks on every module."""
+    return bool(_GLOBAL_BACKWARD_HOOKS) and module_hooks._global_is_full_backward_hook is False
+
+
+def _warn_non_full_backward_hook_once(module: nn.Module) -> None:
+    """A non-full backward hook sees (and may change) the gradients of the module's last autograd
+    node, weight gradients included for a Linear; deferred, that node would be another one."""
+    if (type(module), "non-full backward hook") in _warned:
+        return
+    _warned.add((type(module), "non-full backward hook"))
+    warnings.warn(
+        f"twobp: {type(module).__name__} with a non-full backward hook (register_backward_hook, "
+        "deprecated) keeps plain autograd: the hook sees the gradients of the module's last "
+        "autograd node, its weight gradients among them, which a deferred call would not hand "
+        "it. Use register_full_backward_hook to keep the weight gradients deferred.",
+        stacklevel=3,
+    )
 
 
 def _wants_grad(module: nn.Module) -> bool:
@@ -93,8 +118,18 @@ _warned: set[tuple[type, str]] = set()
 _patched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+_INSTANCE_FORWARD = (
+    "an instance-level forward of its own (a wrapper, such as accelerate's hooks), which the "
+    "deferred forward would bypass; patch before adding it"
+)
+
+#: Where a patched module keeps its DeferredForwardCall: its ``forward`` may be a wrapper around
+#: it by now (accelerate's hooks, added after patching, call the forward they found).
+_CALL = "_twobp_deferred_forward"
+
+
 def _is_patched(module: nn.Module) -> bool:
-    return isinstance(module.__dict__.get("forward"), DeferredForwardCall)
+    return isinstance(module.__dict__.get(_CALL), DeferredForwardCall)
 
 
 def patch(
@@ -143,10 +178,23 @@ def patch(
                     stacklevel=2,
                 )
             continue
-        current = module.__dict__.get("forward")
-        if not isinstance(current, DeferredForwardCall):
-            module.forward = DeferredForwardCall(module, rule.forward, current)
-            _patched.add(module)
+        if module.__dict__.get("forward") is not None:
+            # Its own instance forward (a wrapper: accelerate's hooks, a user's) would be bypassed
+            # by the deferred forward, which computes what the class's forward does.
+            reason = _INSTANCE_FORWARD
+            result.skipped[name] = reason
+            if (type(module), reason) not in _warned:
+                _warned.add((type(module), reason))
+                warnings.warn(
+                    f"twobp: {type(module).__name__} with {reason} is not deferred; it keeps plain "
+                    "autograd (correct gradients, computed in backward).",
+                    stacklevel=2,
+                )
+            continue
+        call = DeferredForwardCall(module, rule.forward)
+        module.forward = call
+        module.__dict__[_CALL] = call
+        _patched.add(module)
         result.patched.append(name)
     if not result.patched:
         _warn_nothing_covered(model, result)
@@ -173,13 +221,18 @@ def _warn_nothing_covered(model: nn.Module, result: PatchReport) -> None:
     )
 
 
+def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    return type(module).forward(module, *args, **kwargs)
+
+
 def unpatch(model: nn.Module) -> nn.Module:
-    """Restore plain autograd on every patched module of ``model``. Returns ``model``."""
+    """Restore plain autograd on every patched module of ``model``. Returns ``model``. (Under a
+    wrapper added since patching, the deferred forward stays where the wrapper calls it, and runs
+    the plain forward from now on.)"""
     for module in model.modules():
-        current = module.__dict__.get("forward")
-        if isinstance(current, DeferredForwardCall):
-            if current.original is None:
+        call = module.__dict__.pop(_CALL, None)
+        if isinstance(call, DeferredForwardCall):
+            call.deferred = _class_forward
+            if module.__dict__.get("forward") is call:
                 del module.forward
-            else:
-                module.forward = current.original
     return model
