@@ -520,6 +520,21 @@ def test_multi_grad_hook_over_patched_outputs(mode):
     finish_and_compare(patched, reference, jobs=7)
 
 
+def test_anomaly_mode_catches_a_nan_that_only_a_deferred_weight_gradient_has():
+    """Plain autograd's check_nan raises in backward when a node returns NaN; a weight gradient
+    made at the flush is checked there, by the flush, naming its kernel. The work stays queued."""
+    x = torch.tensor([[float("inf"), 1.0, 2.0]])
+    plain, patched = nn.Linear(3, 2), twobp.patch(nn.Linear(3, 2))
+    with torch.autograd.detect_anomaly(check_nan=True):
+        with pytest.raises(RuntimeError, match="returned nan values"):
+            (plain(x) * 0).sum().backward()
+        (patched(x) * 0).sum().backward()  # the input gradient is finite
+    with pytest.raises(RuntimeError, match="twobp: the deferred weight-gradient kernel 'linear_weight_grad' .* nan"):
+        twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 1 and patched.weight.grad is None
+    twobp.discard_weight_grads()
+
+
 @pytest.mark.parametrize("check_nan", [True, False])
 def test_anomaly_mode(check_nan):
     patched, reference = patched_and_reference(convnet())
@@ -642,6 +657,34 @@ def test_recompute_rule_on_a_module_whose_last_op_saves_its_result(last):
         for model in (patched, reference):
             model(x).pow(2).sum().backward()
     finish_and_compare(patched, reference, jobs=6)
+
+
+@pytest.mark.parametrize("substitute", ["other-leaves", "computed-from-the-parameters"])
+@pytest.mark.parametrize("input_requires_grad", [True, False], ids=["input-requires-grad", "input-without-grad"])
+def test_recompute_rule_under_functional_call_differentiates_the_parameters_it_was_given(
+    substitute, input_requires_grad
+):
+    """torch.func.functional_call swaps other tensors in for the forward only: the flush must
+    re-run the module on those (it re-read the module's own, giving the substitutes' gradient
+    from other values), and a substitute computed from the parameter (MAML's p - lr * g) must
+    pass its gradient on to the parameter at once (it was cut: no gradient at all)."""
+    twobp.register(Gate, twobp.ops.recompute)
+    patched, reference = patched_and_reference(Gate(4, torch.tanh).double())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    substitutes = []
+    for model in (patched, reference):
+        if substitute == "other-leaves":
+            weight = (model.weight.detach() * 3).requires_grad_()
+        else:
+            weight = model.weight * 0.9
+        substitutes.append(weight)
+        inputs = x.clone().requires_grad_(input_requires_grad)
+        torch.func.functional_call(model, {"weight": weight}, (inputs,)).pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    if substitute == "other-leaves":
+        torch.testing.assert_close(substitutes[0].grad, substitutes[1].grad, rtol=1e-12, atol=1e-12)
+        assert patched.weight.grad is None and reference.weight.grad is None
+    assert_grads_match(patched, reference, torch.float64)
 
 
 class DropoutScale(nn.Module):

@@ -538,11 +538,12 @@ def _ignore(param: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("marked", [False, True], ids=["optimizer-in-backward-hook", "partial-gradients-hook"])
-def test_a_capped_queue_keeps_the_work_of_parameters_whose_hook_wants_the_whole_gradient(marked):
+def test_a_capped_queue_keeps_the_work_of_parameters_whose_hook_wants_the_whole_gradient(marked, monkeypatch):
     """Work for a parameter with a post-accumulate-grad hook stays queued past the cap (one
     warning), for the flush the caller runs; a hook marked ``takes_partial_gradients`` (the
     data-parallel synchroniser's) lets it be flushed early like the rest."""
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
+    monkeypatch.setattr(queue_module, "_warned_cap_kept", False)  # it warns once per process
     hook = queue_module.takes_partial_gradients(_ignore) if marked else _ignore
     patched[0].weight.register_post_accumulate_grad_hook(hook)
     queue = twobp.WeightGradQueue(max_pending_bytes=1)

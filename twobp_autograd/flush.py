@@ -119,6 +119,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
     watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
+    check_nan = (torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()) or any(j.check_nan for j in jobs)
     _running.append(jobs)
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
@@ -136,6 +137,8 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                 )
             for index, group in enumerate(groups):
                 grads = _run_group(group, options) if launched is None else launched.take(index)
+                if check_nan:
+                    _refuse_nan(group[0], grads)
                 ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
                 del grads
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
@@ -178,6 +181,19 @@ def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
                 if param is not None and id(param) in wanted and task_of.setdefault(id(param), job.task) != job.task:
                     return True
     return False
+
+
+def _refuse_nan(job: WeightGradJob, grads: Sequence[Tensor | None]) -> None:
+    """Anomaly mode's NaN check, on a deferred weight gradient (plain autograd checks each
+    node's outputs in backward; these are computed at the flush)."""
+    for index, grad in enumerate(grads):
+        if grad is not None and torch.isnan(grad).any():
+            name = getattr(job.kernel, "func", job.kernel).__name__
+            raise RuntimeError(
+                f"twobp: the deferred weight-gradient kernel '{name}' returned nan values in its "
+                f"{index}th output (anomaly mode's check_nan was on when its backward ran; the flush "
+                "checks for it)."
+            )
 
 
 def _completes_a_watch(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch]) -> bool:

@@ -158,6 +158,7 @@ class WeightGradQueue:
             if job.tag is None:  # not tagged at forward time: take the backward's tag
                 job.tag = self._tag
             job.task = task
+            job.check_nan = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
             if self._offload is not None:
                 job.park(self._offload)
             self._jobs.append(job)

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import get_device_states, set_device_states
 
-from ..deferral import defer_weight_grads
+from ..deferral import defer_weight_grads, detached
 from .fallback import plain_forward, unsupported_tensors
 
 __all__ = ["recompute"]
@@ -36,14 +36,19 @@ def _plain_forward(module: nn.Module, inputs: Sequence[Tensor], params: dict[str
 
 
 def recompute_weight_grad(
-    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, module: nn.Module
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    module: nn.Module,
+    params: tuple[tuple[str, Tensor], ...],
 ) -> list[Tensor | None]:
-    names = [name for name, _ in module.named_parameters()]
+    """``params`` are those the forward computed with (under ``torch.func.functional_call``
+    other tensors than the module's own, which it holds again by the flush)."""
     with torch.enable_grad():
-        named = module.named_parameters()
-        leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(named, needs, strict=True)}
+        leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(params, needs, strict=True)}
         outputs = _plain_forward(module, [t.detach() for t in saved], leaves)
-        wanted = [leaves[n] for n, need in zip(names, needs, strict=True) if need]
+        wanted = [leaves[n] for (n, _), need in zip(params, needs, strict=True) if need]
         grads = iter(torch.autograd.grad(outputs, wanted, grad_outputs[: len(outputs)], allow_unused=True))
     return [next(grads) if need else None for need in needs]
 
@@ -68,7 +73,9 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         return plain_forward(module, reason, *inputs, **kwargs)
     tensors = (*inputs, *params.values())
     cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
-    outputs = _plain_forward(module, inputs, {n: p.detach() for n, p in params.items()})
+    # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
+    # substitutes) keep their graph and are differentiated at once, as plain autograd does.
+    outputs = _plain_forward(module, inputs, {n: detached(p) for n, p in params.items()})
     if _random_numbers_drawn(cpu_state, device_states, tensors):
         _random_modules.add(module)
         # The same draws again, so the output is the one plain autograd computes (and the
@@ -76,9 +83,10 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         torch.set_rng_state(cpu_state)
         set_device_states(devices, device_states)
         return plain_forward(module, _RANDOM, *inputs)
-    kernel = functools.partial(recompute_weight_grad, module=module)
-    tapped = defer_weight_grads(outputs, tuple(params.values()), inputs, kernel)
-    return tapped
+    kernel = functools.partial(recompute_weight_grad, module=module, params=tuple(params.items()))
+    # Grouped per module (the flush groups per parameter tensors too): the partial holds tensors,
+    # which must not be compared as a group key.
+    return defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=(recompute_weight_grad, module))
 
 
 def _random_numbers_drawn(cpu_state: Tensor, device_states: list[Tensor], tensors: Sequence[Tensor]) -> bool:
