@@ -91,3 +91,31 @@ def test_a_class_with_another_forward_keeps_plain_autograd_and_its_gradients() -
     cubic_loss(reference(x)).backward()
     assert twobp.pending().jobs == 0, "nothing deferred: plain autograd took the weight gradient"
     assert_grads_match(patched, reference, torch.float32)
+
+
+def test_defer_norms_finds_the_rms_norms_of_any_model() -> None:
+    """Outside the families this package splits (Qwen2, Mistral, Gemma, a model of one's own):
+    each unregistered class named *RMSNorm, by the Llama rule where it computes as Llama's does,
+    else by the recompute rule; no family needed, and the gradients are plain's."""
+    from twobp_autograd.pipeline.split import defer_norms
+    from twobp_autograd.registry import rule_for
+
+    qwen2 = pytest.importorskip("transformers.models.qwen2.modeling_qwen2")
+    config = qwen2.Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                               num_attention_heads=2, num_key_value_heads=2)  # fmt: skip
+    assert defer_norms(qwen2.Qwen2Model(config)) == [qwen2.Qwen2RMSNorm]
+    rule = rule_for(qwen2.Qwen2RMSNorm(8))
+    assert rule is not None and rule.forward is llama_rms_norm
+
+    model = nn.Sequential(nn.Linear(8, 8), LookAlikeRMSNorm(8), nn.Linear(8, 2)).double()
+    assert defer_norms(model) == [LookAlikeRMSNorm]
+    rule = rule_for(model[1])
+    assert rule is not None and rule.forward is twobp.ops.recompute
+    patched, reference = patched_and_reference(model)
+    for _ in range(2):
+        x = torch.randn(3, 5, 8, dtype=torch.float64)
+        for m in (patched, reference):
+            cubic_loss(m(x)).backward()
+    assert twobp.pending().jobs == 6
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

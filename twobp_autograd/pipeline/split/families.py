@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ... import register
 from ...ops import computes_like_llama_rms_norm, llama_rms_norm, recompute
+from ...registry import rule_for
 
 __all__ = ["Family", "LossFn", "LibraryModel", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
 
@@ -91,12 +92,22 @@ def loss_fn_of(model: nn.Module) -> LossFn:
 
 
 def defer_norms(model: nn.Module) -> list[type]:
-    """Register the model's own per-token norm classes (``LlamaRMSNorm``, ``MambaRMSNorm``) for
-    2BP, so that their weight gradients are deferred too: by :func:`twobp_autograd.ops.llama_rms_norm`
-    where a class computes as Llama's does, else with their forward re-run at the flush
-    (:func:`twobp_autograd.ops.recompute`). The registration is global, like any
-    ``twobp.register``. Returns the classes registered."""
-    found = family_of(model).norm_types()
+    """Register the model's own per-token norm classes for 2BP, so that their weight gradients
+    are deferred too: its family's (``LlamaRMSNorm``, ``MambaRMSNorm``) and, in any model, each
+    not yet registered class named ``*RMSNorm`` with parameters (Hugging Face's Qwen2, Mistral,
+    Gemma, ... name theirs so; an RMS norm treats each token on its own). By
+    :func:`twobp_autograd.ops.llama_rms_norm` where a class computes as Llama's does, else with its
+    forward re-run at the flush (:func:`twobp_autograd.ops.recompute`). The registration is
+    global, like any ``twobp.register``. Returns the classes registered."""
+    try:
+        found = family_of(model).norm_types()
+    except TypeError:  # a model this package cannot split has norms all the same
+        found = []
+    for module in model.modules():
+        kind = type(module)
+        named_so = kind.__name__.endswith("RMSNorm") and any(True for _ in module.parameters(recurse=False))
+        if named_so and kind not in found and rule_for(module) is None:
+            found.append(kind)
     for norm in found:
         register(norm, llama_rms_norm if computes_like_llama_rms_norm(norm) else recompute)
     return found
