@@ -62,7 +62,7 @@ class DeferredForwardCall:
             and not _is_exporting()  # torch.export records the plain forward's ops
             and _wants_grad(module)
         ):
-            if module._is_full_backward_hook is False or _global_non_full_backward_hooks():
+            if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
                 _warn_non_full_backward_hook_once(module)
                 return self.plain(*args, **kwargs)
             return self.deferred(module, *args, **kwargs)
