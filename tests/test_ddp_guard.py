@@ -63,6 +63,77 @@ def test_replicate_over_a_patched_model_is_refused_in_either_order(one_rank_grou
     assert all(p.grad is not None for p in plain.parameters())
 
 
+@pytest.mark.parametrize("copied_by", ["deepcopy", "torch.save-and-load"])
+def test_ddp_and_replicate_over_a_copy_of_a_patched_model_are_refused(copied_by, one_rank_group, tmp_path) -> None:
+    """A copy of a patched model defers as the original does: replicate() matched the parameters
+    it wraps against the patched modules patch() had made, not copies (each rank kept its own
+    gradients, 0.06 off)."""
+    from torch.distributed._composable import replicate
+
+    original = twobp.patch(_model())
+    if copied_by == "deepcopy":
+        copies = [copy.deepcopy(original) for _ in range(2)]
+    else:
+        torch.save(original, tmp_path / "model.pt")
+        copies = [torch.load(tmp_path / "model.pt", weights_only=False) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="replicate.*GradientSynchroniser"):
+        replicate(copies[0])(torch.randn(2, 3))
+    with pytest.raises(RuntimeError, match="GradientSynchroniser"):
+        DistributedDataParallel(copies[1])
+
+
+_FRESH_PROCESS = """
+import sys, torch
+model = torch.load(sys.argv[1], weights_only=False)  # no patch() in this process
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(0)
+x = torch.randn(2, 3)
+model(x).pow(2).sum().backward()
+optimizer.zero_grad()  # drops this micro-batch's queued work, as plain drops its gradients
+model(x).pow(2).sum().backward()
+try:
+    optimizer.step()
+    print("stepped")
+except RuntimeError as error:
+    print("refused" if "twobp:" in str(error) else "other-error")
+import twobp_autograd as twobp
+twobp.flush_weight_grads()
+torch.save([p.grad for p in model.parameters()], sys.argv[2])
+"""
+
+
+def _one_micro_batch_grads(model: nn.Module) -> list[torch.Tensor]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    torch.manual_seed(0)
+    x = torch.randn(2, 3)
+    for _ in range(2):
+        optimizer.zero_grad()
+        model(x).pow(2).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def test_a_patched_model_loaded_in_a_fresh_process_brings_its_guards(tmp_path) -> None:
+    """Unpickled where patch() never ran (torch.load, a spawned worker), a patched model still
+    defers, so the guards install with it: the step before the flush is refused, and zero_grad
+    drops the queued micro-batch (without its guard that work came back at the flush: twice
+    plain's gradient)."""
+    import subprocess
+    import sys
+
+    model = _model()
+    torch.save(twobp.patch(copy.deepcopy(model)), tmp_path / "model.pt")
+    script = tmp_path / "fresh.py"
+    script.write_text(_FRESH_PROCESS)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "model.pt"), str(tmp_path / "grads.pt")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["refused"], result.stdout
+    for got, want in zip(torch.load(tmp_path / "grads.pt"), _one_micro_batch_grads(model), strict=True):
+        torch.testing.assert_close(got, want)
+
+
 def test_replicate_built_on_fsdp2_reduces_after_the_flush(one_rank_group: None) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 

@@ -49,6 +49,14 @@ class DeferredForwardCall:
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         self.module = module
         self.deferred = deferred  # the class's forward once unpatched
+        _calls.add(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A patched model deep-copied, or loaded in a process that never called ``patch``
+        (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
+        self.__dict__.update(state)
+        _calls.add(self)
+        _install_guards()
 
     def plain(self, *args: Any, **kwargs: Any) -> Any:
         return type(self.module).forward(self.module, *args, **kwargs)
@@ -114,8 +122,20 @@ def _selected(name: str, module: nn.Module, selectors: Iterable[Selector]) -> bo
 
 _warned: set[tuple[type, str]] = set()
 
-#: Every module patched so far that is alive (those unpatched since are filtered by their forward).
-_patched: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+#: Every deferred forward alive: made by ``patch``, or by copying or loading a patched module
+#: (those of modules unpatched since are filtered out by :func:`_patched_modules`).
+_calls: weakref.WeakSet[DeferredForwardCall] = weakref.WeakSet()
+
+
+def _patched_modules() -> list[nn.Module]:
+    return [call.module for call in list(_calls) if _is_patched(call.module)]
+
+
+def _install_guards() -> None:
+    """What reads or reduces ``.grad`` around a step is checked once a patched module exists
+    in this process (each installs once)."""
+    install_grad_guards()
+    refuse_ddp_over_patched_models(_is_patched, _patched_modules)
 
 
 _INSTANCE_FORWARD = (
@@ -150,8 +170,7 @@ def patch(
     include = list(include) if include is not None else None
     exclude = list(exclude or ())
     check_not_inside_ddp(model)
-    install_grad_guards()
-    refuse_ddp_over_patched_models(_is_patched, lambda: [m for m in list(_patched) if _is_patched(m)])
+    _install_guards()
     result = PatchReport(model)
     for name, module in model.named_modules():
         if include is not None and not _selected(name, module, include):
@@ -194,7 +213,6 @@ def patch(
         call = DeferredForwardCall(module, rule.forward)
         module.forward = call
         module.__dict__[_CALL] = call
-        _patched.add(module)
         result.patched.append(name)
     if not result.patched:
         _warn_nothing_covered(model, result)
