@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
 from .flush import run_jobs
-from .queue import WeightGradQueue, current_queue, takes_partial_gradients
+from .queue import WeightGradQueue, current_queue, queues_with_work, takes_partial_gradients
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
 
@@ -152,9 +152,11 @@ class GradientSynchroniser:
             queue = self.queue if self.queue is not None else current_queue()
         jobs = queue.take(tags)
         delivered = {id(p) for job in jobs for p in job.params if p is not None}
-        # Work left for a later flush of this step keeps its parameters waiting (rare: only
-        # schedules whose last backward is followed by several W actions get here).
-        later = {id(p) for p in self.params if queue.has_work_for([p])} if len(queue) else set()
+        # Work left for a later flush of this step keeps its parameters waiting: in this queue
+        # (schedules whose last backward is followed by several W actions), or in another (a rank
+        # holding several pipeline stages, each with its queue, flushed one after the other).
+        waiting = queues_with_work()
+        later = {id(p) for p in self.params if any(q.has_work_for([p]) for q in waiting)} if waiting else set()
         for i, p in enumerate(self.params):  # finished by backward or an earlier flush, or unused
             if not self._ready[i] and id(p) not in delivered and id(p) not in later:
                 self._mark_ready(i)
