@@ -250,6 +250,50 @@ def _failure(rank: int, culprit: nn.Module, culprit_rank: int) -> dict:
     return {"error": None, "elapsed": time.perf_counter() - start, "too_few": too_few}
 
 
+class _NextToken(nn.Module):
+    """A first stage that hands token ids on: an integer activation, which gets no gradient back."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return (x + 1) % 10
+
+
+def _integer_activations(rank: int) -> dict:
+    """The rank after an integer activation sends no gradient for it, and the rank before must not
+    wait for one (it did, until the timeout, then said its peer had died)."""
+    results = {}
+    for name in ("gpipe", "1f1b-1"):
+        for twobp_on in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(_NextToken(), nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4)))
+            reference = copy.deepcopy(model)
+            m = 2
+            runtime = PipelineRuntime(
+                model[rank], schedule(name, WORLD, m, twobp_on)[rank], num_micro_batches=m, loss_fn=_mse,
+                twobp=twobp_on, timeout=RUNTIME_TIMEOUT,
+            )  # fmt: skip
+            tokens, targets = torch.randint(0, 10, (4, 3)), torch.randn(4, 3, 4)
+            runtime.step(tokens if rank == 0 else None, targets if rank == 1 else None)
+            for x, y in zip(tokens.tensor_split(m), targets.tensor_split(m), strict=True):
+                (_mse(reference(x), y) / m).backward()
+            results[f"{name}-{twobp_on}"] = _mismatches(model[rank], reference[rank])
+    return results
+
+
+def _in_place_first_op(rank: int) -> dict:
+    """A stage whose first op changes its input in place cannot run on a received activation (a
+    leaf that requires grad): that rank says so, instead of autograd's leaf error alone."""
+    stages = [nn.Linear(4, 4), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 2))]
+    runtime = PipelineRuntime(
+        stages[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,
+        timeout=FAILURE_TIMEOUT,
+    )  # fmt: skip
+    try:
+        runtime.step(torch.randn(4, 4) if rank == 0 else None, torch.randn(4, 2) if rank == 1 else None)
+    except PipelineError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 #: scenario -> (what each rank runs, number of ranks)
 SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "correctness": (_correctness, WORLD),
@@ -257,6 +301,8 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "killed": (functools.partial(_failure, culprit=_DieOnArm(), culprit_rank=1), WORLD),
     "stalled": (functools.partial(_failure, culprit=_StallOnArm(), culprit_rank=1), WORLD),
     "shape_mismatch": (functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0), WORLD),
+    "integer_activations": (_integer_activations, WORLD),
+    "in_place_first_op": (_in_place_first_op, WORLD),
 }
 
 
@@ -345,3 +391,16 @@ def test_a_shape_mismatch_ends_every_rank_with_an_error(tmp_path) -> None:
     assert sender.get("error") and "exchanged for this input shape" in sender["error"], sender
     assert receiver.get("error") and "rank 0" in receiver["error"], receiver
     assert sender["elapsed"] < 60.0 and receiver["elapsed"] < 60.0
+
+
+def test_an_integer_activation_between_stages_needs_no_gradient(tmp_path) -> None:
+    ranks = launch("integer_activations", str(tmp_path), deadline=90.0)
+    for rank, result in enumerate(ranks):
+        assert result is not None and "crash" not in result, result
+        assert all(not mismatches for mismatches in result.values()), (rank, result)
+
+
+def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
+    first, second = launch("in_place_first_op", str(tmp_path), deadline=90.0)
+    assert second is not None and second["error"] and "changes its input in place" in second["error"], second
+    assert first is not None and first["error"] and "rank 1" in first["error"], first

@@ -303,7 +303,17 @@ class PipelineRuntime:
             x = step.handed_over.pop(source) if self._is_local(source) else self._receive_activation(step, source)
             x.requires_grad_(x.is_floating_point())
         with use_queue(stage.queue), stage.queue.tagged(k):
-            out = stage.module(x)
+            try:
+                out = stage.module(x)
+            except RuntimeError as error:
+                if source is not None and "leaf Variable that requires grad" in str(error):
+                    raise PipelineError(
+                        f"rank {self.rank}: stage {stage.index} changes its input in place (an "
+                        "in-place first op, such as ReLU(inplace=True)); the activation a stage "
+                        "receives is a leaf that requires grad, which autograd does not let change in "
+                        "place. Make that op out of place or cut the stages elsewhere."
+                    ) from error
+                raise
         if not isinstance(out, Tensor):
             raise TypeError(f"rank {self.rank}: a pipeline stage must return one tensor, got {type(out).__name__}")
         destination = action.sends(self.rank, self._num_stages)
@@ -327,7 +337,7 @@ class PipelineRuntime:
             source = action.receives(self.rank, self._num_stages)
             if source is None:  # the last stage: ``out`` is the loss
                 out.backward()
-            else:
+            elif out.is_floating_point():  # an integer output (token ids) gets no gradient back
                 if self._is_local(source):
                     grad = step.handed_over.pop(source)
                 else:
@@ -425,7 +435,9 @@ class PipelineRuntime:
         this input shape's first step, a gradient's from the output it is the gradient of."""
         if message.payload is Payload.GRADIENTS:
             held = step.held.get((action.stage_on(self.rank), message.micro_batch))
-            return None if held is None else (held[1].shape, held[1].dtype)
+            if held is None or not held[1].is_floating_point():  # none comes back for integers
+                return None
+            return held[1].shape, held[1].dtype
         return self._received_shapes.get((step.shape_key, message.sender, message.micro_batch))
 
     # -- messages -----------------------------------------------------------------------
