@@ -75,7 +75,8 @@ def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
-            f"backward and before it{advice}."
+            f"backward and before it{advice}. Under a GradientSynchroniser, its synchronise(queue) "
+            "flushes (pass the queue the forwards used, if not the default)."
         )
 
 
