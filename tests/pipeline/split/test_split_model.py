@@ -32,6 +32,21 @@ def test_sequential_blocks_are_its_children() -> None:
     assert all(a is b for a, b in zip(blocks_of(model), model, strict=True))
 
 
+def test_an_in_place_module_stays_with_the_block_before_it() -> None:
+    """A stage starting with ReLU(inplace=True) would write into the activation it received (a
+    leaf that requires grad): the runtime failed. The in-place module joins the block before it."""
+    model = nn.Sequential(
+        nn.Linear(4, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2)
+    )
+    blocks = blocks_of(model)
+    assert [list(b) if isinstance(b, nn.Sequential) else b for b in blocks] == [
+        [model[0], model[1]], [model[2], model[3]], model[4]
+    ]  # fmt: skip
+    for stage in split_model(model, 3).stages[1:]:
+        received = torch.randn(3, 8, requires_grad=True)  # a leaf, as the runtime hands it over
+        stage(received).sum().backward()
+
+
 def test_resnet_blocks_compose_to_its_forward() -> None:
     model = torchvision.models.resnet18(num_classes=5).eval()
     blocks = blocks_of(model)

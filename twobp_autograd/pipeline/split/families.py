@@ -129,7 +129,16 @@ class _Chain(Family):
 
 class _Sequential(_Chain):
     def blocks(self, model: LibraryModel) -> list[nn.Module]:
-        return list(model)
+        """Its modules, one block each, but an in-place one (``ReLU(inplace=True)``) joined to
+        the block before it: a stage starting with it would write into the activation it
+        received, a leaf that requires grad."""
+        groups: list[list[nn.Module]] = []
+        for module in model:
+            if groups and getattr(module, "inplace", False) is True:
+                groups[-1].append(module)
+            else:
+                groups.append([module])
+        return [group[0] if len(group) == 1 else nn.Sequential(*group) for group in groups]
 
 
 class _ResNet(_Chain):
