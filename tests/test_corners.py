@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import twobp_autograd as twobp
 from tests.utils import TOLERANCES, assert_grads_match, assert_no_grads, patched_and_reference
-from twobp_autograd.ops import fallback
+from twobp_autograd import warn_once
 from twobp_autograd.registry import rule_for
 
 NUM_EMBEDDINGS = 10
@@ -354,7 +354,7 @@ def test_conv_transpose_output_size_keyword(case: Case) -> None:
 @pytest.fixture
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fallback warns once per process: each test starts from none given."""
-    monkeypatch.setattr(fallback, "_warned", set())
+    monkeypatch.setattr(warn_once, "given", set())
 
 
 def _assert_warned_once(caught: list[warnings.WarningMessage], module_type: type, reason: str) -> None:

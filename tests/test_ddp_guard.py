@@ -177,9 +177,9 @@ def test_fsdp1_over_a_patched_model_warns_that_nothing_is_deferred(
     """FSDP1's layers compute with views of its flat parameters: plain's gradients, nothing queued."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    from twobp_autograd import ddp_guard
+    from twobp_autograd import warn_once
 
-    monkeypatch.setattr(ddp_guard, "_warned_fsdp1", False)  # one warning per process
+    monkeypatch.setattr(warn_once, "given", set())  # one warning per process
     model = _model()
     with pytest.warns(UserWarning, match="FSDP1.*nothing is deferred.*fully_shard"):
         if order == "patch_then_wrap":

@@ -11,7 +11,7 @@ from torch import nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
-from twobp_autograd import patching
+from twobp_autograd import warn_once
 from twobp_autograd.ops import recompute
 
 
@@ -329,7 +329,7 @@ def test_a_wrapper_added_after_patch_runs_around_the_deferred_forward_and_unpatc
 @pytest.fixture
 def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     """patch() warns once per process and reason: each test starts from none given."""
-    monkeypatch.setattr(patching, "_warned", set())
+    monkeypatch.setattr(warn_once, "given", set())
 
 
 @pytest.mark.parametrize("where", ["module", "global"])

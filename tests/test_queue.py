@@ -15,6 +15,7 @@ from torch import nn
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, patched_and_reference
 from twobp_autograd import queue as queue_module
+from twobp_autograd import warn_once
 from twobp_autograd.queue import current_queue, queues_with_work
 
 
@@ -543,7 +544,7 @@ def test_a_capped_queue_keeps_the_work_of_parameters_whose_hook_wants_the_whole_
     warning), for the flush the caller runs; a hook marked ``takes_partial_gradients`` (the
     data-parallel synchroniser's) lets it be flushed early like the rest."""
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16)))
-    monkeypatch.setattr(queue_module, "_warned_cap_kept", False)  # it warns once per process
+    monkeypatch.setattr(warn_once, "given", set())  # it warns once per process
     hook = queue_module.takes_partial_gradients(_ignore) if marked else _ignore
     patched[0].weight.register_post_accumulate_grad_hook(hook)
     queue = twobp.WeightGradQueue(max_pending_bytes=1)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import functools
 import sys
-import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch import nn
+
+from .warn_once import warn_once
 
 __all__ = ["refuse_ddp_over_patched_models", "check_not_inside_ddp"]
 
@@ -80,19 +81,14 @@ def _check_before_init(wrapper: type, check: Callable[[nn.Module], None]) -> Non
 
 
 _FSDP1_MODULE = "torch.distributed.fsdp.fully_sharded_data_parallel"
-_warned_fsdp1 = False
-
-
 def _warn_fsdp1() -> None:
-    global _warned_fsdp1
-    if not _warned_fsdp1:
-        _warned_fsdp1 = True
-        warnings.warn(
-            "twobp: FullyShardedDataParallel (FSDP1) over a patched model: its layers compute with "
-            "views of its flat parameters, which autograd differentiates at once, so the gradients "
-            "are right but nothing is deferred. Shard with fully_shard (FSDP2) to defer them.",
-            stacklevel=4,
-        )
+    warn_once(
+        "FSDP1",
+        "twobp: FullyShardedDataParallel (FSDP1) over a patched model: its layers compute with "
+        "views of its flat parameters, which autograd differentiates at once, so the gradients "
+        "are right but nothing is deferred. Shard with fully_shard (FSDP2) to defer them.",
+        stacklevel=4,
+    )
 
 
 def _fsdp1_class(*, load: bool = True) -> type | None:

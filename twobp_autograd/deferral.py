@@ -26,7 +26,6 @@ graph lacks the detached weights, so a backward through it to them is refused (:
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
@@ -36,6 +35,7 @@ from torch.autograd import forward_ad
 
 from .job import WeightGradJob, WeightGradKernel
 from .queue import WeightGradQueue, current_queue
+from .warn_once import warn_once
 
 __all__ = [
     "ParamDeferral",
@@ -337,20 +337,15 @@ def _decide_param(param: Tensor, node: Any) -> Decision:
 
 
 def _warn_hooked_param_once() -> None:
-    global _warned_hooked_param
-    if not _warned_hooked_param:
-        _warned_hooked_param = True
-        warnings.warn(
-            "twobp: a parameter with a tensor hook (Tensor.register_hook) gets its weight gradient "
-            "during backward, as plain autograd computes it, so that the hook sees each backward's "
-            "gradient (a hook such as a clamp would give another result on a sum over micro-batches); "
-            "such parameters are not deferred. Hooks registered with "
-            "register_post_accumulate_grad_hook do not stop deferral.",
-            stacklevel=2,
-        )
-
-
-_warned_hooked_param = False
+    warn_once(
+        "parameter with a tensor hook",
+        "twobp: a parameter with a tensor hook (Tensor.register_hook) gets its weight gradient "
+        "during backward, as plain autograd computes it, so that the hook sees each backward's "
+        "gradient (a hook such as a clamp would give another result on a sum over micro-batches); "
+        "such parameters are not deferred. Hooks registered with "
+        "register_post_accumulate_grad_hook do not stop deferral.",
+        stacklevel=2,
+    )
 
 
 def _decide(param_node: Any) -> Decision:

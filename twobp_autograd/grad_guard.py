@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -44,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .flush import summed_over_backward_calls
 from .queue import WeightGradQueue, queues_with_work
+from .warn_once import warn_once
 
 __all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued"]
 
@@ -262,24 +262,19 @@ def _flush_before_pipeline_grad_scaling() -> None:
             setattr(owner, name, _flushing_first(owner.__dict__[name]))
 
 
-_warned_no_dw_builder = False
-
-
 def _flushing_first(scale: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(scale)
     def flushed_first(stage: Any, *args: Any, **kwargs: Any) -> Any:
         pending = _holding_work_for(stage.submod.parameters())
         if pending:
-            global _warned_no_dw_builder
-            if not _warned_no_dw_builder:
-                _warned_no_dw_builder = True
-                warnings.warn(
-                    "twobp: a pipeline schedule ended its step with this stage's weight gradients still "
-                    "queued; they are flushed before it scales the gradients. Build the stage with "
-                    "PipelineStage(..., dw_builder=twobp_autograd.pipeline.dw_builder(module)) to run them "
-                    "inside the schedule, in its W steps.",
-                    stacklevel=3,
-                )
+            warn_once(
+                "pipeline stage without dw_builder",
+                "twobp: a pipeline schedule ended its step with this stage's weight gradients still "
+                "queued; they are flushed before it scales the gradients. Build the stage with "
+                "PipelineStage(..., dw_builder=twobp_autograd.pipeline.dw_builder(module)) to run them "
+                "inside the schedule, in its W steps.",
+                stacklevel=3,
+            )
             for queue in pending:
                 queue.flush()
         return scale(stage, *args, **kwargs)

@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import fnmatch
-import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .grad_guard import install_grad_guards
 from .registry import DeferredForward, module_class, rule_for
+from .warn_once import warn_once
 
 __all__ = ["patch", "unpatch", "PatchReport"]
 
@@ -92,10 +92,8 @@ def _global_non_full_backward_hooks() -> bool:
 def _warn_non_full_backward_hook_once(module: nn.Module) -> None:
     """A non-full backward hook sees (and may change) the gradients of the module's last autograd
     node, weight gradients included for a Linear; deferred, that node would be another one."""
-    if (type(module), "non-full backward hook") in _warned:
-        return
-    _warned.add((type(module), "non-full backward hook"))
-    warnings.warn(
+    warn_once(
+        ("non-full backward hook", type(module)),
         f"twobp: {type(module).__name__} with a non-full backward hook (register_backward_hook, "
         "deprecated) keeps plain autograd: the hook sees the gradients of the module's last "
         "autograd node, its weight gradients among them, which a deferred call would not hand "
@@ -119,8 +117,6 @@ def _selected(name: str, module: nn.Module, selectors: Iterable[Selector]) -> bo
         for s in selectors
     )
 
-
-_warned: set[tuple[type, str]] = set()
 
 #: Every deferred forward alive: made by ``patch``, or by copying or loading a patched module
 #: (those of modules unpatched since are filtered out by :func:`_patched_modules`).
@@ -187,28 +183,18 @@ def patch(
                 result.skipped[name] = f"{type(module).__name__} is not registered (plain autograd)"
             continue
         reason = rule.unsupported(module)
-        if reason is not None:
-            result.skipped[name] = reason
-            if (type(module), reason) not in _warned:
-                _warned.add((type(module), reason))
-                warnings.warn(
-                    f"twobp: {type(module).__name__} with {reason} is not deferred; it keeps plain "
-                    "autograd (correct gradients, computed in backward).",
-                    stacklevel=2,
-                )
-            continue
-        if module.__dict__.get("forward") is not None:
+        if reason is None and module.__dict__.get("forward") is not None:
             # Its own instance forward (a wrapper: accelerate's hooks, a user's) would be bypassed
             # by the deferred forward, which computes what the class's forward does.
             reason = _INSTANCE_FORWARD
+        if reason is not None:
             result.skipped[name] = reason
-            if (type(module), reason) not in _warned:
-                _warned.add((type(module), reason))
-                warnings.warn(
-                    f"twobp: {type(module).__name__} with {reason} is not deferred; it keeps plain "
-                    "autograd (correct gradients, computed in backward).",
-                    stacklevel=2,
-                )
+            warn_once(
+                ("patch", type(module), reason),
+                f"twobp: {type(module).__name__} with {reason} is not deferred; it keeps plain "
+                "autograd (correct gradients, computed in backward).",
+                stacklevel=2,
+            )
             continue
         call = DeferredForwardCall(module, rule.forward)
         module.forward = call
@@ -225,11 +211,10 @@ def _warn_nothing_covered(model: nn.Module, result: PatchReport) -> None:
     ``InterpreterModule``s calling ATen ops, no nn.Linear left to patch)."""
     reasons = result.skipped.values()
     unregistered = sorted({why.split(" is not registered")[0] for why in reasons if "is not registered" in why})
-    key = (type(model), ", ".join(unregistered))
-    if not unregistered or key in _warned:
+    if not unregistered:
         return
-    _warned.add(key)
-    warnings.warn(
+    warn_once(
+        ("nothing covered", type(model), ", ".join(unregistered)),
         f"twobp: patch() found no layer it covers in this {type(model).__name__} (its parameters sit "
         f"in {', '.join(unregistered[:4])}): nothing is deferred. Register a rule for such layers "
         "(twobp.register), or patch the model built from nn.Linear, nn.Conv*, norm, attention and "

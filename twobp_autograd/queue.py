@@ -33,6 +33,7 @@ from torch import Tensor
 from .flush import FlushOptions, FlushStrategy, PartlyDelivered, run_jobs
 from .job import WeightGradJob
 from .offload import HostOffload
+from .warn_once import warn_once
 
 __all__ = [
     "WeightGradQueue",
@@ -422,21 +423,16 @@ def _waits_for_the_flush(job: WeightGradJob) -> bool:
     return False
 
 
-_warned_cap_kept = False
-
-
 def _warn_cap_kept_for_hooks_once() -> None:
-    global _warned_cap_kept
-    if not _warned_cap_kept:
-        _warned_cap_kept = True
-        warnings.warn(
-            "twobp: a capped WeightGradQueue holds more than max_pending_bytes because its work is for "
-            "parameters with post-accumulate-grad hooks (optimizer-in-backward): that work is not "
-            "flushed early, so that each hook sees the parameter's gradient once, at the flush you "
-            "call. Flush more often to bound the memory.",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+    warn_once(
+        "cap kept for post-accumulate-grad hooks",
+        "twobp: a capped WeightGradQueue holds more than max_pending_bytes because its work is for "
+        "parameters with post-accumulate-grad hooks (optimizer-in-backward): that work is not "
+        "flushed early, so that each hook sees the parameter's gradient once, at the flush you "
+        "call. Flush more often to bound the memory.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def _ANY_WORK(flight: _Flight) -> bool:

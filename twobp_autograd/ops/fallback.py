@@ -12,11 +12,12 @@ The check runs inside each op, on tensors it has at hand anyway: a few attribute
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 from torch import Tensor, nn
 from torch.overrides import has_torch_function_variadic
+
+from ..warn_once import warn_once
 
 __all__ = ["plain_forward", "unsupported_tensors"]
 
@@ -31,18 +32,13 @@ def unsupported_tensors(*tensors: Tensor | None) -> str | None:
     return None
 
 
-_warned: set[tuple[type, str]] = set()
-
-
 def plain_forward(module: nn.Module, reason: str, *args: Any, **kwargs: Any) -> Any:
     """The class's forward (an instance forward would be the patched one, coming back here)."""
-    key = (type(module), reason)
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(
-            f"twobp: {type(module).__name__} called with {reason} is not deferred; such calls keep "
-            "plain autograd (correct gradients, computed in backward). To silence this, leave the "
-            "module unpatched: twobp.patch(model, exclude=[...]).",
-            stacklevel=3,
-        )
+    warn_once(
+        ("plain call", type(module), reason),
+        f"twobp: {type(module).__name__} called with {reason} is not deferred; such calls keep "
+        "plain autograd (correct gradients, computed in backward). To silence this, leave the "
+        "module unpatched: twobp.patch(model, exclude=[...]).",
+        stacklevel=3,
+    )
     return type(module).forward(module, *args, **kwargs)
