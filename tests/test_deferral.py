@@ -724,6 +724,98 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_random_num
     assert_grads_match(patched, reference)
 
 
+class WarmupScale(nn.Module):
+    """Per sample, but its forward counts its calls in a buffer (a warm-up factor)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        if self.training:
+            self.calls += 1
+        return x * self.weight * (self.calls / 4).clamp(max=1.0)
+
+
+class ModeScale(nn.Module):
+    """Per sample; its output depends on ``training`` and on a buffer it only reads."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(features))
+        self.register_buffer("scale", torch.tensor(2.0))
+
+    def forward(self, x):
+        return x * self.weight * (self.scale if self.training else 1.0)
+
+
+def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_changes_its_buffers():
+    """The flush's replay would count (and read) the calls again, at their count by then: the
+    weight gradients were 0.86 off. Such a call runs again on plain autograd from the buffers
+    it started with, and the module stays on plain autograd after (one warning)."""
+    twobp.register(WarmupScale, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), WarmupScale(4)).double())
+    for step in range(3):
+        x = torch.randn(2, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            with pytest.warns(UserWarning, match="WarmupScale.*changes the module's buffers") if step == 0 and (
+                model is patched
+            ) else contextlib.nullcontext():
+                model(x).pow(2).sum().backward()
+        assert patched[1].calls.item() == reference[1].calls.item() == step + 1
+    assert twobp.pending().jobs == 3, "the Linear defers, the counting block does not"
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+def test_recompute_rule_replays_the_forward_in_its_training_mode_and_refuses_changed_buffers():
+    """``eval()`` between backward and flush must not change what the replay computes (it
+    did: 2.1 off; calls in eval mode run plain autograd). A buffer the forward read and that
+    changed in place before the flush cannot be replayed: refused, work kept."""
+    twobp.register(ModeScale, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), ModeScale(4)).double())
+    for mode in (True, False, True):
+        x = torch.randn(3, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            model.train(mode)(x).pow(2).sum().backward()
+    patched.eval()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+    patched.train()(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    with torch.no_grad():
+        patched[1].scale.mul_(3)
+    with pytest.raises(RuntimeError, match=r"twobp: buffer\(s\) \['scale'\] of a ModeScale changed in place"):
+        twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 2
+    twobp.discard_weight_grads()
+
+
+class Router(nn.Module):
+    """A mixture-of-experts router: gate weights and the chosen experts' (integer) indices."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 8))
+
+    def forward(self, x):
+        return (x @ self.weight.t()).softmax(-1).topk(2, dim=-1)
+
+
+def test_recompute_rule_on_a_module_with_an_output_without_gradient():
+    """The replay's integer output has no gradient to differentiate (autograd's error at the flush)."""
+    twobp.register(Router, twobp.ops.recompute)
+    patched, reference = patched_and_reference(Router().double())
+    for _ in range(2):
+        x = torch.randn(5, 8, dtype=torch.float64)
+        for model in (patched, reference):
+            probs, chosen = model(x)
+            (probs * chosen).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 def test_gradient_edges_as_inputs():
     """autograd.grad / backward(inputs=...) given GradientEdges (as torch.distributed.pipelining
     passes them) scope the work like the tensors themselves."""

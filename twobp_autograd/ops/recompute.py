@@ -8,13 +8,20 @@ It costs one extra forward of the module per flush, and is wrong for modules tha
 (dropout) cannot be replayed at the flush, which runs later and on joined micro-batches: such a
 call is run again on plain autograd from the same random state (so its output is plain's), and
 the module keeps plain autograd from then on, with one warning.
+
+The replay must see what the forward saw: the training flags of the module and its submodules
+are put back as they were for it (an ``eval()`` before the flush changes nothing), its buffers
+are the forward's tensors, and a buffer changed in place since then, or by the forward itself (a
+counter, a running statistic), is refused with an error rather than replayed with other values.
+Plain Python attributes the forward reads are not seen.
 """
 
 from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -42,21 +49,95 @@ def recompute_weight_grad(
     *,
     module: nn.Module,
     params: tuple[tuple[str, Tensor], ...],
+    state: _ForwardState,
 ) -> list[Tensor | None]:
     """``params`` are those the forward computed with (under ``torch.func.functional_call``
     other tensors than the module's own, which it holds again by the flush)."""
-    with torch.enable_grad():
+    state.check_unchanged(module)
+    with torch.enable_grad(), state.training_flags_restored(module):
         leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(params, needs, strict=True)}
-        outputs = _plain_forward(module, [t.detach() for t in saved], leaves)
+        outputs = _plain_forward(module, [t.detach() for t in saved], {**leaves, **state.buffers()})
+        # Outputs the parameters do not reach (a router's integer indices) have no gradient.
+        differentiable = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if o.requires_grad]
         wanted = [leaves[n] for (n, _), need in zip(params, needs, strict=True) if need]
-        grads = iter(torch.autograd.grad(outputs, wanted, grad_outputs[: len(outputs)], allow_unused=True))
+        if not differentiable:
+            return [None] * len(needs)
+        tensors, grads_of_tensors = zip(*differentiable, strict=True)
+        grads = iter(torch.autograd.grad(tensors, wanted, grads_of_tensors, allow_unused=True))
     return [next(grads) if need else None for need in needs]
 
 
-_RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
+class _ForwardState:
+    """What a module's forward read besides its inputs and parameters, as the flush must
+    replay it: the training flags of the module's submodules and its buffers (with their
+    versions, so that a change in place after the forward is seen)."""
 
-#: Modules whose forward was seen drawing random numbers: they keep plain autograd.
-_random_modules: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+    __slots__ = ("flags", "named_buffers", "versions")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.flags = tuple([m.training for m in module.modules()])
+        self.named_buffers = tuple(module.named_buffers())
+        self.versions = tuple([b._version for _, b in self.named_buffers])
+
+    def key(self) -> Hashable:
+        """Micro-batches concatenate into one replay only where they saw the same state."""
+        return (self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions)
+
+    def changed_in_place(self) -> list[str]:
+        return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
+
+    def changed_by_forward(self, module: nn.Module) -> bool:
+        """In place, or replaced, added or removed."""
+        now = tuple(module.named_buffers())
+        return bool(self.changed_in_place()) or [(n, id(b)) for n, b in now] != [
+            (n, id(b)) for n, b in self.named_buffers
+        ]
+
+    def restore(self, module: nn.Module, values: Sequence[Tensor]) -> None:
+        """The buffers as they were when this state was taken, ``values`` their contents then."""
+        for name, _ in tuple(module.named_buffers()):  # added by the forward
+            if name not in dict(self.named_buffers):
+                owner, _, attribute = name.rpartition(".")
+                del module.get_submodule(owner)._buffers[attribute]
+        with torch.no_grad():
+            for (name, b), value, version in zip(self.named_buffers, values, self.versions, strict=True):
+                owner, _, attribute = name.rpartition(".")
+                module.get_submodule(owner)._buffers[attribute] = b
+                if b._version != version:
+                    b.copy_(value)
+
+    def buffers(self) -> dict[str, Tensor]:
+        return dict(self.named_buffers)
+
+    def check_unchanged(self, module: nn.Module) -> None:
+        changed = self.changed_in_place()
+        if changed:
+            raise RuntimeError(
+                f"twobp: buffer(s) {changed} of a {type(module).__name__} changed in place between its "
+                "forward and the flush; the recompute rule re-runs that forward at the flush and would "
+                "read the new values. Flush the weight gradients before changing them, or leave the "
+                "module to plain autograd (patch(..., exclude=[...]))."
+            )
+
+    @contextmanager
+    def training_flags_restored(self, module: nn.Module) -> Iterator[None]:
+        submodules = list(module.modules())
+        now = [m.training for m in submodules]
+        for submodule, flag in zip(submodules, self.flags, strict=False):
+            submodule.training = flag
+        try:
+            yield
+        finally:
+            for submodule, flag in zip(submodules, now, strict=True):
+                submodule.training = flag
+
+
+_RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
+_STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
+
+#: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
+#: keep plain autograd.
+_unreplayable: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
@@ -65,28 +146,32 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
-    elif module in _random_modules:
-        reason = _RANDOM
     else:
-        reason = unsupported_tensors(*inputs, *params.values())
+        reason = _unreplayable.get(module) or unsupported_tensors(*inputs, *params.values())
     if reason is not None:
         return plain_forward(module, reason, *inputs, **kwargs)
     tensors = (*inputs, *params.values())
     cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
+    state = _ForwardState(module)
+    values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     outputs = _plain_forward(module, inputs, {n: detached(p) for n, p in params.items()})
-    if _random_numbers_drawn(cpu_state, device_states, tensors):
-        _random_modules.add(module)
-        # The same draws again, so the output is the one plain autograd computes (and the
-        # generators end where one plain forward leaves them).
+    random = _random_numbers_drawn(cpu_state, device_states, tensors)
+    if random or state.changed_by_forward(module):
+        _unreplayable[module] = _RANDOM if random else _STATEFUL
+        # Run again on plain autograd from the same random state and buffers, so that the
+        # output is plain's and generators and buffers end where one plain forward leaves them.
         torch.set_rng_state(cpu_state)
         set_device_states(devices, device_states)
-        return plain_forward(module, _RANDOM, *inputs)
-    kernel = functools.partial(recompute_weight_grad, module=module, params=tuple(params.items()))
-    # Grouped per module (the flush groups per parameter tensors too): the partial holds tensors,
-    # which must not be compared as a group key.
-    return defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=(recompute_weight_grad, module))
+        state.restore(module, values)
+        return plain_forward(module, _unreplayable[module], *inputs)
+    del values
+    kernel = functools.partial(recompute_weight_grad, module=module, params=tuple(params.items()), state=state)
+    # Grouped per module and state (the flush groups per parameter tensors too): the partial
+    # holds tensors, which must not be compared as a group key.
+    group = (recompute_weight_grad, module, state.key())
+    return defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=group)
 
 
 def _random_numbers_drawn(cpu_state: Tensor, device_states: list[Tensor], tensors: Sequence[Tensor]) -> bool:
