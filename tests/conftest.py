@@ -1,7 +1,9 @@
 import random
+from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from twobp_autograd.queue import current_queue, queues_with_work
 from twobp_autograd.registry import rules_restored_after
@@ -46,3 +48,13 @@ def scoped_registrations():
     """A type a test registers is forgotten when it ends."""
     with rules_restored_after():
         yield
+
+
+@pytest.fixture
+def one_rank_group(tmp_path) -> Iterator[None]:
+    """A gloo process group of this process alone, for what needs one to be built."""
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

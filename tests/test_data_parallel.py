@@ -229,3 +229,13 @@ def test_pipeline_times_data_parallel_equals_one_process(pipeline_times_data: li
         if setting.endswith("-2bp"):
             assert all(d > 0 for d in result["deferred"]), f"rank {rank}: nothing was deferred"
         _assert_same(*result["grads"], f"rank {rank}")
+
+
+def test_join_over_uneven_inputs_is_refused_with_the_way_out(one_rank_group: None) -> None:
+    """Join asks its joinables for a hook that shadows the others' reductions; without one the
+    error was an AttributeError from inside Join."""
+    from torch.distributed.algorithms.join import Join
+
+    synchroniser = GradientSynchroniser(twobp.patch(nn.Linear(3, 2)))
+    with pytest.raises(RuntimeError, match="twobp: GradientSynchroniser does not take part in Join.*drop_last"):
+        Join([synchroniser])

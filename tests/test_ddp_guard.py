@@ -4,26 +4,15 @@ either order, with the replacement named; DDP on an unpatched (or unpatched-agai
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from tests.ranks import run_scenario
 from tests.utils import close_to_reference
-
-
-@pytest.fixture
-def one_rank_group(tmp_path) -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model() -> nn.Module:
@@ -46,6 +35,28 @@ def test_patching_a_model_inside_ddp_is_refused(one_rank_group: None) -> None:
         twobp.patch(wrapped)
     with pytest.raises(RuntimeError, match="GradientSynchroniser"):
         twobp.patch(nn.Sequential(wrapped))
+
+
+def test_patching_the_model_inside_a_ddp_built_earlier_is_refused(one_rank_group: None) -> None:
+    """``patch(accelerator.unwrap_model(model))`` after ``prepare`` (or a Trainer callback):
+    the wrapper is not inside what is patched, and each rank stepped on its own gradients
+    (0.2 off DDP in 3 steps). Refused; a dropped wrapper does not count."""
+    from torch.distributed._composable import replicate
+
+    inner = _model()
+    wrapped = DistributedDataParallel(inner)
+    with pytest.raises(RuntimeError, match="built earlier.*GradientSynchroniser"):
+        twobp.patch(inner)
+    with pytest.raises(RuntimeError, match="built earlier.*GradientSynchroniser"):
+        twobp.patch(inner[2])
+    assert not any(twobp.patching._is_patched(m) for m in inner.modules()), "refused before patching anything"
+    del wrapped
+    twobp.patch(inner)  # the wrapper is gone: nothing reduces these parameters
+
+    replicated = _model()
+    replicate(replicated)(torch.randn(2, 3))  # builds its DDP at the first forward
+    with pytest.raises(RuntimeError, match="built earlier.*GradientSynchroniser"):
+        twobp.patch(replicated[0])
 
 
 def test_replicate_over_a_patched_model_is_refused_in_either_order(one_rank_group: None) -> None:

@@ -37,6 +37,7 @@ import dataclasses
 import datetime
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -202,6 +203,16 @@ class GradientSynchroniser:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def join_hook(self, **kwargs: object) -> NoReturn:
+        """``torch.distributed.algorithms.Join`` (uneven inputs) asks its joinables for this:
+        a rank that ran out of batches would have to shadow the others' reductions, which this
+        synchroniser does not do. Without it, uneven inputs wait on the reduction, as DDP's do."""
+        raise RuntimeError(
+            "twobp: GradientSynchroniser does not take part in Join (uneven inputs across ranks). "
+            "Give every rank the same number of batches, e.g. DistributedSampler(..., drop_last=True) "
+            "or by cutting each rank's batches to the smallest count."
+        )
 
     @property
     def num_buckets(self) -> int:

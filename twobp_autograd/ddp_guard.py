@@ -12,13 +12,17 @@ FSDP1 (``FullyShardedDataParallel``) gives plain's gradients on a patched model 
 nothing (its layers compute with views of its flat parameters, which autograd differentiates at
 once): that gets one warning, in either order, naming FSDP2.
 
-PyTorch has no hook on DDP's (or FSDP1's) construction, so its ``__init__`` is wrapped once, the
-first time a model is patched."""
+PyTorch has no hook on DDP's (or FSDP1's) construction, so its ``__init__`` is wrapped: DDP's
+when this package is imported, to know the wrappers built since (``patch`` on the module inside
+one, as ``patch(accelerator.unwrap_model(model))`` after ``prepare`` does, is refused too), and
+it refuses patched models once one is patched; FSDP1's the first time a model is patched."""
 
 from __future__ import annotations
 
 import functools
+import gc
 import sys
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +40,30 @@ _ADVICE = (
 )
 _installed = False
 
+#: The DDP wrappers built since this package was imported (``replicate``'s among them).
+_ddp_wrappers: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+#: What DDP's construction checks first (the refusal, once a model is patched).
+_ddp_checks: list[Callable[[nn.Module], None]] = []
+
+
+def _watch_ddp_constructions() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    original = vars(DistributedDataParallel)["__init__"]
+
+    @functools.wraps(original)
+    def watched_init(self: nn.Module, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        for check in _ddp_checks:
+            check(module)
+        original(self, module, *args, **kwargs)
+        _ddp_wrappers.add(self)
+
+    setattr(DistributedDataParallel, "__init__", watched_init)  # noqa: B010  (mypy refuses a direct assignment)
+
+
+_watch_ddp_constructions()
+
 
 def refuse_ddp_over_patched_models(
     is_patched: Callable[[nn.Module], bool], patched_modules: Callable[[], Iterable[nn.Module]]
@@ -45,7 +73,6 @@ def refuse_ddp_over_patched_models(
     global _installed
     if _installed:
         return
-    from torch.nn.parallel import DistributedDataParallel
 
     def refuse(module: nn.Module) -> None:
         wrapped = {id(p) for p in module.parameters()}
@@ -61,7 +88,7 @@ def refuse_ddp_over_patched_models(
         if any(is_patched(m) for m in module.modules()):
             _warn_fsdp1()
 
-    _check_before_init(DistributedDataParallel, refuse)
+    _ddp_checks.append(refuse)
     fsdp1 = _fsdp1_class()
     if fsdp1 is not None:
         _check_before_init(fsdp1, warn)
@@ -117,3 +144,18 @@ def check_not_inside_ddp(model: nn.Module) -> None:
     marker = getattr(replicate, "DDP", None)
     if isinstance(marker, type) and any(isinstance(m, marker) for m in model.modules()):
         raise RuntimeError(f"twobp: patch() on a model under replicate() (DDP's composable form). {_ADVICE}")
+    if _reduced_by_a_ddp(model) and (gc.collect() or _reduced_by_a_ddp(model)):
+        raise RuntimeError(
+            "twobp: patch() on a model whose parameters a DistributedDataParallel built earlier "
+            "reduces (the model inside it, as accelerate's prepare or Trainer wrap it, or under "
+            f"replicate()). {_ADVICE}"
+        )
+
+
+def _reduced_by_a_ddp(model: nn.Module) -> bool:
+    """Whether a live DDP wrapper holds one of ``model``'s parameters (a wrapper dropped but not
+    yet collected, DDP's references being cyclic, counts until a collection)."""
+    if not _ddp_wrappers:
+        return False
+    params = {id(p) for p in model.parameters()}
+    return any(id(p) in params for wrapper in list(_ddp_wrappers) for p in wrapper.parameters())
