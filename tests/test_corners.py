@@ -519,6 +519,22 @@ def _input_modified_after(case: Case) -> Forward:
     return forward
 
 
+def _parameters_modified_after(case: Case) -> Forward:
+    """The parameters changed in place between forward and backward (an EMA of the weights, a
+    step before a delayed backward): plain autograd refuses where it saved them, and where it
+    did not (a Linear whose input needs no gradient) computes the weight gradient from the
+    input and output gradient, which never needed them."""
+
+    def forward(module: nn.Module, x: Tensor) -> Tensor:
+        output = case.call(module, x)
+        with torch.no_grad():
+            for param in module.parameters():
+                param.mul_(0.5)
+        return output
+
+    return forward
+
+
 def _under_fp16_autocast(case: Case) -> Forward:
     def forward(module: nn.Module, x: Tensor) -> Tensor:
         with torch.autocast("cpu", dtype=torch.float16):
@@ -569,6 +585,10 @@ VARIANTS = [
     Variant("output-relu-in-place", forward=_relu_in_place_after),
     Variant("hooked-output-relu-in-place", forward=_hooked_then_relu_in_place),
     Variant("input-modified-in-place-after-forward", forward=_input_modified_after),
+    Variant(  # one micro-batch: a change after a backward that queued work is refused at the flush
+        "parameters-modified-in-place-after-forward", lambda s: [(3, *s)], forward=_parameters_modified_after,
+        requires_grad=False, applies=lambda case: case.id != "group-norm",  # plain saves the weight, we need not
+    ),
     Variant("inference-tensor-input", prepare=_inference_tensor),
     Variant("fp16-cpu-autocast", forward=_under_fp16_autocast, dtype=torch.float32, compute_dtype=torch.float16),
     Variant("bf16-input-fp32-module", dtype=torch.float32, input_dtype=torch.bfloat16),

@@ -786,9 +786,24 @@ def test_recompute_rule_replays_the_forward_in_its_training_mode_and_refuses_cha
     patched.train()(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
     with torch.no_grad():
         patched[1].scale.mul_(3)
-    with pytest.raises(RuntimeError, match=r"twobp: buffer\(s\) \['scale'\] of a ModeScale changed in place"):
+    with pytest.raises(RuntimeError, match=r"twobp: buffer\(s\) or parameter\(s\) \['scale'\] of a ModeScale"):
         twobp.flush_weight_grads()
     assert twobp.pending().jobs == 2
+    twobp.discard_weight_grads()
+
+
+def test_recompute_rule_refuses_a_parameter_changed_between_forward_and_backward():
+    """Plain's gradient of ``tanh(x * w)`` comes from what its forward saved (the output, x),
+    so a change to w before backward does not show there; the replay at the flush would read
+    the new w. Refused at the flush (the work's own check starts at backward)."""
+    twobp.register(Gate, twobp.ops.recompute)
+    patched = twobp.patch(Gate(4, torch.tanh).double())
+    output = patched(torch.randn(3, 4, dtype=torch.float64))
+    with torch.no_grad():
+        patched.weight.mul_(0.5)
+    output.sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: buffer\(s\) or parameter\(s\) \['weight'\] of a Gate"):
+        twobp.flush_weight_grads()
     twobp.discard_weight_grads()
 
 

@@ -49,13 +49,15 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, deferral: ParamDeferral, rows: Tensor, weight: Tensor, bias_input: Tensor) -> Tensor:
         ctx.deferral = deferral
-        ctx.save_for_backward(rows, weight)
+        # The weight only for the input's gradient, as addmm saves it: a first layer's weight
+        # may change in place before backward (an EMA of the weights) without a version error.
+        ctx.save_for_backward(rows, weight if ctx.needs_input_grad[1] else None)
         return F.linear(rows, weight, param_from_input(bias_input))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
-        grad_rows = _rows_grad(grad, rows, weight) if ctx.needs_input_grad[1] else None
+        grad_rows = _rows_grad(grad, rows, weight) if weight is not None else None
         deferral: ParamDeferral = ctx.deferral
         param_grads = deferral.route(ctx, linear_weight_grad, linear_weight_grad, None, (rows,), (grad,))
         return (None, grad_rows, *param_grads)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -72,12 +72,14 @@ class _ForwardState:
     replay it: the training flags of the module's submodules and its buffers (with their
     versions, so that a change in place after the forward is seen)."""
 
-    __slots__ = ("flags", "named_buffers", "versions")
+    __slots__ = ("flags", "named_buffers", "versions", "params", "param_versions")
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
         self.flags = tuple([m.training for m in module.modules()])
         self.named_buffers = tuple(module.named_buffers())
         self.versions = tuple([b._version for _, b in self.named_buffers])
+        self.params = params
+        self.param_versions = tuple([p._version for p in params.values()])
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
@@ -110,13 +112,15 @@ class _ForwardState:
         return dict(self.named_buffers)
 
     def check_unchanged(self, module: nn.Module) -> None:
-        changed = self.changed_in_place()
+        changed = self.changed_in_place() + [
+            n for (n, p), v in zip(self.params.items(), self.param_versions, strict=True) if p._version != v
+        ]
         if changed:
             raise RuntimeError(
-                f"twobp: buffer(s) {changed} of a {type(module).__name__} changed in place between its "
-                "forward and the flush; the recompute rule re-runs that forward at the flush and would "
-                "read the new values. Flush the weight gradients before changing them, or leave the "
-                "module to plain autograd (patch(..., exclude=[...]))."
+                f"twobp: buffer(s) or parameter(s) {changed} of a {type(module).__name__} changed in place "
+                "between its forward and the flush; the recompute rule re-runs that forward at the flush "
+                "and would read the new values. Flush the weight gradients before changing them, or leave "
+                "the module to plain autograd (patch(..., exclude=[...]))."
             )
 
     @contextmanager
@@ -152,7 +156,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         return plain_forward(module, reason, *inputs, **kwargs)
     tensors = (*inputs, *params.values())
     cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
-    state = _ForwardState(module)
+    state = _ForwardState(module, params)
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
