@@ -332,6 +332,52 @@ def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(warn_once, "given", set())
 
 
+LAST_OPS = {  # a patched module as a parent's last op, one per kind of patched node
+    "linear": (lambda: nn.Linear(4, 3), (5, 4)),
+    "conv1d": (lambda: nn.Conv1d(4, 3, 1), (5, 2, 4)),
+    "layer-norm": (lambda: nn.LayerNorm(4), (5, 4)),
+    "batch-norm": (lambda: nn.BatchNorm1d(4), (5, 4)),
+    "rms-norm": (lambda: nn.RMSNorm(4), (5, 4)),
+}
+
+
+class Transposed(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2)
+
+
+@pytest.mark.parametrize("hooked", ["parent-non-full-hook", "output-grad-fn-post-hook"])
+@pytest.mark.parametrize("last", list(LAST_OPS))
+def test_a_hook_on_a_patched_outputs_node_sees_its_weight_gradients(last, hooked, fresh_warnings):
+    """A post-hook on the node that makes a patched module's output (registered by hand, or by a
+    deprecated non-full backward hook on a parent whose last op it is) gets that node's gradients,
+    plain's weight gradients among them, and may change them: deferred, the weights missed the
+    change (1.8 off, silently). That node's parameters take their gradient now."""
+    make, shape = LAST_OPS[last]
+    first = nn.Linear(4, 4) if len(shape) == 2 else nn.Sequential(nn.Linear(4, 4), Transposed())
+    patched, reference = patched_and_reference(nn.Sequential(first, make()))
+
+    def triple(*args: tuple) -> tuple:  # (module,) grad_input, grad_output
+        return tuple(None if g is None else g * 3 for g in args[-2])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PyTorch's deprecation of non-full hooks
+        if hooked == "parent-non-full-hook":
+            for m in (patched, reference):
+                m.register_backward_hook(triple)
+        with pytest.warns(UserWarning, match="twobp: a hook registered on the autograd node"):
+            for _ in range(2):
+                x = torch.randn(shape)
+                for m in (patched, reference):
+                    out = m(x)
+                    if hooked == "output-grad-fn-post-hook":
+                        out.grad_fn.register_hook(triple)
+                    out.pow(3).sum().backward()
+    assert twobp.pending().jobs == 2, "the first Linear still defers"
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 @pytest.mark.parametrize("where", ["module", "global"])
 def test_a_deprecated_non_full_backward_hook_keeps_plain_autograd(where, fresh_warnings):
     """register_backward_hook (non-full) sees the gradients of the module's last autograd node,

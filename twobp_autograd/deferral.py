@@ -47,6 +47,7 @@ __all__ = [
     "kernel_group",
     "param_inputs",
     "param_from_input",
+    "sees_post_hooks",
 ]
 
 
@@ -102,6 +103,9 @@ class ParamDeferral(NamedTuple):
             else _decide_param(param, node)
             for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed, strict=True)
         ]
+        if "defer" in decisions and getattr(ctx, _POST_HOOKED, False):
+            _warn_post_hooked_once()
+            return ["now" if d == "defer" else d for d in decisions]
         return decisions
 
     def defer_finished(self, decisions: Sequence[Decision], grads: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -229,6 +233,26 @@ def _configured(
 _configured_once = functools.cache(_configured)
 
 
+_POST_HOOKED = "twobp_post_hooked"
+
+
+def sees_post_hooks(function: type[torch.autograd.Function]) -> type[torch.autograd.Function]:
+    """Class decorator for a Function that routes parameters' work: a post-hook registered on
+    one of its nodes (``output.grad_fn.register_hook``; a deprecated non-full backward hook of a
+    module whose output the node makes registers one) may change what the node returns, which
+    in plain autograd includes the weight gradients: that node's parameters take theirs now."""
+    node_type: Any = function._backward_cls
+    register = node_type.register_hook
+
+    def register_hook(node: Any, hook: Callable[..., Any]) -> Any:
+        setattr(node, _POST_HOOKED, True)
+        return register(node, hook)
+
+    node_type.register_hook = register_hook
+    return function
+
+
+@sees_post_hooks
 class _WeightGradTap(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, spec: _TapSpec, saved: Sequence[Tensor], *outputs_then_params: Tensor) -> Any:
@@ -334,6 +358,17 @@ def _decide_param(param: Tensor, node: Any) -> Decision:
         _warn_hooked_param_once()
         return "now"
     return decision
+
+
+def _warn_post_hooked_once() -> None:
+    warn_once(
+        "post-hook on a patched node",
+        "twobp: a hook registered on the autograd node of a patched module's output "
+        "(grad_fn.register_hook, or a deprecated register_backward_hook on a module around it) "
+        "sees that node's weight gradients in plain autograd, so they are computed during "
+        "backward, not deferred.",
+        stacklevel=2,
+    )
 
 
 def _warn_hooked_param_once() -> None:

@@ -17,7 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.autograd import forward_ad
 
-from ..deferral import ParamDeferral, defer_weight_grads, detached, guard_tangent, param_from_input, param_inputs
+from ..deferral import (
+    ParamDeferral,
+    defer_weight_grads,
+    detached,
+    guard_tangent,
+    param_from_input,
+    param_inputs,
+    sees_post_hooks,
+)
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
@@ -25,6 +33,7 @@ from .fallback import plain_forward, unsupported_tensors
 __all__ = ["batch_norm"]
 
 
+@sees_post_hooks
 class _TrainingBatchNorm(torch.autograd.Function):
     """``native_batch_norm`` in training. In training its input gradient needs sum(dy) and
     sum(dy * x_hat), which are the bias and weight gradients: backward-p1 gets all three from

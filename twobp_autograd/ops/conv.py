@@ -27,6 +27,7 @@ from ..deferral import (
     detached,
     param_from_input,
     param_inputs,
+    sees_post_hooks,
     single_node_applies,
 )
 from ..job import WeightGradKernel
@@ -104,6 +105,7 @@ def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, IntTuple |
 _JOINED = True
 
 
+@sees_post_hooks
 class _DeferredConvolution(torch.autograd.Function):
     """A convolution with numeric padding as one autograd node (the op and its tap in one): its
     backward takes the input gradient from ``convolution_backward`` with the arguments and

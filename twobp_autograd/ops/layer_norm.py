@@ -20,6 +20,7 @@ from ..deferral import (
     detached,
     param_from_input,
     param_inputs,
+    sees_post_hooks,
     single_node_applies,
 )
 from ..job import WeightGradKernel
@@ -51,6 +52,7 @@ def layer_norm_weight_grad(
     return [weight_grad if need_weight else None, bias_grad if need_bias else None]
 
 
+@sees_post_hooks
 class _DeferredLayerNorm(torch.autograd.Function):
     """``native_layer_norm`` as one autograd node (the op and its tap in one): its backward
     takes the input gradient from ``native_layer_norm_backward`` with the mask plain autograd

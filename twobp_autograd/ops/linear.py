@@ -12,7 +12,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
-from ..deferral import ParamDeferral, defer_weight_grads, detached, param_from_input, param_inputs, single_node_applies
+from ..deferral import (
+    ParamDeferral,
+    defer_weight_grads,
+    detached,
+    param_from_input,
+    param_inputs,
+    sees_post_hooks,
+    single_node_applies,
+)
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -40,6 +48,7 @@ def linear_weight_grad(
     return [weight_grad, bias_grad]
 
 
+@sees_post_hooks
 class _DeferredLinear(torch.autograd.Function):
     """``F.linear`` on 2-D rows as one autograd node (the op and its tap in one): its backward
     computes the input gradient by autograd's own formula for ``mm``'s first operand and routes
