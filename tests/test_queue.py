@@ -265,6 +265,26 @@ def test_bf16_autocast_gradients_are_accumulated_as_precisely_as_plain(kind, str
         assert ours_error <= 1.5 * plain_error, f"{name}: {ours_error:.2e} against plain's {plain_error:.2e}"
 
 
+@pytest.mark.parametrize("autocast_in", ["flush-only", "backward-only"])
+@pytest.mark.parametrize("kind", list(_BF16_LAYERS))
+def test_the_flush_computes_in_the_autocast_its_backward_ran_in(kind, autocast_in):
+    """Plain autograd computes a weight gradient in backward, under whatever autocast backward
+    runs in; the flush ran it under its own caller's (a flush inside a bf16 autocast block made
+    fp32 gradients 1e4 times less precise than plain's, and the reverse dropped plain's bf16)."""
+    make_layer, input_shape = _BF16_LAYERS[kind]
+    patched, reference = patched_and_reference(make_layer())
+    in_backward = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_in == "backward-only")
+    in_flush = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast_in == "flush-only")
+    x = torch.randn(input_shape)
+    for net in (patched, reference):
+        out = net(x).pow(2).sum()
+        with in_backward:
+            out.backward()
+    with in_flush:
+        twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 def test_optimizer_step_with_queued_work_is_refused():
     model = twobp.patch(nn.Linear(3, 2))
     other = nn.Linear(3, 2)

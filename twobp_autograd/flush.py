@@ -115,7 +115,7 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     grouped: dict[Hashable, list[WeightGradJob]] = {}  # (kernel group, parameters, shapes) -> jobs
     for job in jobs:
         shapes = tuple([(t.shape[1:], t.dtype, t.device) for t in job.tensors()])
-        grouped.setdefault((job.group, tuple(map(id, job.params)), shapes), []).append(job)
+        grouped.setdefault((job.group, tuple(map(id, job.params)), shapes, job.autocast), []).append(job)
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
     watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
@@ -313,6 +313,22 @@ def _ones_on(device: torch.device) -> Tensor:
 
 
 def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Tensor | None]:
+    """The group's kernels under the autocast its backward ran in (plain autograd's weight
+    gradients are computed there), whatever the flush's caller runs in."""
+    first = group[0]
+    if first.autocast is not None:
+        with torch.autocast(first.device.type, dtype=first.autocast):
+            return _run_kernels(group, options)
+    if _any_autocast_enabled() and torch.is_autocast_enabled(first.device.type):
+        with torch.autocast(first.device.type, enabled=False):
+            return _run_kernels(group, options)
+    return _run_kernels(group, options)
+
+
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+
+
+def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Tensor | None]:
     first = group[0]
     needs = first.needs
     if len(group) == 1:

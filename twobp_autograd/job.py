@@ -31,8 +31,8 @@ class WeightGradJob:
     a slotted class, kept cheap)."""
 
     __slots__ = (
-        "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "versions",
-        "parked",
+        "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
+        "versions", "parked",
     )
 
     def __init__(
@@ -54,6 +54,7 @@ class WeightGradJob:
         self.tag = tag
         self.task = -1  # the backward call (autograd graph task) that queued it, set on enqueue
         self.check_nan = False  # anomaly mode's NaN check was on in that backward, set on enqueue
+        self.autocast: torch.dtype | None = None  # that backward's autocast dtype on the job's device, set on enqueue
         self.versions = self._versions()
         self.parked: ParkedTensors | None = None  # set when offloaded to host memory
 

@@ -46,6 +46,8 @@ __all__ = [
     "takes_partial_gradients",
 ]
 
+_any_autocast_enabled = torch._C._is_any_autocast_enabled
+
 class PendingWork(NamedTuple):
     """What a queue holds: number of jobs, and bytes of the distinct storages they keep alive
     (host copies of offloaded work not counted)."""
@@ -160,6 +162,9 @@ class WeightGradQueue:
                 job.tag = self._tag
             job.task = task
             job.check_nan = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
+            if _any_autocast_enabled():  # the flush runs the kernel as this backward would have
+                device_type = job.device.type
+                job.autocast = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
             if self._offload is not None:
                 job.park(self._offload)
             self._jobs.append(job)
