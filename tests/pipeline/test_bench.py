@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from twobp_autograd.pipeline.bench import main
+from twobp_autograd.pipeline.bench import main, parse_args
 
 pytest.importorskip("matplotlib")
 
@@ -36,14 +36,22 @@ def test_bench_writes_table_json_and_traces(model: str, tmp_path, capfd) -> None
 
 def test_bench_runs_pytorch_schedules_beside_ours(capfd) -> None:
     argv = [
-        "pipeline", "--model", "mlp", "--schedule", "zbv", "zb", "--twobp", "on", "--baseline", "torch", "--steps", "1"
+        "pipeline", "--model", "mlp", "--schedule", "zbv", "zb", "zb:1", "--twobp", "on", "--baseline", "torch",
+        "--steps", "1",
     ]  # fmt: skip
     tiny = [*TINY[:2], "--depth", "4", *TINY[4:]]  # 4 blocks: two stages per rank
     assert main(argv + ["--warmup", "0", *tiny, "--nproc", "2", "--no-progress", "--micro-batches", "4"]) == 0
     table = capfd.readouterr().out
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line.strip().startswith(("torch-", "zb"))}
     assert set(rows) == {
-        "zb", "zbv", "torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv"
+        "zb", "zb:1", "zbv", "torch-gpipe", "torch-1f1b", "torch-interleaved-1f1b", "torch-interleaved-zb", "torch-zbv"
     }  # fmt: skip
     assert rows["torch-gpipe"][-1] == "1.000" and all(float(row[-1]) > 0 for row in rows.values())
     assert "vs torch GPipe" in table
+
+
+@pytest.mark.parametrize("spec", ["zb:0", "gpipe:2", "zbv:x", "nope"])
+def test_a_bound_is_only_for_zb_and_zbv(spec: str, capsys) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--schedule", spec])
+    assert "--schedule" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import pytest
 
 from twobp_autograd.pipeline.actions import B, F, I, W
 from twobp_autograd.pipeline.schedules import SCHEDULES, ScheduleError, schedule
-from twobp_autograd.pipeline.simulator import StageCosts, simulate
+from twobp_autograd.pipeline.simulator import StageCosts, fastest_max_pending, simulate
 
 UNIT = StageCosts(forward=1, input_grad=1, weight_grad=1)
 # Distinct F, I, W so a formula that swaps two terms fails.
@@ -170,3 +170,28 @@ def test_a_hand_over_inside_a_rank_pays_no_latency() -> None:
     assert simulate(ranks, StageCosts(1, 1, 1), p2p_latency=5.0).step_time == 6
     with pytest.raises(ValueError, match="3 stage costs for 4 stages"):
         simulate(schedule("zbv", 2, 4), [StageCosts(1, 1, 1)] * 3)
+
+
+@pytest.mark.parametrize("num_stages", [2, 3, 4])
+def test_the_fastest_bound_keeps_concatenation_where_it_pays(num_stages: int) -> None:
+    """With F = I = W, zb's default bound (p) already reaches the least step. Where W over n
+    micro-batches costs less than n single Ws (W' = 0.8 W), a W forced before an I runs alone
+    and forgoes that: the bound that ends first is 2p, whose last rank keeps its W for one
+    concatenated tail, and it beats 1F1B-2, which zb at p pending lost to."""
+    m = 2 * num_stages
+    assert fastest_max_pending("zb", num_stages, m, UNIT) == num_stages
+    costs = StageCosts(forward=1, input_grad=1, weight_grad=1, concat_efficiency=0.8)
+    best = fastest_max_pending("zb", num_stages, m, costs)
+    assert best == 2 * num_stages
+    tuned = simulate(schedule("zb", num_stages, m, max_pending=best), costs).step_time
+    default = simulate(schedule("zb", num_stages, m), costs).step_time
+    paper = simulate(schedule("1f1b-2", num_stages, m), costs).step_time
+    assert tuned < paper < default
+    if num_stages == 2:
+        assert (round(tuned, 6), round(paper, 6), round(default, 6)) == (12.2, 12.6, 13.0)
+    assert fastest_max_pending("zb", num_stages, m, costs, limit=num_stages) == num_stages
+
+
+def test_the_fastest_bound_takes_a_bound_of_at_least_one() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        fastest_max_pending("zb", 2, 4, UNIT, limit=0)

@@ -18,7 +18,7 @@ from .schedules import (
     schedule,
     validate_schedule,
 )
-from .simulator import SimulationResult, StageCosts, simulate
+from .simulator import SimulationResult, StageCosts, fastest_max_pending, simulate
 from .split import split_model
 from .trace import plot_timeline, write_chrome_trace
 
@@ -41,6 +41,7 @@ __all__ = [
     "StageCosts",
     "SimulationResult",
     "simulate",
+    "fastest_max_pending",
     "write_chrome_trace",
     "plot_timeline",
     "dw_builder",

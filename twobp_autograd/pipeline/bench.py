@@ -55,7 +55,11 @@ Run = tuple[str, bool]  # (schedule, 2BP on)
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="twobp_autograd bench pipeline", description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch_size=None, batch_help="samples per step (default per model)")
-    parser.add_argument("--schedule", choices=(*SCHEDULES, *MULTI_STAGE_SCHEDULES, "all"), default="all", nargs="+")
+    parser.add_argument(
+        "--schedule", type=_schedule_spec, default="all", nargs="+", metavar="NAME",
+        help=f"{', '.join((*SCHEDULES, *MULTI_STAGE_SCHEDULES))} or all; zb:N and zbv:N bound the micro-batches "
+        "waiting for their W at N (max_pending), so that bounds compare in one run",
+    )
     parser.add_argument("--baseline", choices=("none", "torch"), default="none", help="torch: PyTorch's schedules too")
     parser.add_argument("--twobp", choices=("on", "off", "both"), default="both")
     parser.add_argument("--steps", type=int, default=5, help="measured steps per run (after --warmup)")
@@ -77,6 +81,21 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
     return args
+
+
+def _schedule_spec(text: str) -> str:
+    name, colon, bound = text.partition(":")
+    if name not in (*SCHEDULES, *MULTI_STAGE_SCHEDULES, "all"):
+        raise argparse.ArgumentTypeError(f"unknown schedule {name!r}")
+    if colon and (name not in ("zb", "zbv") or not bound.isdigit() or int(bound) < 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: only zb:N and zbv:N take a bound, N >= 1")
+    return text
+
+
+def _schedule_of(spec: str) -> tuple[str, int | None]:
+    """``"zb:4"`` -> ``("zb", 4)``; a plain name has no bound."""
+    name, _, bound = spec.partition(":")
+    return name, int(bound) if bound else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -106,16 +125,19 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
     schedules = [*SCHEDULES, *MULTI_STAGE_SCHEDULES] if "all" in chosen else chosen
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.twobp]
     runs = [(name, twobp) for name in schedules for twobp in modes]
-    num_micro = {name: args.micro_batches or default_num_micro_batches(name, world) for name in schedules}
+    num_micro = {
+        name: args.micro_batches or default_num_micro_batches(_schedule_of(name)[0], world) for name in schedules
+    }
     splits = _Splits(args, model, inputs, batch_size)
     runtimes: dict[Run, PipelineRuntime | TorchPipeline] = {}
     for name, twobp in runs:
-        owners = placement(name, world)
+        base, max_pending = _schedule_of(name)
+        owners = placement(base, world)
         pipeline = splits.get(len(owners), num_micro[name], twobp)
         mine = {index: pipeline[index] for index, owner in enumerate(owners) if owner == rank}
         runtimes[name, twobp] = PipelineRuntime(
             mine if len(mine) > 1 else mine[rank],
-            schedule(name, world, num_micro[name], twobp)[rank],
+            schedule(base, world, num_micro[name], twobp, max_pending=max_pending)[rank],
             num_micro_batches=num_micro[name],
             loss_fn=loss_fn,
             twobp=twobp,

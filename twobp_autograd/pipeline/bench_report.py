@@ -117,7 +117,7 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, dev
 
 
 def _run_name(model: str, name: str, twobp: bool) -> str:
-    return f"{model}-{name}-2bp-{'on' if twobp else 'off'}"
+    return f"{model}-{name.replace(':', '-max-pending-')}-2bp-{'on' if twobp else 'off'}"
 
 
 def _write_json(

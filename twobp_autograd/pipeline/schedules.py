@@ -10,8 +10,9 @@ N = 2p) place backward-p2 as the paper's code does: with 2BP on, GPipe runs one 
 each cool-down ``I`` and then one concatenated ``W`` over the rest. ``"zb"`` is this project's
 own placement: the 1F1B order of ``F`` and ``I``, with a single-micro-batch ``W`` wherever the
 rank would otherwise wait for a neighbour (else its next ``F`` early, as ZB-H2 warms up), or
-before an ``I`` once ``max_pending`` (default 2p) micro-batches wait for their ``W`` (so the
-memory held for ``W`` does not grow with N beyond 1F1B-2's at its N = 2p).
+before an ``I`` once ``max_pending`` micro-batches wait for their ``W`` (so the memory held for
+``W`` does not grow with N; which bound runs fastest depends on the stage's costs:
+:func:`~.simulator.fastest_max_pending`).
 
 Every ``W`` names its micro-batches explicitly (never ``W()``), so a schedule says exactly
 which work each ``W`` concatenates.
@@ -181,16 +182,11 @@ def _zero_bubble(
     fewer than ``max_in_flight`` (default 2(p − r) − 1 on rank r, as ZB-H2) micro-batches hold
     their graph: 1F1B's warm-up of p − r forwards leaves rank r idle until its first gradient
     comes back, which the early forwards fill. Before an ``I`` that would leave more than
-    ``max_pending`` (default 2p) micro-batches waiting for their ``W``, the oldest one's ``W``
-    runs first. The rest runs as one concatenated ``W`` at the end.
-
-    Why 2p: a forced single-micro-batch ``W`` forgoes concatenation, which is where 2BP gains
-    on real layers (W′ < W) and which 1F1B-2's concatenated tail keeps. Replayed on the sweep's
-    measured stage terms, p pending lost to 1F1B-2 on four of six models at p = 4 and 8; 2p held
-    level or ahead on all but one run."""
+    ``max_pending`` (default p) micro-batches waiting for their ``W``, the oldest one's ``W``
+    runs first. The rest runs as one concatenated ``W`` at the end."""
     if not twobp:
         return _one_f_one_b(num_stages, num_micro_batches, twobp=False)
-    max_pending = 2 * num_stages if max_pending is None else max_pending
+    max_pending = num_stages if max_pending is None else max_pending
     if max_pending < 1 or (max_in_flight is not None and max_in_flight < 1):
         raise ValueError(f"max_pending and max_in_flight must be at least 1, got {max_pending} and {max_in_flight}")
     in_flight_cap = [max_in_flight or 2 * (num_stages - rank) - 1 for rank in range(num_stages)]

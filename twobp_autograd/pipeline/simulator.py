@@ -12,10 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .actions import Action, ActionKind, Held, Message, RankMemory, count_stages, peak_memory
-from .schedules import execution_order, stage_owners, validate_schedule
+from .schedules import execution_order, schedule, stage_owners, validate_schedule
 from .trace import Event
 
-__all__ = ["StageCosts", "SimulationResult", "simulate"]
+__all__ = ["StageCosts", "SimulationResult", "simulate", "fastest_max_pending"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,29 @@ def simulate(
         peak_pending_weight_grads=[peak_memory(actions, {Held.PENDING_WEIGHT_GRADS: 1}) for actions in ranks],
         peak_graphs=[peak_memory(actions, {Held.GRAPH: 1}) for actions in ranks],
     )
+
+
+def fastest_max_pending(
+    name: str,
+    num_ranks: int,
+    num_micro_batches: int,
+    costs: StageCosts | Sequence[StageCosts],
+    *,
+    p2p_latency: float = 0.0,
+    limit: int | None = None,
+) -> int:
+    """The ``max_pending`` of ``"zb"`` or ``"zbv"`` whose replay on ``costs`` ends first, from 1
+    to ``limit`` (default 2p, the peak 1F1B-2 holds at its N = 2p); of equal ones the smallest,
+    which holds least. The bound decides where W runs: a W forced before an ``I`` runs alone and
+    forgoes the concatenation a later W would get (W(n) < n W), while a looser bound holds more
+    memory; which wins depends on the stage's F, I and W(n), so measure them and ask here."""
+    limit = 2 * num_ranks if limit is None else limit
+    if limit < 1:
+        raise ValueError(f"limit must be at least 1, got {limit}")
+    steps = {
+        bound: simulate(
+            schedule(name, num_ranks, num_micro_batches, max_pending=bound), costs, p2p_latency=p2p_latency
+        ).step_time
+        for bound in range(1, min(limit, num_micro_batches) + 1)
+    }
+    return min(steps, key=lambda bound: (steps[bound], bound))
