@@ -11,8 +11,10 @@ the module keeps plain autograd from then on, with one warning.
 
 The replay must see what the forward saw: the training flags of the module and its submodules
 are put back as they were for it (an ``eval()`` before the flush changes nothing), its buffers
-are the forward's tensors, and a buffer changed in place since then, or by the forward itself (a
-counter, a running statistic), is refused with an error rather than replayed with other values.
+are the forward's tensors, and a buffer or parameter changed in place since the forward is
+refused with an error rather than replayed with other values. A forward that changes its own
+buffers (a counter, a running statistic) cannot be replayed either: it keeps plain autograd, as
+one drawing random numbers does (its buffers are copied before each call to make that possible).
 Plain Python attributes the forward reads are not seen.
 """
 
