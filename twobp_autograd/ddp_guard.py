@@ -144,7 +144,9 @@ def check_not_inside_ddp(model: nn.Module) -> None:
     marker = getattr(replicate, "DDP", None)
     if isinstance(marker, type) and any(isinstance(m, marker) for m in model.modules()):
         raise RuntimeError(f"twobp: patch() on a model under replicate() (DDP's composable form). {_ADVICE}")
-    if _reduced_by_a_ddp(model) and (gc.collect() or _reduced_by_a_ddp(model)):
+    if _reduced_by_a_ddp(model):
+        gc.collect()  # a dropped wrapper (DDP's references are cyclic) counts until collected
+    if _reduced_by_a_ddp(model):
         raise RuntimeError(
             "twobp: patch() on a model whose parameters a DistributedDataParallel built earlier "
             "reduces (the model inside it, as accelerate's prepare or Trainer wrap it, or under "
@@ -153,8 +155,7 @@ def check_not_inside_ddp(model: nn.Module) -> None:
 
 
 def _reduced_by_a_ddp(model: nn.Module) -> bool:
-    """Whether a live DDP wrapper holds one of ``model``'s parameters (a wrapper dropped but not
-    yet collected, DDP's references being cyclic, counts until a collection)."""
+    """Whether a live DDP wrapper holds one of ``model``'s parameters."""
     if not _ddp_wrappers:
         return False
     params = {id(p) for p in model.parameters()}
