@@ -14,6 +14,7 @@ import copy
 import functools
 import os
 import time
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -146,7 +147,8 @@ def _check_setting(rank: int, model_name: str, schedule_name: str, twobp: bool, 
         result["events"].append([e.action for e in own.events])
         reference_loss = 0.0
         for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
-            loss = loss_fn(reference(x), y) / m
+            # The mean over the batch: each micro-batch's mean weighted by its share (uneven at 6).
+            loss = loss_fn(reference(x), y) * (len(x) / batch)
             loss.backward()
             reference_loss += loss.item()
         result["reference_losses"].append(reference_loss)
@@ -294,6 +296,59 @@ def _in_place_first_op(rank: int) -> dict:
     return {"error": None}
 
 
+class _Prefix(nn.Module):
+    """A learned prefix that ignores its input: no gradient reaches the stage before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prefix = nn.Parameter(torch.randn(1, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.prefix.expand(x.shape[0], 4)
+
+
+def _batches_and_losses(rank: int) -> dict:
+    """One process's full-batch loss, whatever the batch and loss: a batch that does not divide
+    into the micro-batches (their means were averaged alike: 0.27 off), a reduction="sum" loss
+    (1/m of one process's gradients), targets in a dict; a training step under no_grad refused."""
+    results: dict[str, object] = {}
+    cases = {
+        "uneven-mean": (6, "mean", lambda out, y: _mse(out, y), lambda y: y),
+        "sum": (8, "sum", lambda out, y: F.mse_loss(out, y, reduction="sum"), lambda y: y),
+        "dict-targets": (7, "mean", lambda out, y: _mse(out, y["value"]), lambda y: {"value": y}),
+    }
+    for case, (batch, reduction, loss_fn, wrap) in cases.items():
+        for name in ("gpipe", "1f1b-2"):
+            for twobp_on in (False, True):
+                torch.manual_seed(0)
+                model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 2)).double()
+                reference = copy.deepcopy(model)
+                runtime = PipelineRuntime(
+                    model[rank], schedule(name, WORLD, 4, twobp_on)[rank], num_micro_batches=4, loss_fn=loss_fn,
+                    twobp=twobp_on, timeout=RUNTIME_TIMEOUT, loss_reduction=reduction,
+                )  # fmt: skip
+                x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randn(batch, 2, dtype=torch.float64)
+                runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)
+                loss_fn(reference(x), wrap(y)).backward()
+                results[f"{case}-{name}-{twobp_on}"] = _mismatches(model[rank], reference[rank])
+    with torch.no_grad():
+        try:
+            runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)
+            results["no_grad"] = None
+        except RuntimeError as error:
+            results["no_grad"] = str(error)
+    stages = [nn.Linear(4, 4), _Prefix()]
+    runtime = PipelineRuntime(
+        stages[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,
+        timeout=RUNTIME_TIMEOUT,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        runtime.step(torch.randn(4, 4) if rank == 0 else None, torch.randn(4, 4) if rank == 1 else None)
+    results["warnings"] = [str(w.message) for w in caught]
+    return results
+
+
 #: scenario -> (what each rank runs, number of ranks)
 SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "correctness": (_correctness, WORLD),
@@ -303,6 +358,7 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "shape_mismatch": (functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0), WORLD),
     "integer_activations": (_integer_activations, WORLD),
     "in_place_first_op": (_in_place_first_op, WORLD),
+    "batches_and_losses": (_batches_and_losses, WORLD),
 }
 
 
@@ -404,3 +460,12 @@ def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
     first, second = launch("in_place_first_op", str(tmp_path), deadline=90.0)
     assert second is not None and second["error"] and "changes its input in place" in second["error"], second
     assert first is not None and first["error"] and "rank 1" in first["error"], first
+
+
+def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) -> None:
+    ranks = launch("batches_and_losses", str(tmp_path), deadline=120.0)
+    for rank, result in enumerate(ranks):
+        assert result is not None and "crash" not in result, result
+        assert all(not found for case, found in result.items() if case not in ("no_grad", "warnings")), (rank, result)
+        assert result["no_grad"] and "twobp: PipelineRuntime.step() trains" in result["no_grad"], result
+    assert any("stage 1's output does not depend on its input" in w for w in ranks[1]["warnings"]), ranks[1]

@@ -27,14 +27,16 @@ import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import WeightGradQueue, patch, unpatch, use_queue
 from ..queue import PendingWork
+from ..warn_once import warn_once
 from .actions import Action, ActionKind, Message, Payload
 from .memory_probe import MemoryProbe, peak_rss
 from .metrics import RankMetrics, StepReport, StepTimer
@@ -106,8 +108,9 @@ class _Step:
     """What one step keeps between its actions."""
 
     inputs: list[Tensor]  # the micro-batches, on the first rank
-    targets: list[Tensor]  # on the last rank
+    targets: list[Any]  # on the last rank: tensors, or dicts / tuples / lists of tensors
     shape_key: Hashable  # the step's input shape: activation shapes are exchanged once per key
+    batch: int  # samples in the step
     memory: MemoryProbe
     timer: StepTimer
     # (stage, micro-batch): its input, and its output (or loss on the last stage)
@@ -126,8 +129,11 @@ class PipelineRuntime:
     :func:`.schedules.placement`). Each stage has its own queue: ``queue`` is the one stage's,
     or a mapping like ``stage`` (by default new queues).
 
-    ``loss_fn(output, target)`` is used on the last stage; each micro-batch's loss is divided by
-    ``num_micro_batches``, so the step's gradients are those of the mean over micro-batches.
+    ``loss_fn(output, target)`` is used on the last stage. With ``loss_reduction="mean"`` it
+    returns the mean over its micro-batch's samples (the default reduction of PyTorch's losses),
+    and each micro-batch's loss is weighted by its share of the batch (1/m where the batch divides
+    into m equal micro-batches), so the step's loss and gradients are those of one process's mean
+    over the whole batch; with ``"sum"`` (a ``reduction="sum"`` loss) the losses are summed.
     ``grad_sync`` (e.g. a data-parallel :class:`GradientSync` over this stage's replicas) gets
     the flushes that follow the step's last backward and finishes the step.
     """
@@ -146,7 +152,11 @@ class PipelineRuntime:
         queue: WeightGradQueue | Mapping[int, WeightGradQueue] | None = None,
         grad_sync: GradientSync | None = None,
         placement: Sequence[int] | None = None,
+        loss_reduction: Literal["mean", "sum"] = "mean",
     ) -> None:
+        if loss_reduction not in ("mean", "sum"):
+            raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
+        self.loss_reduction = loss_reduction
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -212,11 +222,19 @@ class PipelineRuntime:
             raise ValueError("the first rank needs the inputs")
         if self.last and targets is None:
             raise ValueError("the last rank needs the targets")
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "twobp: PipelineRuntime.step() trains (forward and backward); under torch.no_grad() or "
+                "inference_mode there is no backward to run. Evaluate by running the stages' forwards "
+                "yourself."
+            )
         self.apply_mode()
+        shape_key = self._agree_on_step_shape(inputs)
         step = _Step(
             inputs=list(inputs.tensor_split(m)) if inputs is not None and self.first else [],
-            targets=list(targets.tensor_split(m)) if targets is not None and self.last else [],
-            shape_key=self._agree_on_step_shape(inputs),
+            targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
+            shape_key=shape_key,
+            batch=_batch_of(shape_key),
             memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),
             timer=StepTimer(self.rank, self.device),
         )
@@ -318,7 +336,8 @@ class PipelineRuntime:
             raise TypeError(f"rank {self.rank}: a pipeline stage must return one tensor, got {type(out).__name__}")
         destination = action.sends(self.rank, self._num_stages)
         if destination is None:  # the last stage: its output goes into the loss
-            loss = self.loss_fn(out, step.targets[k].to(self.device)) / self.num_micro_batches  # type: ignore[misc]
+            target = tree_map(lambda t: t.to(self.device), step.targets[k])
+            loss = self.loss_fn(out, target) / self._loss_divisor(step.batch, k)  # type: ignore[misc]
             step.losses.append(loss.detach())
             step.held[stage.index, k] = (x, loss)
         else:
@@ -349,12 +368,23 @@ class PipelineRuntime:
                 del grad
             destination = action.sends(self.rank, self._num_stages)
             if destination is not None and x.is_floating_point():
-                grad_input = x.grad if x.grad is not None else torch.zeros_like(x)
+                grad_input = x.grad
+                if grad_input is None:
+                    _warn_output_without_input(stage.index)
+                    grad_input = torch.zeros_like(x)
                 if self._is_local(destination):
                     step.handed_over[destination] = grad_input
                 else:
                     peer = self._rank_of(destination.receiver)
                     self._send(step, grad_input, peer, self._tag(destination), _what(destination))
+
+    def _loss_divisor(self, batch: int, k: int) -> float:
+        """What micro-batch ``k``'s loss is divided by: for a mean, the batch over the micro-batch's
+        size (``tensor_split``'s: the first ``batch % m`` hold one more), m where they are even."""
+        if self.loss_reduction == "sum":
+            return 1.0
+        m = self.num_micro_batches
+        return batch / (batch // m + (k < batch % m))
 
     def _rank_of(self, stage: int) -> int:
         return self.placement[stage]
@@ -372,7 +402,7 @@ class PipelineRuntime:
         work = dist.broadcast(header, group_src=0, group=self.group, async_op=True)
         self._wait(work, "the step's input shape from rank 0", timer=None)
         key = tuple(header.tolist())
-        batch = key[2] if key[1] > 0 else 0
+        batch = _batch_of(key)
         if batch < self.num_micro_batches:  # on every rank alike: empty micro-batches would give NaN losses
             raise ValueError(
                 f"a step's inputs must hold at least num_micro_batches={self.num_micro_batches} samples "
@@ -501,3 +531,31 @@ def _dtype_code(dtype: torch.dtype) -> int:
     if dtype not in _DTYPES:
         raise TypeError(f"cannot send {dtype} between stages")
     return _DTYPES.index(dtype)
+
+
+def _batch_of(shape_key: Hashable) -> int:
+    """The samples of a step, from its shape header (dims, then the shape)."""
+    assert isinstance(shape_key, tuple)
+    return int(shape_key[2]) if shape_key[1] > 0 else 0
+
+
+def _micro_batches_of(targets: Any, m: int) -> list[Any]:
+    """A tensor, or a dict / tuple / list of tensors, split on dim 0 into ``m`` like the inputs."""
+    leaves, spec = tree_flatten(targets)
+    if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+        raise TypeError(
+            "twobp: a pipeline step's targets must be a tensor, or a dict, tuple or list of tensors "
+            f"(each split on dim 0 into the micro-batches), not {type(targets).__name__}"
+        )
+    parts = [t.tensor_split(m) for t in leaves]
+    return [tree_unflatten([p[k] for p in parts], spec) for k in range(m)]
+
+
+def _warn_output_without_input(stage: int) -> None:
+    warn_once(
+        ("pipeline stage output without its input", stage),
+        f"twobp: stage {stage}'s output does not depend on its input, so no gradient reaches it; the "
+        "stage before gets zeros, where one process leaves its parameters' .grad None (an optimizer "
+        "with weight decay or momentum then moves them).",
+        stacklevel=3,
+    )
