@@ -123,3 +123,36 @@ def test_compiled_llama_defers_its_rms_norms(monkeypatch):
     reference(input_ids=ids, labels=ids).loss.backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+def test_compiled_autograd_takes_the_weight_gradients_in_backward():
+    """Compiled autograd traces the backward and adds a parameter's incoming gradients itself: a
+    deferred (None) one crashed its graph where a layer was called twice. Under it, weight
+    gradients are computed in backward, as plain autograd computes them."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8), nn.Linear(8, 3)).double())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for model in (patched, reference):
+        loss = model(x).pow(2).sum() + model(2 * x).pow(2).sum()
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(patched, reference, torch.float64)
+
+
+def test_a_compiled_function_running_backward_matches_autograd():
+    """The weight-gradient bookkeeping traced inside a compiled function that calls backward
+    read version counters wrong (a false "modified in place" refusal at the flush)."""
+    torch._dynamo.reset()
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8), nn.Linear(8, 3)).double())
+
+    def step(model: nn.Module, x: torch.Tensor) -> None:
+        model(x).pow(2).sum().backward()
+
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for model in (patched, reference):
+        torch.compile(step, backend="aot_eager")(model, x)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

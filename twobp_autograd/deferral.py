@@ -106,6 +106,11 @@ class ParamDeferral(NamedTuple):
         if "defer" in decisions and getattr(ctx, _POST_HOOKED, False):
             _warn_post_hooked_once()
             return ["now" if d == "defer" else d for d in decisions]
+        if "defer" in decisions and _traced():
+            # Dynamo traces this backward (compiled autograd, or a compiled function that calls
+            # backward): the queue's bookkeeping (version counters, None for a parameter's
+            # gradient that compiled autograd then adds) does not survive tracing.
+            return ["now" if d == "defer" else d for d in decisions]
         return decisions
 
     def defer_finished(self, decisions: Sequence[Decision], grads: Sequence[Tensor | None]) -> list[Tensor | None]:
@@ -232,6 +237,12 @@ def _configured(
 
 _configured_once = functools.cache(_configured)
 
+
+def _traced() -> bool:
+    """Whether Dynamo traces this code (compiled autograd, or a compiled function calling backward)."""
+    from torch._dynamo import compiled_autograd
+
+    return compiled_autograd.in_compiled_autograd_region or torch.compiler.is_compiling()
 
 _POST_HOOKED = "twobp_post_hooked"
 
