@@ -26,6 +26,7 @@ graph lacks the detached weights, so a backward through it to them is refused (:
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
@@ -239,10 +240,11 @@ _configured_once = functools.cache(_configured)
 
 
 def _traced() -> bool:
-    """Whether Dynamo traces this code (compiled autograd, or a compiled function calling backward)."""
-    from torch._dynamo import compiled_autograd
-
-    return compiled_autograd.in_compiled_autograd_region or torch.compiler.is_compiling()
+    """Whether Dynamo traces this code (compiled autograd, or a compiled function calling backward).
+    Compiled autograd's module is only looked up: unloaded, it is not running (and importing
+    Dynamo would cost the first backward a second)."""
+    compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
 
 _POST_HOOKED = "twobp_post_hooked"
 
