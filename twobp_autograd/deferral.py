@@ -246,6 +246,7 @@ def _traced() -> bool:
     compiled_autograd = sys.modules.get("torch._dynamo.compiled_autograd")
     return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False)) or torch.compiler.is_compiling()
 
+
 _POST_HOOKED = "twobp_post_hooked"
 
 

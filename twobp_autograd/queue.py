@@ -48,6 +48,7 @@ __all__ = [
 
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 
+
 class PendingWork(NamedTuple):
     """What a queue holds: number of jobs, and bytes of the distinct storages they keep alive
     (host copies of offloaded work not counted)."""
