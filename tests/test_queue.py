@@ -285,6 +285,37 @@ def test_the_flush_computes_in_the_autocast_its_backward_ran_in(kind, autocast_i
     assert_grads_match(patched, reference)
 
 
+_BF16_PARAMETER_LAYERS = {
+    "embedding": (lambda: nn.Embedding(4, 16), lambda g: torch.randint(0, 4, (64,), generator=g)),
+    "layer-norm": (lambda: nn.LayerNorm(32), lambda g: torch.randn(8, 32, generator=g)),
+    "linear": (lambda: nn.Linear(32, 8), lambda g: torch.randn(8, 32, generator=g)),
+}
+
+
+@pytest.mark.parametrize("kind", list(_BF16_PARAMETER_LAYERS))
+def test_bf16_parameters_joined_micro_batches_are_summed_as_precisely_as_plain(kind):
+    """A bf16 layer whose micro-batches one kernel call joins: the CPU kernels of Embedding and
+    LayerNorm sum the joined rows in bf16 (relative error 0.42 and 0.041 against plain's 0.011
+    and 0.0086 at 32 micro-batches); they now sum in fp32, as Linear's always did."""
+    make_layer, make_input = _BF16_PARAMETER_LAYERS[kind]
+    base = make_layer()
+    exact, plain, patched = copy.deepcopy(base).double(), copy.deepcopy(base).bfloat16(), copy.deepcopy(base).bfloat16()
+    twobp.patch(patched)
+    queue = twobp.WeightGradQueue("concat")
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(32):
+        x = make_input(generator)
+        inputs = {dtype: x.to(dtype) if x.is_floating_point() else x for dtype in (torch.float64, torch.bfloat16)}
+        exact(inputs[torch.float64]).pow(2).sum().backward()
+        plain(inputs[torch.bfloat16]).float().pow(2).sum().backward()
+        with twobp.use_queue(queue):
+            patched(inputs[torch.bfloat16]).float().pow(2).sum().backward()
+    queue.flush()
+    fp64 = exact.weight.grad
+    ours_error, plain_error = _relative_error(patched.weight.grad, fp64), _relative_error(plain.weight.grad, fp64)
+    assert ours_error <= 1.5 * plain_error, f"{ours_error:.2e} against plain's {plain_error:.2e}"
+
+
 def test_optimizer_step_with_queued_work_is_refused():
     model = twobp.patch(nn.Linear(3, 2))
     other = nn.Linear(3, 2)

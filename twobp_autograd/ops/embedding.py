@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
+from .precision import accumulation_dtype
 
 __all__ = ["embedding", "embedding_weight_grad"]
 
@@ -41,6 +42,8 @@ def embedding_weight_grad(
     # One row per index (scalar lookups join into a flat gradient); the width spelled out, as
     # with no indices -1 would be ambiguous.
     grad = grad_outputs[0].reshape(indices.numel(), embedding_dim)
+    if not grad.is_cuda:  # the CPU kernel sums in the operands' dtype (see .precision)
+        grad = grad.to(accumulation_dtype(grad.dtype))
     return [torch.ops.aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)]
 
 
