@@ -80,8 +80,9 @@ class WeightGradJob:
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place between backward "
-                "and flush_weight_grads(). Flush before modifying it; the work stays queued until "
-                "twobp.discard_weight_grads() (or queue.clear() for a queue of your own) drops it."
+                "and flush_weight_grads(). Flush before modifying it; a flush leaves the work queued "
+                "until twobp.discard_weight_grads() (or queue.clear() for a queue of your own) drops "
+                "it (work got from queue.take() stays the caller's)."
             )
 
     def tensors(self) -> tuple[Tensor, ...]:
