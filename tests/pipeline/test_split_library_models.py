@@ -61,7 +61,11 @@ def small_resnet() -> nn.Module:
 
 def token_batch(g: torch.Generator) -> tuple[Tensor, Tensor]:
     ids = torch.randint(0, VOCAB, (BATCH, SEQUENCE), generator=g)
-    return ids, ids.clone()  # causal models shift the labels themselves
+    labels = ids.clone()  # causal models shift the labels themselves
+    # Padded rows, as a data collator makes them: the loss averages over fewer tokens there.
+    for row, start in enumerate(torch.randint(2, SEQUENCE + 1, (BATCH,), generator=g).tolist()):
+        labels[row, start:] = -100
+    return ids, labels
 
 
 def masked_batch(g: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -248,8 +252,9 @@ def _check_model(rank: int, model_name: str) -> dict:
         m = default_num_micro_batches(schedule_name, WORLD)
         actions = schedule(schedule_name, WORLD, m, twobp_on)[rank]
         runtime = PipelineRuntime(
-            stage, actions, num_micro_batches=m, loss_fn=pipeline.loss_fn, twobp=twobp_on, timeout=RUNTIME_TIMEOUT
-        )
+            stage, actions, num_micro_batches=m, loss_fn=pipeline.loss_fn, twobp=twobp_on, timeout=RUNTIME_TIMEOUT,
+            loss_items=pipeline.loss_items,
+        )  # fmt: skip
         result: dict = {"skipped": set(twobp.patch(stage, report=True).skipped) if twobp_on else None}
         inputs, targets = make_batch(generator)
         report = runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
@@ -257,9 +262,14 @@ def _check_model(rank: int, model_name: str) -> dict:
         result["deferred_jobs"] = own.deferred_jobs
         result["loss"] = report.loss if isinstance(report, StepReport) else None
 
+        # One process's mean over the batch: over its samples, or over the tokens whose label is
+        # not -100 (each micro-batch's mean weighted by its share of them: the loss as one call on
+        # the whole batch computes it, with BatchNorm's statistics still per micro-batch).
+        items = pipeline.loss_items or (lambda y: len(y))
+        total = sum(items(y) for y in targets.tensor_split(m))
         reference_loss = 0.0
         for x, y in zip(inputs.tensor_split(m), targets.tensor_split(m), strict=True):
-            micro_loss = loss(reference, x, y) / m
+            micro_loss = loss(reference, x, y) * (items(y) / total)
             micro_loss.backward()
             reference_loss += micro_loss.item()
         result["reference_loss"] = reference_loss

@@ -111,6 +111,7 @@ class _Step:
     targets: list[Any]  # on the last rank: tensors, or dicts / tuples / lists of tensors
     shape_key: Hashable  # the step's input shape: activation shapes are exchanged once per key
     batch: int  # samples in the step
+    loss_divisors: list[float]  # on the last rank: what each micro-batch's loss is divided by
     memory: MemoryProbe
     timer: StepTimer
     # (stage, micro-batch): its input, and its output (or loss on the last stage)
@@ -134,6 +135,9 @@ class PipelineRuntime:
     and each micro-batch's loss is weighted by its share of the batch (1/m where the batch divides
     into m equal micro-batches), so the step's loss and gradients are those of one process's mean
     over the whole batch; with ``"sum"`` (a ``reduction="sum"`` loss) the losses are summed.
+    ``loss_items(target)``, for a mean over other items than samples (the tokens whose label is
+    not -100 in a Hugging Face model's loss: ``split_model(...).loss_items``), counts them in a
+    micro-batch's target; micro-batches are then weighted by their share of the step's items.
     ``grad_sync`` (e.g. a data-parallel :class:`GradientSync` over this stage's replicas) gets
     the flushes that follow the step's last backward and finishes the step.
     """
@@ -153,10 +157,12 @@ class PipelineRuntime:
         grad_sync: GradientSync | None = None,
         placement: Sequence[int] | None = None,
         loss_reduction: Literal["mean", "sum"] = "mean",
+        loss_items: Callable[[Any], int] | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
         self.loss_reduction = loss_reduction
+        self.loss_items = loss_items
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -235,9 +241,12 @@ class PipelineRuntime:
             targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
             shape_key=shape_key,
             batch=_batch_of(shape_key),
+            loss_divisors=[],
             memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),
             timer=StepTimer(self.rank, self.device),
         )
+        if self.last:
+            step.loss_divisors = self._loss_divisors(step)
         try:
             self._run_schedule(step)
         except BaseException:
@@ -337,7 +346,7 @@ class PipelineRuntime:
         destination = action.sends(self.rank, self._num_stages)
         if destination is None:  # the last stage: its output goes into the loss
             target = tree_map(lambda t: t.to(self.device), step.targets[k])
-            loss = self.loss_fn(out, target) / self._loss_divisor(step.batch, k)  # type: ignore[misc]
+            loss = self.loss_fn(out, target) / step.loss_divisors[k]  # type: ignore[misc]
             step.losses.append(loss.detach())
             step.held[stage.index, k] = (x, loss)
         else:
@@ -378,13 +387,18 @@ class PipelineRuntime:
                     peer = self._rank_of(destination.receiver)
                     self._send(step, grad_input, peer, self._tag(destination), _what(destination))
 
-    def _loss_divisor(self, batch: int, k: int) -> float:
-        """What micro-batch ``k``'s loss is divided by: for a mean, the batch over the micro-batch's
-        size (``tensor_split``'s: the first ``batch % m`` hold one more), m where they are even."""
+    def _loss_divisors(self, step: _Step) -> list[float]:
+        """What each micro-batch's loss is divided by: for a mean, the step's items over the
+        micro-batch's (samples: m where the micro-batches are even; ``loss_items``' count)."""
         if self.loss_reduction == "sum":
-            return 1.0
-        m = self.num_micro_batches
-        return batch / (batch // m + (k < batch % m))
+            return [1.0] * len(step.targets)
+        if self.loss_items is None:
+            items = [int(tree_flatten(t)[0][0].shape[0]) for t in step.targets]
+        else:
+            items = [self.loss_items(t) for t in step.targets]
+        total = sum(items)
+        # A micro-batch with no item has a loss of nothing (NaN for a mean): it weighs nothing.
+        return [total / n if n else float("inf") for n in items]
 
     def _rank_of(self, stage: int) -> int:
         return self.placement[stage]

@@ -24,9 +24,11 @@ from ... import register
 from ...ops import computes_like_llama_rms_norm, llama_rms_norm, recompute
 from ...registry import rule_for
 
-__all__ = ["Family", "LossFn", "LibraryModel", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
+__all__ = ["Family", "LossFn", "LossItems", "LibraryModel", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
 
 LossFn = Callable[[Tensor, Tensor], Tensor]
+#: How many items a loss that averages over them (not over samples) counts in a target.
+LossItems = Callable[[Tensor], int]
 
 #: A library's model (torchvision, Hugging Face, nn.Sequential), read by the attribute names of
 #: its layout (``model.layer1``, ``model.model.layers``): nn.Module's attributes are untyped.
@@ -48,6 +50,10 @@ class Family:
 
     def loss(self, model: nn.Module) -> LossFn:
         return F.cross_entropy
+
+    def loss_items(self, model: nn.Module) -> LossItems | None:
+        """None where :meth:`loss` averages over samples."""
+        return None
 
     def norm_types(self) -> list[type]:
         """Per-token norm classes of the model's library that 2BP can defer once registered."""

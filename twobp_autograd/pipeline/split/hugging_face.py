@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .families import Family, LibraryModel, LossFn
+from .families import Family, LibraryModel, LossFn, LossItems
 
 __all__ = ["hugging_face_family"]
 
@@ -124,6 +124,16 @@ def _masked_lm_loss(logits: Tensor, labels: Tensor, *, vocab_size: int) -> Tenso
     return F.cross_entropy(logits.view(-1, vocab_size), labels.view(-1))
 
 
+def _labels(labels: Tensor) -> int:
+    """The positions a masked LM's loss averages over: those whose label is not -100."""
+    return int((labels != -100).sum())
+
+
+def _next_token_labels(labels: Tensor) -> int:
+    """Those a causal LM's loss averages over: each position's next label, where not -100."""
+    return int((labels[..., 1:] != -100).sum())
+
+
 class _HuggingFace(Family):
     """Blocks: the embedding, each of the model's ``layers``, the final norm with the head."""
 
@@ -148,6 +158,10 @@ class _HuggingFace(Family):
 
     def loss(self, model: LibraryModel) -> LossFn:
         return functools.partial(model.loss_function, vocab_size=model.config.vocab_size)
+
+    def loss_items(self, model: LibraryModel) -> LossItems | None:
+        """A causal LM's loss averages over the next tokens whose label is not -100."""
+        return _next_token_labels
 
 
 class _Llama(_HuggingFace):
@@ -175,6 +189,9 @@ class _Bert(_HuggingFace):
 
     def loss(self, model: LibraryModel) -> LossFn:
         return functools.partial(_masked_lm_loss, vocab_size=model.config.vocab_size)
+
+    def loss_items(self, model: LibraryModel) -> LossItems | None:
+        return _labels
 
 
 class _Mamba(_HuggingFace):

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-from .families import LossFn, family_of
+from .families import LossFn, LossItems, family_of
 from .measure import measure_block_costs, parameter_costs
 from .partition import partition
 from .ties import Tie, ties_of
@@ -19,11 +19,14 @@ __all__ = ["PipelineModel", "split_model"]
 @dataclass
 class PipelineModel:
     """One module per stage (``pipeline[rank]`` is rank's), the loss the last stage's output
-    goes into, and the ties."""
+    goes into, and the ties. ``loss_items``: for a loss that averages over items other than
+    samples (a Hugging Face model's tokens whose label is not -100), what counts them in a
+    micro-batch's targets (``PipelineRuntime(loss_items=...)``); None for a mean over samples."""
 
     stages: list[nn.Module]
     loss_fn: LossFn
     ties: list[Tie]
+    loss_items: LossItems | None = None
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -61,4 +64,4 @@ def split_model(
     if len(costs) != num_blocks:
         raise ValueError(f"{len(costs)} costs for {num_blocks} blocks")
     stages = family.stages(model, partition(costs, num_stages))
-    return PipelineModel(stages, family.loss(model), ties_of(model, stages))
+    return PipelineModel(stages, family.loss(model), ties_of(model, stages), family.loss_items(model))
