@@ -8,6 +8,7 @@ result can be asserted exactly.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 __all__ = ["partition"]
@@ -18,6 +19,8 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     n = len(costs)
     if not 1 <= num_stages <= n:
         raise ValueError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
+    if not all(math.isfinite(c) and c >= 0 for c in costs):  # inf or NaN compare as no cut at all
+        raise ValueError(f"block costs must be finite and non-negative, got {list(costs)}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))
