@@ -239,3 +239,30 @@ def test_join_over_uneven_inputs_is_refused_with_the_way_out(one_rank_group: Non
     synchroniser = GradientSynchroniser(twobp.patch(nn.Linear(3, 2)))
     with pytest.raises(RuntimeError, match="twobp: GradientSynchroniser does not take part in Join.*drop_last"):
         Join([synchroniser])
+
+
+def _skipped_step(rank: int) -> dict:
+    """Rank 1 skips the second step; rank 0's first training forward broadcasts BatchNorm's
+    buffers, which waited without a timeout (until the peer's process ended)."""
+    import time
+
+    torch.manual_seed(0)
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    synchroniser = GradientSynchroniser(model, timeout=2.0)
+    model(torch.randn(6, 4)).sum().backward()
+    synchroniser.synchronise()
+    if rank == 1:
+        time.sleep(8.0)
+        return {}
+    start = time.perf_counter()
+    try:
+        model(torch.randn(6, 4)).sum().backward()
+        synchroniser.synchronise()
+    except RuntimeError as error:
+        return {"error": str(error), "elapsed": time.perf_counter() - start}
+    return {"error": None}
+
+
+def test_a_rank_that_skips_a_step_ends_the_others_within_the_timeout(tmp_path) -> None:
+    waiting, _ = run_scenario(_skipped_step, 2, str(tmp_path))
+    assert waiting["error"] is not None and waiting["elapsed"] < 6.0, waiting

@@ -35,9 +35,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -305,9 +305,10 @@ class GradientSynchroniser:
         """From now on, launch buckets in the order gradients became final on the first rank."""
         seen = set(self._observed)
         order = [*self._observed, *(i for i in reversed(range(len(self.params))) if i not in seen)]
-        shared: list[object] = [order]
-        dist.broadcast_object_list(shared, group_src=0, group=self.group)
-        self._build_buckets(shared[0])  # type: ignore[arg-type]
+        device = self.params[0].device if self.params and dist.get_backend(self.group) != "gloo" else None
+        shared = torch.tensor(order, dtype=torch.int64, device=device)
+        self._wait(dist.broadcast(shared, group_src=0, group=self.group, async_op=True))
+        self._build_buckets(shared.tolist())
         self._order_agreed = True
 
     # -- buffers --------------------------------------------------------------------------
@@ -316,18 +317,23 @@ class GradientSynchroniser:
         if self._buffers_due and module.training and torch.is_grad_enabled():
             self._buffers_due = False
             with torch.no_grad():
-                broadcast_tensors(list(module.buffers()), group=self.group)
+                broadcast_tensors(list(module.buffers()), group=self.group, wait=self._wait)
 
 
-def broadcast_tensors(tensors: Iterable[Tensor], *, group: dist.ProcessGroup | None = None) -> None:
+def broadcast_tensors(
+    tensors: Iterable[Tensor],
+    *,
+    group: dist.ProcessGroup | None = None,
+    wait: Callable[[Any], None] = lambda work: work.wait(),
+) -> None:
     """Overwrite ``tensors`` in place with those of the group's first rank, one broadcast per
-    dtype and device (not one per tensor)."""
+    dtype and device (not one per tensor); ``wait(work)`` waits for each (with a timeout)."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
     for t in tensors:
         by_kind.setdefault((t.dtype, t.device), []).append(t)
     for same in by_kind.values():
         flat = torch.cat([t.reshape(-1) for t in same])
-        dist.broadcast(flat, group_src=0, group=group)
+        wait(dist.broadcast(flat, group_src=0, group=group, async_op=True))
         offset = 0
         for t in same:
             t.copy_(flat[offset : offset + t.numel()].view(t.shape))
