@@ -47,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from . import fsdp_hooks
 from .flush import run_jobs
 from .queue import WeightGradQueue, current_queue, queues_with_work, takes_partial_gradients
+from .warn_once import warn_once
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
 
@@ -183,9 +184,24 @@ class GradientSynchroniser:
                 self._write_back(bucket, flat)
             if not self._order_agreed:
                 self._agree_on_order()
+            self._warn_of_unknown_gradients()
         finally:
             self.reset()
             self._buffers_due = True
+
+    def _warn_of_unknown_gradients(self) -> None:
+        """A parameter that trains now but did not when this synchroniser was built (unfrozen,
+        added, or in a replaced module) is not averaged: the ranks' copies drift apart."""
+        unknown = [p for p in self.module.parameters() if p.grad is not None and id(p) not in self._index]
+        if unknown:
+            warn_once(
+                ("GradientSynchroniser missing parameters", id(self)),
+                f"twobp: {len(unknown)} parameter(s) of the module got gradients but were not trainable "
+                "parameters of it when this GradientSynchroniser was built (unfrozen, added or replaced "
+                "since): they are not averaged, so the ranks' copies drift apart. Build a new "
+                "GradientSynchroniser after changing what trains (close() the old one).",
+                stacklevel=3,
+            )
 
     def reset(self) -> None:
         """Forget this step's progress (after a failed step). Launched reductions are not
