@@ -50,12 +50,13 @@ def recompute_weight_grad(
     needs: Sequence[bool],
     *,
     module: nn.Module,
-    params: tuple[tuple[str, Tensor], ...],
     state: _ForwardState,
 ) -> list[Tensor | None]:
-    """``params`` are those the forward computed with (under ``torch.func.functional_call``
-    other tensors than the module's own, which it holds again by the flush)."""
+    """The parameters replayed are those the forward computed with (``state.params``: under
+    ``torch.func.functional_call`` other tensors than the module's own, which it holds again by
+    the flush)."""
     state.check_unchanged(module)
+    params = state.params.items()
     with torch.enable_grad(), state.training_flags_restored(module):
         leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(params, needs, strict=True)}
         outputs = _plain_forward(module, [t.detach() for t in saved], {**leaves, **state.buffers()})
@@ -173,7 +174,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         state.restore(module, values)
         return plain_forward(module, _unreplayable[module], *inputs)
     del values
-    kernel = functools.partial(recompute_weight_grad, module=module, params=tuple(params.items()), state=state)
+    kernel = functools.partial(recompute_weight_grad, module=module, state=state)
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key())

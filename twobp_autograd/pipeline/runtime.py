@@ -110,7 +110,6 @@ class _Step:
     inputs: list[Tensor]  # the micro-batches, on the first rank
     targets: list[Any]  # on the last rank: tensors, or dicts / tuples / lists of tensors
     shape_key: Hashable  # the step's input shape: activation shapes are exchanged once per key
-    batch: int  # samples in the step
     loss_divisors: list[float]  # on the last rank: what each micro-batch's loss is divided by
     memory: MemoryProbe
     timer: StepTimer
@@ -240,7 +239,6 @@ class PipelineRuntime:
             inputs=list(inputs.tensor_split(m)) if inputs is not None and self.first else [],
             targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
             shape_key=shape_key,
-            batch=_batch_of(shape_key),
             loss_divisors=[],
             memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),
             timer=StepTimer(self.rank, self.device),
