@@ -404,3 +404,16 @@ def test_cuda_options_benchmark_says_it_needs_a_gpu(monkeypatch) -> None:
 
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         cuda_options.main([])
+
+
+def test_zb_bound_replay_picks_a_bound_no_slower_than_zb_or_1f1b_2(sweep) -> None:
+    """benchmarks/zb_bound.py on the committed sweep results: at the bound fastest_max_pending
+    picks, zb is no slower than at its default, and ahead of 1F1B-2, on every model and p."""
+    import zb_bound
+
+    models = [d for d in zb_bound.RAW.iterdir() if (d / "costs.json").exists()]
+    assert models, "no committed sweep results to replay"
+    for model_dir in models:
+        for p in (2, 4, 8):
+            row = zb_bound.replay(model_dir, p)
+            assert row["zb_at_best"] >= row["zb"] and row["zb_at_best"] > row["1f1b-2"], (model_dir.name, p, row)
