@@ -20,7 +20,25 @@ import torch.distributed as dist
 from twobp_autograd.pipeline import zoo
 from twobp_autograd.pipeline.launch import process_group, run_as_ranks
 
-__all__ = ["add_model_arguments", "run_on_local_ranks", "recorded_arguments", "write_json", "write_results"]
+__all__ = [
+    "KEEP_FREED_MEMORY",
+    "add_model_arguments",
+    "allocator_environment",
+    "run_on_local_ranks",
+    "recorded_arguments",
+    "write_json",
+    "write_results",
+]
+
+#: glibc malloc tunables (read when a process starts) that keep freed memory in the process:
+#: no trimming of the heap's top, and blocks up to 32 MiB (glibc's ceiling) from the heap, not
+#: from mmap. With glibc's defaults a CPU step hands freed memory back to the system and
+#: faults it in again on the next; a split backward, which holds output gradients until its
+#: flush, pays that more than a plain one (README, "Performance on the CPU").
+KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
+
+#: What a results file records of the allocator settings it was measured under.
+_ALLOCATOR_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LD_PRELOAD")
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: str | None = None) -> None:
@@ -47,8 +65,18 @@ def write_results(path: str, world: int, document: dict[str, Any]) -> None:
         "torch": torch.__version__,
         "machine": platform.platform(),
         "cpu_count": os.cpu_count(),
+        "allocator": allocator_environment(),
     }
     write_json(path, {**environment, **document})
+
+
+def allocator_environment() -> dict[str, str]:
+    """The allocator variables set in this process's environment (a preloaded library by its
+    file name only)."""
+    found = {name: os.environ[name] for name in _ALLOCATOR_VARIABLES if os.environ.get(name)}
+    if "LD_PRELOAD" in found:
+        found["LD_PRELOAD"] = " ".join(Path(part).name for part in found["LD_PRELOAD"].split())
+    return found
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:

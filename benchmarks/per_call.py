@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from local_ranks import recorded_arguments, write_json  # beside this script
+from local_ranks import allocator_environment, recorded_arguments, write_json  # beside this script
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.profiler import ProfilerActivity, profile
@@ -396,6 +396,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(),
             "load_average": load,
+            "allocator": allocator_environment(),
         },
         "layers": layers,
         "stages": stages,

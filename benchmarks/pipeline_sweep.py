@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from local_ranks import KEEP_FREED_MEMORY, allocator_environment  # beside this script
 
 from twobp_autograd.pipeline import bench
 from twobp_autograd.pipeline.actions import Action, Held, RankMemory
@@ -502,7 +503,10 @@ def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_sched
         "--steps", str(mode.steps), "--warmup", str(mode.warmup),
         "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
     ]  # fmt: skip
-    directory = raw / f"{model}-{_digest({'bench': bench_args, 'costs': [mode.counts, mode.cost_repeats]})}"
+    config: dict[str, Any] = {"bench": bench_args, "costs": [mode.counts, mode.cost_repeats]}
+    if allocator_environment():  # (results measured under glibc's defaults keep their names)
+        config["allocator"] = allocator_environment()
+    directory = raw / f"{model}-{_digest(config)}"
     directory.mkdir(parents=True, exist_ok=True)
     bench_json, costs_json, traces = directory / "bench.json", directory / "costs.json", directory / "traces"
     bench_command = [sys.executable, "-m", "twobp_autograd", "bench", "pipeline", *bench_args]
@@ -551,7 +555,10 @@ def _run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, 
     results = []
     for name in mode.zb_schedules:
         arguments = ["--schedule", name, *mode.zb_arguments]
-        out = raw / f"pipelining_zb-{name}-{_digest({'zb': arguments})}.json"
+        config: dict[str, Any] = {"zb": arguments}
+        if allocator_environment():
+            config["allocator"] = allocator_environment()
+        out = raw / f"pipelining_zb-{name}-{_digest(config)}.json"
         try:
             if force or not out.exists():
                 _run(
@@ -576,6 +583,7 @@ def _machine_info() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "cuda": torch.cuda.is_available(),
         "load_average_1_5_15": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "allocator": allocator_environment(),
     }
 
 
@@ -601,6 +609,11 @@ def _parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-pipelining-zb", action="store_true", help="skip PyTorch's ZB schedules comparison")
     parser.add_argument("--no-plots", action="store_true", help="JSON only (plot later with plot_results.py)")
     parser.add_argument("--force", action="store_true", help="re-measure parts already saved")
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="run every part with glibc's malloc keeping freed memory (both sides alike; see README)",
+    )
     args = parser.parse_args(argv)
     unknown = set(args.models or ()) - set(bench.MODELS)
     if unknown:
@@ -615,6 +628,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     raw = out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     models = list(args.models or bench.MODELS)
+    if args.keep_freed_memory:
+        os.environ.update(KEEP_FREED_MEMORY)  # read by each part's processes as they start
     started = time.perf_counter()
     document: dict[str, Any] = {
         "kind": "smoke run (quick mode): not figures to quote" if args.quick else "full sweep",

@@ -110,6 +110,12 @@ def _table_head(columns: Sequence[str]) -> list[str]:
     return [f"| {' | '.join(columns)} |", "|" + "---|" * len(columns)]
 
 
+def _allocator(settings: Mapping[str, str] | None) -> str:
+    if not settings:
+        return "glibc's malloc with its defaults"
+    return "malloc settings " + ", ".join(f"`{name}={value}`" for name, value in settings.items())
+
+
 def _introduction(document: Mapping[str, Any]) -> list[str]:
     machine = document["machine"]
     return [
@@ -120,7 +126,7 @@ def _introduction(document: Mapping[str, Any]) -> list[str]:
         + f": torch {machine['torch']}, {machine['cpu_count']} cores ({machine['processor']}), "
         f"{document['ranks']} gloo ranks with {document['threads_per_rank']} thread each; load average "
         f"{_load(machine.get('load_average_1_5_15'))} at the start, "
-        f"{_load(machine.get('load_average_at_end'))} at the end. "
+        f"{_load(machine.get('load_average_at_end'))} at the end; {_allocator(machine.get('allocator'))}. "
         f"Each run: {document['mode']['warmup']} warm-up + {document['mode']['steps']} measured steps, 2BP off and on "
         "alternating step by step; medians.",
         "",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -284,6 +285,24 @@ def test_tiny_sweep_end_to_end_then_resumes_without_measuring(sweep, tmp_path, m
     (tmp_path / "pipeline.json").unlink()
     assert sweep.main(argv) == 0
     assert json.loads((tmp_path / "pipeline.json").read_text())["models"][0]["schedules"] == model["schedules"]
+
+    # Under --keep-freed-memory every part runs anew (other names), its processes started with
+    # glibc's tunables set, and the results say so.
+    from local_ranks import KEEP_FREED_MEMORY
+
+    seen: list[dict[str, str]] = []
+
+    def record_environment(command, log):
+        seen.append({name: os.environ.get(name, "") for name in KEEP_FREED_MEMORY})
+        raise RuntimeError("not measured here")
+
+    for name in KEEP_FREED_MEMORY:
+        monkeypatch.delenv(name, raising=False)  # restored (unset) after the test
+    monkeypatch.setattr(sweep, "_run", record_environment)
+    assert sweep.main([*argv, "--keep-freed-memory"]) == 1  # the model "failed": nothing measured
+    assert seen == [KEEP_FREED_MEMORY]
+    document = json.loads((tmp_path / "pipeline.json").read_text())
+    assert document["machine"]["allocator"] == KEEP_FREED_MEMORY
 
 
 def test_readme_table_goes_between_the_markers_and_only_there(sweep, tmp_path) -> None:
