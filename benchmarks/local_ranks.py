@@ -34,7 +34,7 @@ __all__ = [
 #: no trimming of the heap's top, and blocks up to 32 MiB (glibc's ceiling) from the heap, not
 #: from mmap. With glibc's defaults a CPU step hands freed memory back to the system and
 #: faults it in again on the next; a split backward, which holds output gradients until its
-#: flush, pays that more than a plain one (README, "Performance on the CPU").
+#: flush, pays that more than a plain one (README, "glibc's malloc and the split").
 KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESHOLD_": str(32 << 20)}
 
 #: What a results file records of the allocator settings it was measured under.
