@@ -52,6 +52,17 @@ def test_include_and_exclude_by_type_and_name():
     assert twobp.patch(copy.deepcopy(twobp.unpatch(model)), exclude=[nn.Linear], report=True).patched == []
 
 
+def test_one_selector_alone_is_one_selector_and_others_are_refused():
+    """A bare string is one pattern, not a sequence of one-letter patterns ("1.*" iterated
+    would exclude everything through its "*")."""
+    model = nn.Sequential(nn.Linear(3, 3), nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)))
+    assert twobp.patch(copy.deepcopy(model), exclude="1.*", report=True).patched == ["0"]
+    assert twobp.patch(copy.deepcopy(model), include="1.0", report=True).patched == ["1.0"]
+    assert twobp.patch(copy.deepcopy(model), exclude=nn.Linear, report=True).patched == []
+    with pytest.raises(TypeError, match="twobp: patch's include takes module types and qualified-name patterns"):
+        twobp.patch(copy.deepcopy(model), include=[3])
+
+
 class _MyLinear(nn.Linear):
     pass
 

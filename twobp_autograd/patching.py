@@ -111,6 +111,19 @@ def _wants_grad(module: nn.Module) -> bool:
     return False
 
 
+def _selectors(argument: str, given: Selector | Iterable[Selector]) -> list[Selector]:
+    """``given`` as a list of selectors: one type or pattern alone is one selector (a string is
+    not a sequence of one-letter patterns); anything but types and strings is refused."""
+    selectors = [given] if isinstance(given, (str, type)) else list(given)
+    for selector in selectors:
+        if not isinstance(selector, (str, type)):
+            raise TypeError(
+                f"twobp: patch's {argument} takes module types and qualified-name patterns "
+                f"(strings such as 'layer4.*'), not {selector!r}"
+            )
+    return selectors
+
+
 def _selected(name: str, module: nn.Module, selectors: Iterable[Selector]) -> bool:
     return any(
         (isinstance(s, type) and module_class(module) is s) or (isinstance(s, str) and fnmatch.fnmatchcase(name, s))
@@ -151,20 +164,20 @@ def _is_patched(module: nn.Module) -> bool:
 def patch(
     model: nn.Module,
     *,
-    include: Iterable[Selector] | None = None,
-    exclude: Iterable[Selector] | None = None,
+    include: Selector | Iterable[Selector] | None = None,
+    exclude: Selector | Iterable[Selector] | None = None,
     report: bool = False,
 ) -> Any:
     """Defer the weight gradients of every registered module of ``model``, in place.
 
     ``include`` / ``exclude`` take module types (exact) and qualified-name patterns
-    (``fnmatch``, e.g. ``"layer4.*"``). Returns ``model``, or a :class:`PatchReport` when
-    ``report=True``. Patching twice changes nothing.
+    (``fnmatch``, e.g. ``"layer4.*"``), one alone or several in a list. Returns ``model``, or a
+    :class:`PatchReport` when ``report=True``. Patching twice changes nothing.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch expects an nn.Module, got {type(model).__name__}")
-    include = list(include) if include is not None else None
-    exclude = list(exclude or ())
+    include = _selectors("include", include) if include is not None else None
+    exclude = _selectors("exclude", exclude or ())
     check_not_inside_ddp(model)
     _install_guards()
     result = PatchReport(model)
