@@ -389,6 +389,30 @@ def test_a_hook_on_a_patched_outputs_node_sees_its_weight_gradients(last, hooked
     assert_grads_match(patched, reference)
 
 
+def test_a_bias_free_linear_on_sequences_ends_in_plains_own_node(fresh_warnings):
+    """Without a bias, aten::linear on a >2-D input ends in matmul's _unsafe_view, and so must the
+    patched one: a non-full hook on a parent (or a post-hook on the output's node) sees that
+    node's one gradient, whatever it does with it (here: scales it, the input's gradient and,
+    through it, the weight's). Ending in the patched node instead, the hook saw (input, weight)
+    gradients and scaled only the first: the weight's gradient came out half of plain's."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(8, 6, bias=False)))
+
+    def double_first(module: nn.Module, grad_input: tuple, grad_output: tuple) -> tuple:
+        return (grad_input[0] * 2, *grad_input[1:])
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # PyTorch's deprecation of non-full hooks
+        for m in (patched, reference):
+            m.register_backward_hook(double_first)
+        x = torch.randn(2, 3, 8)
+        outputs = [m(x) for m in (patched, reference)]
+    assert type(outputs[0].grad_fn) is type(outputs[1].grad_fn)
+    for out in outputs:
+        out.pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 @pytest.mark.parametrize("where", ["module", "global"])
 def test_a_deprecated_non_full_backward_hook_keeps_plain_autograd(where, fresh_warnings):
     """register_backward_hook (non-full) sees the gradients of the module's last autograd node,

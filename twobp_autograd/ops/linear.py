@@ -50,37 +50,26 @@ def linear_weight_grad(
 
 @sees_post_hooks
 class _DeferredLinear(torch.autograd.Function):
-    """``F.linear`` as one autograd node (the op and its tap in one): its backward computes the
-    input gradient by autograd's own formula for ``mm``'s first operand and routes the
-    parameters' work as the tap does. Taken only where that formula is all plain autograd
-    does: no autocast cast to replay, no forward-mode AD, dense strided tensors.
-
-    ``input`` is rows, or (without a bias) any batch of rows: ``F.linear`` folds those to rows
-    itself, as ``aten::matmul`` does, and returns no view, so the node is the output's own."""
+    """``F.linear`` on 2-D rows as one autograd node (the op and its tap in one): its backward
+    computes the input gradient by autograd's own formula for ``mm``'s first operand and routes
+    the parameters' work as the tap does. Taken only where that formula is all plain autograd
+    does: no autocast cast to replay, no forward-mode AD, dense strided tensors."""
 
     @staticmethod
-    def forward(ctx: Any, deferral: ParamDeferral, input: Tensor, weight: Tensor, bias_input: Tensor) -> Tensor:
+    def forward(ctx: Any, deferral: ParamDeferral, rows: Tensor, weight: Tensor, bias_input: Tensor) -> Tensor:
         ctx.deferral = deferral
-        rows = input.flatten(0, -2) if input.dim() > 2 else input  # what the product ran on
-        ctx.input_shape = input.shape
-        # The weight only for the input's gradient, as mm saves it: a first layer's weight
+        # The weight only for the input's gradient, as addmm saves it: a first layer's weight
         # may change in place before backward (an EMA of the weights) without a version error.
         ctx.save_for_backward(rows, weight if ctx.needs_input_grad[1] else None)
-        return F.linear(input, weight, param_from_input(bias_input))
+        return F.linear(rows, weight, param_from_input(bias_input))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
-        if grad.dim() > 2:
-            grad = grad.flatten(0, -2)  # as matmul's view back to the batch is undone in backward
-        grad_input = None
-        if weight is not None:
-            grad_input = _rows_grad(grad, rows, weight)
-            if grad_input.dim() != len(ctx.input_shape):
-                grad_input = grad_input.reshape(ctx.input_shape)
+        grad_rows = _rows_grad(grad, rows, weight) if weight is not None else None
         deferral: ParamDeferral = ctx.deferral
         param_grads = deferral.route(ctx, linear_weight_grad, linear_weight_grad, None, (rows,), (grad,))
-        return (None, grad_input, *param_grads)
+        return (None, grad_rows, *param_grads)
 
 
 def _rows_grad(grad: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
@@ -93,17 +82,12 @@ def _rows_grad(grad: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
 
 def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``F.linear`` with the weight gradients deferred; usable inside other ops' forwards."""
-    single_node = single_node_applies(input, weight)
-    if single_node and bias is None and input.dim() > 2 and input.is_contiguous():
-        # Whole: F.linear folds a contiguous batch into rows as a view (no copy to save twice).
-        deferral = ParamDeferral.at_forward((weight, None))
-        return _DeferredLinear.apply(deferral, input, weight, _NO_BIAS)
     # On rows, as aten::linear itself computes a >2-D product with a bias (addmm, then a view):
     # tapping that view instead would make autograd rebase its history onto the base, and
     # backward would then copy every output gradient (CopySlices).
     # flatten, not reshape(-1, features): that is ambiguous for a batch of 0 with 0 features.
     rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
-    if single_node:
+    if single_node_applies(rows, weight):
         deferral = ParamDeferral.at_forward((weight, bias))
         output = _DeferredLinear.apply(deferral, rows, weight, *param_inputs((bias,)))
     else:
@@ -118,9 +102,6 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     # on a view rebases its history, and a hook registered on the view before is never called.
     shape = (*input.shape[:-1], output.shape[-1])
     return output.view(shape) if bias is not None else torch.ops.aten._unsafe_view(output, shape)
-
-
-(_NO_BIAS,) = param_inputs((None,))
 
 
 @register((nn.Linear, NonDynamicallyQuantizableLinear))
