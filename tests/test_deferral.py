@@ -12,6 +12,7 @@ from torch import nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
+from twobp_autograd import warn_once
 from twobp_autograd.flush import PartlyDelivered
 
 
@@ -829,6 +830,85 @@ def test_recompute_rule_on_a_module_with_an_output_without_gradient():
             (probs * chosen).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+class Shaped(nn.Module):
+    """Returns its product in a container of the kind asked for, with what else is asked for."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.register_buffer("mask", torch.ones(4, dtype=torch.float64))
+        self.kind = kind
+
+    def forward(self, x):
+        y = x * self.weight
+        return {
+            "1-tuple": lambda: (y,),
+            "list": lambda: [y, y * 2],
+            "dict": lambda: {"y": y},
+            "with-none": lambda: (y, None),
+            "with-int": lambda: (y, 3),
+            "with-its-input": lambda: (y, x),
+            "with-a-view-of-its-input": lambda: (y, x.t()),
+            "with-its-buffer": lambda: (y, self.mask),
+            "two-views-of-one": lambda: (y, y.view(-1)),
+        }[self.kind]()
+
+
+RETURNED_AS_THEY_ARE = ["1-tuple", "list"]
+PLAIN_AUTOGRAD = ["dict", "with-none", "with-int", "with-its-input", "with-a-view-of-its-input", "with-its-buffer",
+                  "two-views-of-one"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", RETURNED_AS_THEY_ARE + PLAIN_AUTOGRAD)
+def test_recompute_rule_returns_outputs_as_the_forward_does_and_leaves_its_inputs_and_buffers_alone(kind, monkeypatch):
+    """A 1-tuple came back as a bare tensor (indexing it then took a row, silently) and a list
+    as a tuple; outputs the tap cannot re-parent in place (the module's own input or buffer, a
+    view of one, two views of one tensor) made the caller's input or the module's buffer a
+    non-leaf with a history, or failed; non-tensor outputs failed. Such calls keep plain autograd."""
+    monkeypatch.setattr(warn_once, "given", set())  # each reason warns once per process
+    twobp.register(Shaped, twobp.ops.recompute)
+    patched, reference = patched_and_reference(Shaped(kind))
+    with contextlib.ExitStack() as stack:
+        if kind in PLAIN_AUTOGRAD:
+            stack.enter_context(pytest.warns(UserWarning, match="is not deferred; such calls keep plain autograd"))
+        for _ in range(2):
+            x = torch.randn(3, 4, dtype=torch.float64)
+            outputs = [model(x) for model in (patched, reference)]
+            assert type(outputs[0]) is type(outputs[1])
+            assert x.is_leaf and not x.requires_grad and patched.mask.is_leaf and not patched.mask.requires_grad
+            for output in outputs:
+                first = output["y"] if isinstance(output, dict) else output[0]
+                first.pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+    copy.deepcopy(patched)  # a buffer given a history would refuse
+
+
+class TwoOutputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.shift = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.weight, x + self.shift
+
+
+def test_an_output_a_backward_does_not_reach_is_named_in_a_warning(monkeypatch):
+    """Known difference: the tap's kernel takes zeros for an output this backward does not reach,
+    so a parameter reached only through it gets zeros where plain leaves None. Said, not silent."""
+    monkeypatch.setattr(warn_once, "given", set())
+    twobp.register(TwoOutputs, twobp.ops.recompute)
+    patched, reference = patched_and_reference(TwoOutputs())
+    x = torch.randn(3, 4)
+    with pytest.warns(UserWarning, match="twobp: a backward reached only some outputs"):
+        patched(x)[0].sum().backward()
+    reference(x)[0].sum().backward()
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(patched.weight.grad, reference.weight.grad)
+    assert reference.shift.grad is None and torch.count_nonzero(patched.shift.grad) == 0
 
 
 def test_gradient_edges_as_inputs():

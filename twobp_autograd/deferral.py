@@ -274,6 +274,9 @@ class _WeightGradTap(torch.autograd.Function):
         ctx.spec = spec
         ctx.mark_dirty(*outputs)  # re-parent the op's outputs onto this node: no copy, no view
         ctx.save_for_backward(*saved)  # saved-tensor hooks and version checks apply as usual
+        if len(outputs) > 1:  # a backward may reach only some: see backward
+            ctx.set_materialize_grads(False)
+            ctx.output_meta = [(t.shape, t.dtype, t.device) for t in outputs]
         return outputs if len(outputs) > 1 else outputs[0]
 
     @staticmethod
@@ -294,14 +297,29 @@ class _WeightGradTap(torch.autograd.Function):
                 "torch.func), or twobp.unpatch(model) for this computation."
             )
         ctx.saw_tangents = True
-        guarded = tuple(guard_tangent(t, params, bump_version=True) for t in tangents[: spec.num_outputs])
+        outputs = tangents[: spec.num_outputs]
+        if None in outputs:  # not materialised where the tap has several outputs (see forward)
+            outputs = tuple(
+                torch.zeros(shape, dtype=dtype, device=device) if t is None else t
+                for t, (shape, dtype, device) in zip(outputs, ctx.output_meta, strict=True)
+            )
+        guarded = tuple(guard_tangent(t, params, bump_version=True) for t in outputs)
         return guarded if len(guarded) > 1 else guarded[0]
 
     @staticmethod
-    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor | None, ...]:
+    def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _TapSpec = ctx.spec
         deferral, saved = spec.deferral, ctx.saved_tensors
-        param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, grad_outputs)
+        given: Sequence[Tensor] = grad_outputs  # type: ignore[assignment]  # None only with several outputs
+        if None in grad_outputs:
+            # An output this backward does not reach: its kernel takes zeros for it, so a
+            # parameter reached only through it gets zeros where plain leaves None.
+            _warn_unreached_output_once()
+            given = [
+                torch.zeros(shape, dtype=dtype, device=device) if g is None else g
+                for g, (shape, dtype, device) in zip(grad_outputs, ctx.output_meta, strict=True)
+            ]
+        param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
 
 
@@ -372,6 +390,17 @@ def _decide_param(param: Tensor, node: Any) -> Decision:
         _warn_hooked_param_once()
         return "now"
     return decision
+
+
+def _warn_unreached_output_once() -> None:
+    warn_once(
+        "unreached output of a patched module",
+        "twobp: a backward reached only some outputs of a module with several (a recompute rule's, "
+        "or a rule of your own); its weight kernel takes zeros for the others, so a parameter that "
+        "only those reach gets a zero .grad where plain autograd leaves it None (weight decay then "
+        "moves it). Exclude such a module from patch() if that matters.",
+        stacklevel=2,
+    )
 
 
 def _warn_post_hooked_once() -> None:

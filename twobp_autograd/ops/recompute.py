@@ -15,7 +15,12 @@ are the forward's tensors, and a buffer or parameter changed in place since the 
 refused with an error rather than replayed with other values. A forward that changes its own
 buffers (a counter, a running statistic) cannot be replayed either: it keeps plain autograd, as
 one drawing random numbers does (its buffers are copied before each call to make that possible).
-Plain Python attributes the forward reads are not seen.
+Plain Python attributes the forward reads are not seen, nor draws from a ``torch.Generator``
+of the module's own (only the default generators are watched).
+
+Its outputs are a tensor, or a tuple or list of them, returned in that container; a call that
+returns anything else, or returns its own input, parameter or buffer (or a view of one, or two
+views of one tensor), keeps plain autograd: the tap re-parents each output in place.
 """
 
 from __future__ import annotations
@@ -37,11 +42,39 @@ from .fallback import plain_forward, unsupported_tensors
 __all__ = ["recompute"]
 
 
-def _plain_forward(module: nn.Module, inputs: Sequence[Tensor], params: dict[str, Tensor]) -> tuple[Tensor, ...]:
+def _plain_forward(module: nn.Module, inputs: Sequence[Tensor], params: dict[str, Tensor]) -> Any:
     with _reparametrize_module(module, params):
         # The class's forward: a patched instance forward would come back here.
-        output = type(module).forward(module, *inputs)
+        return type(module).forward(module, *inputs)
+
+
+def _as_tensors(output: Any) -> tuple[Tensor, ...]:
     return (output,) if isinstance(output, Tensor) else tuple(output)
+
+
+def _unfit_outputs(output: Any, own: Sequence[Tensor]) -> str | None:
+    """Why the tap cannot take ``output`` (it re-parents each output tensor in place onto its
+    node), or None: it takes a tensor, or a tuple or list of distinct new tensors, none of
+    them ``own`` (the inputs, parameters and buffers) or a view of one."""
+    if isinstance(output, Tensor):
+        output = (output,)
+    elif not isinstance(output, (tuple, list)) or not all(isinstance(t, Tensor) for t in output):
+        return _NOT_TENSORS
+    roots = [id(t if t._base is None else t._base) for t in output]
+    owned = {id(t if t._base is None else t._base) for t in own}
+    if len(set(roots)) < len(roots) or owned.intersection(roots):
+        return _ALIASES
+    return None
+
+
+def _shaped_as(output: Any, tapped: Tensor | tuple[Tensor, ...]) -> Any:
+    """The tapped tensors in the container the forward returned them in."""
+    if isinstance(output, Tensor):
+        return tapped
+    tensors = (tapped,) if isinstance(tapped, Tensor) else tapped
+    if hasattr(type(output), "_make"):  # a NamedTuple
+        return type(output)._make(tensors)
+    return type(output)(tensors)
 
 
 def recompute_weight_grad(
@@ -59,7 +92,7 @@ def recompute_weight_grad(
     params = state.params.items()
     with torch.enable_grad(), state.training_flags_restored(module):
         leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(params, needs, strict=True)}
-        outputs = _plain_forward(module, [t.detach() for t in saved], {**leaves, **state.buffers()})
+        outputs = _as_tensors(_plain_forward(module, [t.detach() for t in saved], {**leaves, **state.buffers()}))
         # Outputs the parameters do not reach (a router's integer indices) have no gradient.
         differentiable = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if o.requires_grad]
         wanted = [leaves[n] for (n, _), need in zip(params, needs, strict=True) if need]
@@ -141,6 +174,8 @@ class _ForwardState:
 
 _RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
 _STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
+_NOT_TENSORS = "outputs other than a tensor or a tuple or list of tensors"
+_ALIASES = "outputs that are its inputs, parameters or buffers, views of them, or views of one another"
 
 #: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
 #: keep plain autograd.
@@ -163,10 +198,15 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
-    outputs = _plain_forward(module, inputs, {n: detached(p) for n, p in params.items()})
+    output = _plain_forward(module, inputs, {n: detached(p) for n, p in params.items()})
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
-    if random or state.changed_by_forward(module):
-        _unreplayable[module] = _RANDOM if random else _STATEFUL
+    why = (
+        _RANDOM if random
+        else _STATEFUL if state.changed_by_forward(module)
+        else _unfit_outputs(output, [*tensors, *state.buffers().values()])
+    )  # fmt: skip
+    if why is not None:
+        _unreplayable[module] = why
         # Run again on plain autograd from the same random state and buffers, so that the
         # output is plain's and generators and buffers end where one plain forward leaves them.
         torch.set_rng_state(cpu_state)
@@ -178,7 +218,8 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key())
-    return defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=group)
+    tapped = defer_weight_grads(_as_tensors(output), tuple(params.values()), inputs, kernel, group=group)
+    return _shaped_as(output, tapped)
 
 
 def _random_numbers_drawn(cpu_state: Tensor, device_states: list[Tensor], tensors: Sequence[Tensor]) -> bool:
