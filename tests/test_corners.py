@@ -64,8 +64,9 @@ class Case:
 
 CASES = [
     Case("linear", lambda: nn.Linear(4, 3), (4,)),
-    # Without a bias a batch of rows (>2-D) runs whole through one node (F.linear folds it).
     Case("linear-no-bias-sequences", lambda: nn.Linear(4, 3, bias=False), (2, 4)),
+    # One feature: a 0-d input would pass as a row of one (plain refuses it).
+    Case("linear-one-feature", lambda: nn.Linear(1, 3), (1,)),
     Case("conv1d", lambda: nn.Conv1d(3, 4, 3, padding=1), (3, 6)),
     Case("conv2d", lambda: nn.Conv2d(3, 4, 3, padding=1), (3, 5, 4)),
     Case("conv3d", lambda: nn.Conv3d(2, 3, 2), (2, 3, 4, 3)),

@@ -972,3 +972,39 @@ def test_parameters_frozen_between_forward_and_backward(layer, frozen, unfrozen_
     assert all((p.grad is None) != unfrozen_before_backward for p in params)  # plain's verdict (reference ran last)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class Scale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.weight
+
+
+def test_a_rule_of_ones_own_that_misuses_the_tap_is_told_so():
+    """A user rule (README, How to add an op) whose kernel returns a gradient too few, or that
+    hands the tap a non-tensor to save, got Python's zip or attribute error from inside."""
+
+    def too_few(saved, grad_outputs, needs):
+        return []
+
+    @twobp.register(Scale)
+    def deferred(module, x):
+        output = x * twobp.deferral.detached(module.weight)
+        return twobp.deferral.defer_weight_grads(output, (module.weight,), (x.detach(),), too_few)
+
+    model = twobp.patch(Scale())
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="twobp: the weight-gradient kernel .*too_few' returned 0 gradients for 1"):
+        twobp.flush_weight_grads()
+    twobp.discard_weight_grads()
+
+    @twobp.register(Scale)
+    def saves_a_float(module, x):
+        output = x * twobp.deferral.detached(module.weight)
+        return twobp.deferral.defer_weight_grads(output, (module.weight,), (x.detach(), 0.5), too_few)
+
+    with pytest.raises(TypeError, match=r"twobp: defer_weight_grads takes .* saved \['Tensor', 'float'\]"):
+        twobp.patch(Scale())(torch.randn(3, 4))

@@ -467,8 +467,15 @@ def defer_weight_grads(
     # gradient accumulator: that is what the engine is asked about in backward. (The others,
     # as `detached` leaves them, keep their graph through the op itself.)
     saved_tensors = tuple(saved)
-    output_versions = [t._version for t in outs]
-    saved_versions = [t._version for t in saved_tensors]
+    try:
+        output_versions = [t._version for t in outs]
+        saved_versions = [t._version for t in saved_tensors]
+    except AttributeError:
+        raise TypeError(
+            "twobp: defer_weight_grads takes the op's output tensors and the tensors its kernel "
+            f"needs, got outputs {[type(t).__name__ for t in outs]} and saved "
+            f"{[type(t).__name__ for t in saved_tensors]} (pass other values to the kernel with functools.partial)"
+        ) from None
     tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))
     # mark_dirty bumped the outputs' version counters, yet no value changed: put them back, so
     # that whatever recorded them before stays valid (the op's own saved output, as sigmoid or

@@ -137,6 +137,12 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                 )
             for index, group in enumerate(groups):
                 grads = _run_group(group, options) if launched is None else launched.take(index)
+                if len(grads) != len(group[0].params):
+                    raise RuntimeError(
+                        f"twobp: the weight-gradient kernel '{_kernel_name(group[0])}' returned {len(grads)} "
+                        f"gradients for {len(group[0].params)} parameters: a kernel returns one per parameter "
+                        "(None where it is not needed)."
+                    )
                 if check_nan:
                     _refuse_nan(group[0], grads)
                 ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
@@ -188,12 +194,16 @@ def _refuse_nan(job: WeightGradJob, grads: Sequence[Tensor | None]) -> None:
     node's outputs in backward; these are computed at the flush)."""
     for index, grad in enumerate(grads):
         if grad is not None and torch.isnan(grad).any():
-            name = getattr(job.kernel, "func", job.kernel).__name__
             raise RuntimeError(
-                f"twobp: the deferred weight-gradient kernel '{name}' returned nan values in its "
+                f"twobp: the deferred weight-gradient kernel '{_kernel_name(job)}' returned nan values in its "
                 f"{index}th output (anomaly mode's check_nan was on when its backward ran; the flush "
                 "checks for it)."
             )
+
+
+def _kernel_name(job: WeightGradJob) -> str:
+    kernel = getattr(job.kernel, "func", job.kernel)
+    return getattr(kernel, "__qualname__", repr(kernel))
 
 
 def _completes_a_watch(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch]) -> bool:

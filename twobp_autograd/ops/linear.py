@@ -86,6 +86,8 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     # tapping that view instead would make autograd rebase its history onto the base, and
     # backward would then copy every output gradient (CopySlices).
     # flatten, not reshape(-1, features): that is ambiguous for a batch of 0 with 0 features.
+    if input.dim() == 0:
+        return F.linear(input, weight, bias)  # plain's error (one feature would run on as a row)
     rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
     if single_node_applies(rows, weight):
         deferral = ParamDeferral.at_forward((weight, bias))
