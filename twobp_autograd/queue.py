@@ -148,7 +148,8 @@ class WeightGradQueue:
 
     @contextlib.contextmanager
     def tagged(self, tag: Hashable) -> Iterator[WeightGradQueue]:
-        """Tag the jobs of the backward passes run inside (e.g. with a micro-batch index)."""
+        """Tag the jobs of the forward passes run inside, or failing that of the backward passes
+        (e.g. with a micro-batch index): a tag given at the forward wins."""
         previous, self._tag = self._tag, tag
         try:
             yield self

@@ -50,7 +50,8 @@ def register(
     As a decorator, ``@register(MyNorm)`` on ``def forward(module, *args, **kwargs)``; or
     directly, ``register(MyNorm, twobp_autograd.ops.recompute)`` for a module whose forward
     treats the samples of a batch independently (see :func:`twobp_autograd.ops.recompute`).
-    A type registered again takes the new rule.
+    A type registered again takes the new rule for modules patched from then on (modules
+    already patched keep theirs until :func:`twobp_autograd.unpatch`).
     """
     types = module_type if isinstance(module_type, tuple) else (module_type,)
     for t in types:
