@@ -896,11 +896,43 @@ class TwoOutputs(nn.Module):
         return x * self.weight, x + self.shift
 
 
-def test_an_output_a_backward_does_not_reach_is_named_in_a_warning(monkeypatch):
-    """Known difference: the tap's kernel takes zeros for an output this backward does not reach,
-    so a parameter reached only through it gets zeros where plain leaves None. Said, not silent."""
-    monkeypatch.setattr(warn_once, "given", set())
+@pytest.mark.parametrize("strategy", ["concat", "loop"])
+@pytest.mark.parametrize("reached", ["first-only", "first-only-then-both"])
+def test_a_parameter_no_backward_reaches_stays_none_under_the_recompute_rule(strategy, reached):
+    """A loss on the first output only: plain never reaches ``shift`` and leaves its .grad None.
+    The tap used to hand the kernel zeros for the second output, which gave ``shift`` a zero
+    .grad (AdamW's weight decay then moved it). The kernel now leaves out the outputs no
+    backward reached; a micro-batch that did reach it still counts."""
     twobp.register(TwoOutputs, twobp.ops.recompute)
+    patched, reference = patched_and_reference(TwoOutputs())
+    queue = twobp.WeightGradQueue(strategy)
+    for step in range(2):
+        x = torch.randn(3, 4)
+        both = reached == "first-only-then-both" and step == 1
+        for model in (patched, reference):
+            with twobp.use_queue(queue):
+                first, second = model(x)
+            (first.sum() + (second.pow(2).sum() if both else 0)).backward()
+    queue.flush()
+    assert_grads_match(patched, reference)
+    assert (patched.shift.grad is None) == (reached == "first-only")
+
+
+def test_a_rule_of_ones_own_with_an_unreached_output_warns(monkeypatch):
+    """A rule of one's own whose kernel is not told which outputs were reached takes zeros for
+    the others: a parameter only they reach gets zeros where plain leaves None. Said, not silent."""
+    monkeypatch.setattr(warn_once, "given", set())
+
+    def both_parts(saved, grad_outputs, needs):
+        (x,) = saved
+        return [(grad_outputs[0] * x).sum(0) if needs[0] else None, grad_outputs[1].sum(0) if needs[1] else None]
+
+    @twobp.register(TwoOutputs)
+    def deferred(module, x):
+        outputs = (x * twobp.deferral.detached(module.weight), x + twobp.deferral.detached(module.shift))
+        params = (module.weight, module.shift)
+        return twobp.deferral.defer_weight_grads(outputs, params, (x.detach(),), both_parts)
+
     patched, reference = patched_and_reference(TwoOutputs())
     x = torch.randn(3, 4)
     with pytest.warns(UserWarning, match="twobp: a backward reached only some outputs"):

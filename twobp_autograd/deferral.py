@@ -191,6 +191,7 @@ class _TapSpec(NamedTuple):
     concatenate: bool | None
     num_outputs: int
     deferral: ParamDeferral
+    saves_reached: bool  # the kernel takes which outputs the backward reached (see defer_weight_grads)
 
 
 def kernel_group(kernel: WeightGradKernel) -> Hashable:
@@ -312,13 +313,18 @@ class _WeightGradTap(torch.autograd.Function):
         deferral, saved = spec.deferral, ctx.saved_tensors
         given: Sequence[Tensor] = grad_outputs  # type: ignore[assignment]  # None only with several outputs
         if None in grad_outputs:
-            # An output this backward does not reach: its kernel takes zeros for it, so a
-            # parameter reached only through it gets zeros where plain leaves None.
-            _warn_unreached_output_once()
+            # An output this backward does not reach: its kernel takes zeros for it, so unless
+            # it is told which were reached, a parameter reached only through that output would
+            # get zeros where plain leaves None.
+            if not spec.saves_reached:
+                _warn_unreached_output_once()
             given = [
                 torch.zeros(shape, dtype=dtype, device=device) if g is None else g
                 for g, (shape, dtype, device) in zip(grad_outputs, ctx.output_meta, strict=True)
             ]
+        if spec.saves_reached:
+            reached = torch.tensor([g is not None for g in grad_outputs])
+            saved = (*saved, reached.expand(saved[0].shape[0], len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
 
@@ -446,6 +452,7 @@ def defer_weight_grads(
     *,
     concatenate: bool | None = None,
     group: Hashable = None,
+    saves_reached: bool = False,
 ) -> Any:
     """Defer the gradients of ``params`` for an op whose ``outputs`` were computed with the
     parameters detached. ``kernel(saved, grad_outputs, needs)`` later returns one gradient per
@@ -453,7 +460,12 @@ def defer_weight_grads(
 
     ``concatenate``: False if the kernel must see one micro-batch at a time; otherwise it must
     accept several joined on dim 0 of every saved tensor and output gradient. True says joining
-    always pays; None (default) that it pays off the CPU only (see ``WeightGradQueue``)."""
+    always pays; None (default) that it pays off the CPU only (see ``WeightGradQueue``).
+
+    ``saves_reached`` (with several outputs): the kernel's last saved tensor is then a bool
+    ``(batch, outputs)`` (batch: ``saved[0]``'s dim 0) saying which outputs each micro-batch's
+    backward reached (the others' output gradients are zeros), so that a parameter no backward
+    reached through them can stay None, as in plain autograd."""
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
     deferral = ParamDeferral.at_forward(params)
     spec = _TapSpec(
@@ -462,6 +474,7 @@ def defer_weight_grads(
         concatenate=concatenate,
         num_outputs=len(outs),
         deferral=deferral,
+        saves_reached=saves_reached and len(outs) > 1,
     )
     # The leaf parameters are inputs of the tap so that its node has an edge to each one's
     # gradient accumulator: that is what the engine is asked about in backward. (The others,

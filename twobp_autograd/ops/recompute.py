@@ -84,17 +84,24 @@ def recompute_weight_grad(
     *,
     module: nn.Module,
     state: _ForwardState,
+    reached_saved: bool = False,
 ) -> list[Tensor | None]:
     """The parameters replayed are those the forward computed with (``state.params``: under
     ``torch.func.functional_call`` other tensors than the module's own, which it holds again by
-    the flush)."""
+    the flush). With several outputs the last saved tensor says which outputs each backward
+    reached: one no backward reached is left out, so a parameter only it reaches stays None."""
     state.check_unchanged(module)
     params = state.params.items()
+    inputs, reached = (saved[:-1], saved[-1].any(0).tolist()) if reached_saved else (saved, None)
     with torch.enable_grad(), state.training_flags_restored(module):
         leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(params, needs, strict=True)}
-        outputs = _as_tensors(_plain_forward(module, [t.detach() for t in saved], {**leaves, **state.buffers()}))
+        outputs = _as_tensors(_plain_forward(module, [t.detach() for t in inputs], {**leaves, **state.buffers()}))
         # Outputs the parameters do not reach (a router's integer indices) have no gradient.
-        differentiable = [(o, g) for o, g in zip(outputs, grad_outputs, strict=False) if o.requires_grad]
+        differentiable = [
+            (o, g)
+            for i, (o, g) in enumerate(zip(outputs, grad_outputs, strict=False))
+            if o.requires_grad and (reached is None or reached[i])
+        ]
         wanted = [leaves[n] for (n, _), need in zip(params, needs, strict=True) if need]
         if not differentiable:
             return [None] * len(needs)
@@ -214,11 +221,13 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         state.restore(module, values)
         return plain_forward(module, _unreplayable[module], *inputs)
     del values
-    kernel = functools.partial(recompute_weight_grad, module=module, state=state)
+    outputs = _as_tensors(output)
+    several = len(outputs) > 1
+    kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key())
-    tapped = defer_weight_grads(_as_tensors(output), tuple(params.values()), inputs, kernel, group=group)
+    tapped = defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=group, saves_reached=several)
     return _shaped_as(output, tapped)
 
 
