@@ -852,13 +852,14 @@ class Shaped(nn.Module):
             "with-its-input": lambda: (y, x),
             "with-a-view-of-its-input": lambda: (y, x.t()),
             "with-its-buffer": lambda: (y, self.mask),
+            "with-its-parameter": lambda: (y, self.weight),
             "two-views-of-one": lambda: (y, y.view(-1)),
         }[self.kind]()
 
 
 RETURNED_AS_THEY_ARE = ["1-tuple", "list"]
 PLAIN_AUTOGRAD = ["dict", "with-none", "with-int", "with-its-input", "with-a-view-of-its-input", "with-its-buffer",
-                  "two-views-of-one"]  # fmt: skip
+                  "with-its-parameter", "two-views-of-one"]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", RETURNED_AS_THEY_ARE + PLAIN_AUTOGRAD)

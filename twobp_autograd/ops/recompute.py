@@ -205,12 +205,13 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
-    output = _plain_forward(module, inputs, {n: detached(p) for n, p in params.items()})
+    substitutes = {n: detached(p) for n, p in params.items()}
+    output = _plain_forward(module, inputs, substitutes)
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
     why = (
         _RANDOM if random
         else _STATEFUL if state.changed_by_forward(module)
-        else _unfit_outputs(output, [*tensors, *state.buffers().values()])
+        else _unfit_outputs(output, [*tensors, *substitutes.values(), *state.buffers().values()])
     )  # fmt: skip
     if why is not None:
         _unreplayable[module] = why
