@@ -133,6 +133,27 @@ def test_unsupported_options_keep_plain_autograd(option, reason):
         torch.testing.assert_close(p, q)  # max_norm renormalised both the same way
 
 
+@pytest.mark.parametrize("option", ["max_norm", "sparse"])
+def test_unsupported_options_set_after_patch_keep_plain_autograd(option):
+    """Set on the module after patch(): sparse gradients came out dense (SparseAdam then refused
+    them), and max_norm's in-place renormalisation made the flush refuse the queued work."""
+    model = nn.Embedding(NUM, DIM)
+    twobp.patch(model)
+    reference = copy.deepcopy(model)
+    for m in (model, reference):
+        setattr(m, option, 1.0 if option == "max_norm" else True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            indices = torch.randint(0, NUM, (2, 5))
+            for m in (model, reference):
+                m(indices).pow(2).sum().backward()
+    assert twobp.pending().jobs == 0
+    assert model.weight.grad.layout == reference.weight.grad.layout
+    torch.testing.assert_close(model.weight.grad.to_dense(), reference.weight.grad.to_dense())
+    torch.testing.assert_close(model.weight, reference.weight)
+
+
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "frozen", "unpatched"])
 def test_plain_path_queues_nothing(mode):
     model = nn.Embedding(NUM, DIM)

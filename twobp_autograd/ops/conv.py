@@ -89,14 +89,14 @@ def conv_weight_grad(
 
 
 def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, IntTuple | None]:
-    """``padding='same'`` as symmetric per-dim padding plus the extra right-side zeros."""
-    reversed_pairs = module._reversed_padding_repeated_twice  # (left, right) per dim, last dim first
-    lefts = reversed_pairs[0::2]
-    rights = reversed_pairs[1::2]
-    symmetric = tuple(reversed(lefts))
+    """``padding='same'`` as symmetric per-dim padding plus the extra right-side zeros, worked
+    out at each call as ``F.convNd`` does (the module's own pairs are only made at construction:
+    a padding set to 'same' later would leave them stale)."""
+    totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+    symmetric = tuple(total // 2 for total in totals)
     extra: list[int] = []
-    for left, right in zip(lefts, rights, strict=True):
-        extra += [0, right - left]
+    for total in reversed(totals):  # F.pad's order: the last dim first
+        extra += [0, total - 2 * (total // 2)]
     return symmetric, (tuple(extra) if any(extra) else None)
 
 

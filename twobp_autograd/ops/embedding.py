@@ -59,7 +59,8 @@ def _unsupported(module: nn.Module) -> str | None:
 @register(nn.Embedding, unsupported=_unsupported)
 def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     weight = module.weight  # once: a parametrized weight is rebuilt per read
-    reason = unsupported_tensors(input, weight)
+    # Asked again here: sparse or max_norm may be set after patch().
+    reason = _unsupported(module) or unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input)
     output = F.embedding(
