@@ -170,3 +170,18 @@ def test_zero_grad_of_other_parameters_keeps_the_work() -> None:
     torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1).zero_grad()
     assert twobp.pending().jobs == 2
     twobp.flush_weight_grads()
+
+
+def test_a_step_refused_over_work_in_a_queue_of_ones_own_says_to_flush_that_queue():
+    """twobp.flush_weight_grads() flushes the current queue only: following the message's first
+    advice left the work of a queue the forwards ran under with use_queue, and the step refused
+    again without saying why."""
+    model = twobp.patch(nn.Linear(3, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue):
+        model(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"1 queue\(s\) of your own, .* flush each, queue.flush\(\)"):
+        optimizer.step()
+    queue.flush()
+    optimizer.step()

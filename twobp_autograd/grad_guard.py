@@ -15,8 +15,9 @@ after each call of the closure, where the backward ran). ``zero_grad`` (on ``Opt
 ``GradScaler.unscale_`` on its class; ``clip_grad_norm_`` where ``torch.nn.utils`` exposes it
 and through the helper it calls to scale the gradients
 (``torch.nn.utils.clip_grad._clip_grads_with_norm_``, public as ``clip_grads_with_norm_``),
-which catches it however the caller imported it; ``clip_grad_value_`` where ``torch.nn.utils``
-exposes it (a name imported from there before the first patch keeps the unchecked function).
+which catches ``clip_grad_norm_`` however the caller imported it; ``clip_grad_value_`` where
+``torch.nn.utils`` exposes it. A ``clip_grads_with_norm_`` or ``clip_grad_value_`` imported by
+name before the first patch keeps the unchecked function.
 
 Work that another thread's flush has taken out of a queue (:mod:`.queue`) is waited for, as
 it reaches ``.grad`` soon; by the clipping helper, which runs after the norm was read, it is
@@ -41,6 +42,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from . import queue as queue_module
 from .flush import summed_over_backward_calls
 from .queue import WeightGradQueue, queues_with_work
 from .warn_once import warn_once
@@ -71,12 +73,20 @@ def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait
     """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored).
     Work another thread's flush is running counts once it has landed (``wait``), or at once
     (``wait=False``, for a caller that has read the gradients already)."""
-    if _holding_work_for(params, wait=wait):
+    holding = _holding_work_for(params, wait=wait)
+    if holding:
+        own = sum(q is not queue_module._default_queue for q in holding)
+        where = (
+            f" ({own} queue(s) of your own, which the forwards ran under with twobp.use_queue, hold "
+            "some of it: flush each, queue.flush(); twobp.flush_weight_grads() flushes only the "
+            "current one)"
+            if own else ""
+        )
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
-            f"backward and before it{advice}. Under a GradientSynchroniser, its synchronise(queue) "
-            "flushes (pass the queue the forwards used, if not the default)."
+            f"backward and before it{advice}{where}. Under a GradientSynchroniser, its "
+            "synchronise(queue) flushes (pass the queue the forwards used, if not the default)."
         )
 
 
