@@ -475,7 +475,11 @@ def _predicted(
 
 
 def _digest(config: Mapping[str, Any]) -> str:
-    return hashlib.sha1(json.dumps(config, sort_keys=True).encode()).hexdigest()[:10]
+    """A part's name: its configuration, and the allocator settings where any are set (results
+    measured under glibc's defaults keep the names they had)."""
+    allocator = allocator_environment()
+    named = {**config, "allocator": allocator} if allocator else config
+    return hashlib.sha1(json.dumps(named, sort_keys=True).encode()).hexdigest()[:10]
 
 
 def _repo_path(path: Path) -> str:
@@ -503,10 +507,7 @@ def _run_model(model: str, mode: Mode, raw: Path, *, force: bool, timeline_sched
         "--steps", str(mode.steps), "--warmup", str(mode.warmup),
         "--threads", "1", "--nproc", str(WORLD), "--no-progress", *mode.bench_shape,
     ]  # fmt: skip
-    config: dict[str, Any] = {"bench": bench_args, "costs": [mode.counts, mode.cost_repeats]}
-    if allocator_environment():  # (results measured under glibc's defaults keep their names)
-        config["allocator"] = allocator_environment()
-    directory = raw / f"{model}-{_digest(config)}"
+    directory = raw / f"{model}-{_digest({'bench': bench_args, 'costs': [mode.counts, mode.cost_repeats]})}"
     directory.mkdir(parents=True, exist_ok=True)
     bench_json, costs_json, traces = directory / "bench.json", directory / "costs.json", directory / "traces"
     bench_command = [sys.executable, "-m", "twobp_autograd", "bench", "pipeline", *bench_args]
@@ -555,10 +556,7 @@ def _run_pipelining_zb(mode: Mode, raw: Path, *, force: bool) -> list[dict[str, 
     results = []
     for name in mode.zb_schedules:
         arguments = ["--schedule", name, *mode.zb_arguments]
-        config: dict[str, Any] = {"zb": arguments}
-        if allocator_environment():
-            config["allocator"] = allocator_environment()
-        out = raw / f"pipelining_zb-{name}-{_digest(config)}.json"
+        out = raw / f"pipelining_zb-{name}-{_digest({'zb': arguments})}.json"
         try:
             if force or not out.exists():
                 _run(

@@ -181,7 +181,7 @@ def test_a_step_refused_over_work_in_a_queue_of_ones_own_says_to_flush_that_queu
     queue = twobp.WeightGradQueue()
     with twobp.use_queue(queue):
         model(torch.randn(2, 3)).sum().backward()
-    with pytest.raises(RuntimeError, match=r"1 queue\(s\) of your own, .* flush each, queue.flush\(\)"):
+    with pytest.raises(RuntimeError, match=r"1 queue\(s\) other than the current one, .* flush each, queue.flush\(\)"):
         optimizer.step()
     queue.flush()
     optimizer.step()

@@ -298,12 +298,7 @@ class _WeightGradTap(torch.autograd.Function):
                 "torch.func), or twobp.unpatch(model) for this computation."
             )
         ctx.saw_tangents = True
-        outputs = tangents[: spec.num_outputs]
-        if None in outputs:  # not materialised where the tap has several outputs (see forward)
-            outputs = tuple(
-                torch.zeros(shape, dtype=dtype, device=device) if t is None else t
-                for t, (shape, dtype, device) in zip(outputs, ctx.output_meta, strict=True)
-            )
+        outputs = _zeros_where_none(ctx, tangents[: spec.num_outputs])
         guarded = tuple(guard_tangent(t, params, bump_version=True) for t in outputs)
         return guarded if len(guarded) > 1 else guarded[0]
 
@@ -311,22 +306,28 @@ class _WeightGradTap(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _TapSpec = ctx.spec
         deferral, saved = spec.deferral, ctx.saved_tensors
-        given: Sequence[Tensor] = grad_outputs  # type: ignore[assignment]  # None only with several outputs
-        if None in grad_outputs:
+        if None in grad_outputs and not spec.saves_reached:
             # An output this backward does not reach: its kernel takes zeros for it, so unless
             # it is told which were reached, a parameter reached only through that output would
             # get zeros where plain leaves None.
-            if not spec.saves_reached:
-                _warn_unreached_output_once()
-            given = [
-                torch.zeros(shape, dtype=dtype, device=device) if g is None else g
-                for g, (shape, dtype, device) in zip(grad_outputs, ctx.output_meta, strict=True)
-            ]
+            _warn_unreached_output_once()
+        given = _zeros_where_none(ctx, grad_outputs)
         if spec.saves_reached:
             reached = torch.tensor([g is not None for g in grad_outputs])
             saved = (*saved, reached.expand(saved[0].shape[0], len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
+
+
+def _zeros_where_none(ctx: Any, values: Sequence[Tensor | None]) -> Sequence[Tensor]:
+    """The tap's output gradients (or tangents), zeros for those not given: a tap with several
+    outputs does not have autograd materialise them (see its forward)."""
+    if None not in values:
+        return values  # type: ignore[return-value]
+    return [
+        torch.zeros(shape, dtype=dtype, device=device) if value is None else value
+        for value, (shape, dtype, device) in zip(values, ctx.output_meta, strict=True)
+    ]
 
 
 def _refuse_create_graph() -> None:

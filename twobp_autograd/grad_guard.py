@@ -42,9 +42,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import queue as queue_module
 from .flush import summed_over_backward_calls
-from .queue import WeightGradQueue, queues_with_work
+from .queue import WeightGradQueue, current_queue, queues_with_work
 from .warn_once import warn_once
 
 __all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued"]
@@ -75,12 +74,12 @@ def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait
     (``wait=False``, for a caller that has read the gradients already)."""
     holding = _holding_work_for(params, wait=wait)
     if holding:
-        own = sum(q is not queue_module._default_queue for q in holding)
+        others = sum(q is not current_queue() for q in holding)
         where = (
-            f" ({own} queue(s) of your own, which the forwards ran under with twobp.use_queue, hold "
-            "some of it: flush each, queue.flush(); twobp.flush_weight_grads() flushes only the "
-            "current one)"
-            if own else ""
+            f" ({others} queue(s) other than the current one, which forwards ran under with "
+            "twobp.use_queue, hold some of it: flush each, queue.flush(); twobp.flush_weight_grads() "
+            "flushes only the current one)"
+            if others else ""
         )
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
