@@ -16,7 +16,11 @@ The first step of each compiled side, which compiles, is timed apart. Then the f
 interleaved (A B C D, the order rotating every round); the statistic is the median over rounds
 of the per-round ratio. The load average is recorded before and after each model.
 
+On a GPU (``--device cuda``) each step ends in a synchronisation, and cuDNN's TF32 is off so
+that the gradient check compares fp32 with fp32.
+
     python benchmarks/compiled.py [--models resnet152 llama] [--rounds 15] [--threads 1] [--resnet-blocks N]
+    python benchmarks/compiled.py --device cuda
 """
 
 from __future__ import annotations
@@ -121,13 +125,20 @@ def _llama(args: argparse.Namespace) -> Workload:
 def _step(side: Side, work: Workload) -> float:
     """Seconds of one training step of ``side``."""
     x, y = work.batch
-    start = time.perf_counter()
+    start = _clock(x.device)
     work.loss_fn(side.model(x), y).backward()
     if side.patched:
         twobp.flush_weight_grads()
     side.optimizer.step()
     side.optimizer.zero_grad(set_to_none=True)
-    return time.perf_counter() - start
+    return _clock(x.device) - start
+
+
+def _clock(device: torch.device) -> float:
+    """Seconds, once the device's queued work is done (a GPU runs behind the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _gradients(model: nn.Module, work: Workload, patched: bool) -> dict[str, Tensor]:
@@ -224,6 +235,8 @@ def measure(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One model: the gradient check, the compile counts, and the interleaved step times."""
     load_before = _load()
     work = _resnet152(args) if name == "resnet152" else _llama(args)
+    work.model.to(args.device)
+    work.batch = (work.batch[0].to(args.device), work.batch[1].to(args.device))
     torch._dynamo.reset()
     eager_plain, eager_patched, compiled_plain, compiled_patched = sides = _sides(work, args)
     compile_plain, compile_patched = _compile_first(compiled_plain, work), _compile_first(compiled_patched, work)
@@ -291,6 +304,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results (default results/compiled.json)")
     return parser.parse_args(argv)
 
@@ -298,6 +312,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda, but CUDA is not available")
+        torch.backends.cudnn.allow_tf32 = False
     torch.set_num_threads(args.threads)
     models = {name: measure(name, args) for name in args.models}
     document = {
@@ -309,6 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         },
         "models": models,
     }

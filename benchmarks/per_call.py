@@ -15,7 +15,12 @@ ratios.
   flush's kernels timed right after backward-p1, with the caches evicted, and warm (run again at
   once): what running weight gradients after the backward, on tensors that left the cache, costs.
 
-    python benchmarks/per_call.py [--rounds 30] [--calls 200] [--models mlp transformer ...]
+On a GPU (``--device cuda``) every timed part ends in a synchronisation, so a layer's time
+per call is the host's launch rate, or the kernels' where they take longer: what a step of
+such layers waits for. The profiler and cache parts, which read the CPU's own kernel times,
+run on the CPU only.
+
+    python benchmarks/per_call.py [--rounds 30] [--calls 200] [--models mlp transformer ...] [--device cuda]
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ STAGE_MODELS = ("resnet152", "transformer", "mlp", "llama", "bert")
 LayerCall = Callable[[nn.Module, Tensor], Tensor]
 
 
-def _layer_cases() -> dict[str, tuple[nn.Module, LayerCall, Tensor]]:
+def _layer_cases(device: torch.device) -> dict[str, tuple[nn.Module, LayerCall, Tensor]]:
     """name -> (module, call, input): each layer at a size where per-call overhead dominates."""
 
     def attention(module: nn.Module, x: Tensor) -> Tensor:
@@ -65,7 +70,7 @@ def _layer_cases() -> dict[str, tuple[nn.Module, LayerCall, Tensor]]:
         return module(x)
 
     torch.manual_seed(0)
-    return {
+    cases = {
         "Linear(32, 32), 8 rows": (nn.Linear(32, 32), direct, torch.randn(8, 32)),
         "Conv2d(4, 4, 3), 2x4x8x8": (nn.Conv2d(4, 4, 3, padding=1), direct, torch.randn(2, 4, 8, 8)),
         "LayerNorm(32), 8 rows": (nn.LayerNorm(32), direct, torch.randn(8, 32)),
@@ -73,13 +78,21 @@ def _layer_cases() -> dict[str, tuple[nn.Module, LayerCall, Tensor]]:
             nn.MultiheadAttention(32, 4, batch_first=True), attention, torch.randn(2, 8, 32)
         ),
     }
+    return {name: (module.to(device), call, x.to(device)) for name, (module, call, x) in cases.items()}
 
 
-def _timed(run: Callable[[], Any], calls: int) -> float:
-    start = time.perf_counter()
+def _clock(device: torch.device) -> float:
+    """Seconds, once the device's queued work is done (a GPU runs behind the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _timed(run: Callable[[], Any], calls: int, device: torch.device) -> float:
+    start = _clock(device)
     for _ in range(calls):
         run()
-    return (time.perf_counter() - start) / calls
+    return (_clock(device) - start) / calls
 
 
 def _interleaved(sides: Sequence[Callable[[], float]], rounds: int, warmup: int) -> list[list[float]]:
@@ -111,17 +124,19 @@ def _layer_sides(plain: nn.Module, call: LayerCall, x: Tensor, calls: int) -> li
             twobp.flush_weight_grads()
 
     return [
-        lambda: _timed(lambda: call(plain, x), calls),
-        lambda: _timed(lambda: call(patched, x), calls),
-        lambda: _timed(lambda: train_step(plain, False), calls),
-        lambda: _timed(lambda: train_step(patched, True), calls),
+        lambda: _timed(lambda: call(plain, x), calls, x.device),
+        lambda: _timed(lambda: call(patched, x), calls, x.device),
+        lambda: _timed(lambda: train_step(plain, False), calls, x.device),
+        lambda: _timed(lambda: train_step(patched, True), calls, x.device),
     ]
 
 
-def layer_ratios(rounds: int, calls: int, warmup: int = 2) -> dict[str, dict[str, float]]:
+def layer_ratios(
+    rounds: int, calls: int, warmup: int = 2, device: torch.device | str = "cpu"
+) -> dict[str, dict[str, float]]:
     """Per layer: medians of the plain and patched times per call, and of their per-round ratios."""
     summary = {}
-    for name, (plain, call, x) in _layer_cases().items():
+    for name, (plain, call, x) in _layer_cases(torch.device(device)).items():
         sides = _layer_sides(plain, call, x, calls)
         forward_plain, forward_patched, step_plain, step_patched = _interleaved(sides, rounds, warmup)
         summary[name] = {
@@ -144,10 +159,11 @@ def _stage(model_name: str, args: argparse.Namespace) -> tuple[nn.Module, Tensor
     options = argparse.Namespace(width=args.width, depth=args.depth, seq_len=args.seq_len, image_size=args.image_size)
     model, make_batch, _ = build_model(model_name, options, seed=0)
     defer_norms(model)  # as the sweep does: the model's own norm classes defer too
-    blocks = blocks_of(model)
+    blocks = blocks_of(model.to(args.device))
     start = max(1, (len(blocks) - args.stage_blocks) // 2)
     stage = nn.Sequential(*blocks[start : start + args.stage_blocks]).train()
     x, _ = make_batch(args.micro_batch, torch.Generator().manual_seed(1))
+    x = x.to(args.device)
     with torch.no_grad():
         for block in blocks[:start]:
             x = block(x)
@@ -164,38 +180,41 @@ class _StageSides:
         self.queue = twobp.WeightGradQueue()
         self.grad = torch.randn_like(self._forward(plain)[1])
 
+    def _clock(self) -> float:
+        return _clock(self.x.device)
+
     def _forward(self, stage: nn.Module) -> tuple[Tensor, Tensor, float]:
         x = self.x.detach().requires_grad_()
-        start = time.perf_counter()
+        start = self._clock()
         out = stage(x)
-        return x, out, time.perf_counter() - start
+        return x, out, self._clock() - start
 
     def plain_autograd(self) -> dict[str, float]:
         _, out, forward = self._forward(self.plain)
-        start = time.perf_counter()
+        start = self._clock()
         out.backward(self.grad)
-        backward = time.perf_counter() - start
+        backward = self._clock() - start
         self.plain.zero_grad(set_to_none=True)
         return {"F": forward, "B": backward}
 
     def twobp_split(self) -> dict[str, float]:
         with twobp.use_queue(self.queue):
             _, out, forward = self._forward(self.patched)
-        start = time.perf_counter()
+        start = self._clock()
         out.backward(self.grad)
-        middle = time.perf_counter()
+        middle = self._clock()
         self.queue.flush()
-        end = time.perf_counter()
+        end = self._clock()
         self.patched.zero_grad(set_to_none=True)
         return {"F": forward, "I": middle - start, "W": end - middle}
 
     def pytorch_split(self) -> dict[str, float]:
         x, out, forward = self._forward(self.plain)
-        start = time.perf_counter()
+        start = self._clock()
         _, groups = stage_backward_input([out], [self.grad], [x], self.plain.parameters())
-        middle = time.perf_counter()
+        middle = self._clock()
         stage_backward_weight(self.plain.parameters(), groups)
-        end = time.perf_counter()
+        end = self._clock()
         self.plain.zero_grad(set_to_none=True)
         return {"F": forward, "I": middle - start, "W": end - middle}
 
@@ -319,9 +338,12 @@ def stage_ratios(model_name: str, args: argparse.Namespace) -> dict[str, float]:
         "split_over_B": _median_ratio(ours_split, backward),
         "pytorch_split_over_B": _median_ratio(theirs_split, backward),
         "split_over_pytorch_split": _median_ratio(ours_split, theirs_split),
-        **_backward_kernels(sides, args.kernel_rounds),
-        **_weight_kernels_warm_and_cold(sides, args.kernel_rounds),
+        **(_cpu_kernel_figures(sides, args.kernel_rounds) if args.device == "cpu" and args.kernel_rounds else {}),
     }
+
+
+def _cpu_kernel_figures(sides: _StageSides, rounds: int) -> dict[str, float]:
+    return {**_backward_kernels(sides, rounds), **_weight_kernels_warm_and_cold(sides, rounds)}
 
 
 # -- command line ----------------------------------------------------------------------------
@@ -343,13 +365,17 @@ _STAGE_HEADER = (
 
 
 def _print_stage(name: str, row: dict[str, float]) -> None:
-    print(
+    line = (
         f"{name:<14}{row['F_off_ms']:>7.2f}ms{row['B_ms']:>7.2f}ms{row['F_on_off']:>10.3f}{row['split_over_B']:>9.3f}"
         f"{row['pytorch_split_over_B']:>17.3f}{row['split_over_pytorch_split']:>14.3f}"
-        f"{row['kernels_split_over_B']:>17.3f}"
-        f"{row['B_outside_kernels_ms']:>12.2f}ms /{row['split_outside_kernels_ms']:>6.2f}ms"
-        f"{row['W_kernels_after_I_over_warm']:>29.3f} /{row['W_kernels_cold_over_warm']:>6.3f}"
     )
+    if "kernels_split_over_B" in row:
+        line += (
+            f"{row['kernels_split_over_B']:>17.3f}"
+            f"{row['B_outside_kernels_ms']:>12.2f}ms /{row['split_outside_kernels_ms']:>6.2f}ms"
+            f"{row['W_kernels_after_I_over_warm']:>29.3f} /{row['W_kernels_cold_over_warm']:>6.3f}"
+        )
+    print(line)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -370,14 +396,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--no-layers", action="store_true", help="time the stages only")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")
     return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but CUDA is not available")
     torch.set_num_threads(args.threads)
-    layers = {} if args.no_layers else layer_ratios(args.rounds, args.calls, args.warmup)
+    layers = {} if args.no_layers else layer_ratios(args.rounds, args.calls, args.warmup, args.device)
     if layers:
         _print_layers(layers)
     stages = {}
@@ -397,6 +426,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "load_average": load,
             "allocator": allocator_environment(),
+            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
         },
         "layers": layers,
         "stages": stages,

@@ -289,11 +289,14 @@ def _rank_main(args: argparse.Namespace) -> None:
         _measure(dist.get_rank(), dist.get_world_size(), args)
 
 
-def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
-    bench = json.loads(Path(args.bench_json).read_text())
+def _measure_part(
+    rank: int, world: int, bench: dict[str, Any], args: argparse.Namespace, device: torch.device
+) -> dict[str, Any]:
+    """Rank ``rank``'s blocks of the cut ``bench`` recorded, measured at every micro size."""
     options = argparse.Namespace(**bench["arguments"])
     model, make_batch, loss_fn = build_model(options.model, options, seed=options.seed)
     defer_norms(model)  # as bench pipeline does: the model's own norm classes defer too
+    model.to(device)
     blocks = blocks_of(model)
     parts = partition(bench["block_costs"], world)
     mine = [blocks[i] for i in parts[rank]]
@@ -301,12 +304,11 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     last = rank == world - 1
 
     per_size: dict[str, Any] = {}
-    boundary_bytes: dict[str, int] = {}
     for size in args.micro_sizes:
         n = max(args.counts)
         inputs, targets = make_batch(n * size, torch.Generator().manual_seed(options.seed + 1))
-        micro_inputs = list(inputs.tensor_split(n))
-        micro_targets = list(targets.tensor_split(n)) if last else [None] * n
+        micro_inputs = [x.to(device) for x in inputs.tensor_split(n)]
+        micro_targets = [t.to(device) for t in targets.tensor_split(n)] if last else [None] * n
         with torch.no_grad():  # this rank's inputs: what the stages before it send
             for block in before:
                 micro_inputs = [block(x) for x in micro_inputs]
@@ -319,8 +321,33 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
             counts=args.counts,
             repeats=args.repeats,
         )
-        if rank == 0:
-            boundary_bytes[str(size)] = per_size[str(size)][-1]["output_bytes"]
+    return {"rank": rank, "blocks": list(parts[rank]), "per_size": per_size}
+
+
+def _document(bench: dict[str, Any], args: argparse.Namespace, latency: list[list[float]], ranks: list[Any]) -> None:
+    document = {
+        "bench_arguments": bench["arguments"],
+        "block_costs": bench["block_costs"],
+        "threads_per_rank": args.threads,
+        "counts": list(args.counts),
+        "repeats": args.repeats,
+        "micro_sizes": list(args.micro_sizes),
+        "latency_points": latency,
+        "ranks": ranks,
+        "device": args.device_name,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    temporary = out.with_suffix(".partial")
+    temporary.write_text(json.dumps(document, indent=1))
+    os.replace(temporary, out)
+
+
+def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
+    bench = json.loads(Path(args.bench_json).read_text())
+    part = _measure_part(rank, world, bench, args, torch.device("cpu"))
+    per_size = part["per_size"]
+    boundary_bytes = {size: blocks[-1]["output_bytes"] for size, blocks in per_size.items()} if rank == 0 else {}
     shared = [boundary_bytes]  # the message sizes of the cut, known to rank 0
     dist.broadcast_object_list(shared, src=0)
     boundary_bytes = shared[0]
@@ -328,24 +355,19 @@ def _measure(rank: int, world: int, args: argparse.Namespace) -> None:
     latency += [[b, _ping_pong(b, args.latency_repeats)] for b in sorted(set(boundary_bytes.values()))]
 
     gathered: list[Any] | None = [None] * world if rank == 0 else None
-    dist.gather_object({"rank": rank, "blocks": list(parts[rank]), "per_size": per_size}, gathered, dst=0)
+    dist.gather_object(part, gathered, dst=0)
     if rank == 0:
         assert gathered is not None
-        document = {
-            "bench_arguments": bench["arguments"],
-            "block_costs": bench["block_costs"],
-            "threads_per_rank": args.threads,
-            "counts": list(args.counts),
-            "repeats": args.repeats,
-            "micro_sizes": list(args.micro_sizes),
-            "latency_points": latency,
-            "ranks": gathered,
-        }
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        temporary = out.with_suffix(".partial")
-        temporary.write_text(json.dumps(document, indent=1))
-        os.replace(temporary, out)
+        _document(bench, args, latency, gathered)
+
+
+def _measure_on_one_gpu(args: argparse.Namespace) -> None:
+    """Both ranks' blocks measured in turn on the one GPU: the blocks' own terms, as a GPU
+    runs them, for the simulator to replay. One GPU has no link between ranks to time, so
+    the latency recorded is zero: replays assume a free hand-over."""
+    bench = json.loads(Path(args.bench_json).read_text())
+    ranks = [_measure_part(rank, 2, bench, args, torch.device("cuda")) for rank in range(2)]
+    _document(bench, args, [[1, 0.0]], ranks)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -357,6 +379,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--latency-repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: both ranks' blocks in turn on one GPU"
+    )
     args = parser.parse_args(argv)
     if 1 not in args.counts:
         parser.error("--counts must include 1 (W of one micro-batch)")
@@ -366,7 +391,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    run_as_ranks(_rank_main, args, 2)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --device cuda, but CUDA is not available")
+        args.device_name = torch.cuda.get_device_name()
+        _measure_on_one_gpu(args)
+    else:
+        args.device_name = "cpu"
+        run_as_ranks(_rank_main, args, 2)
     return 0
 
 

@@ -436,3 +436,35 @@ def test_zb_bound_replay_picks_a_bound_no_slower_than_zb_or_1f1b_2(sweep) -> Non
         for p in (2, 4, 8):
             row = zb_bound.replay(model_dir, p)
             assert row["zb_at_best"] >= row["zb"] and row["zb_at_best"] > row["1f1b-2"], (model_dir.name, p, row)
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message is for machines without CUDA")
+@pytest.mark.parametrize("script", ["per_call", "stage_costs", "compiled"])
+def test_device_cuda_without_a_gpu_says_so(monkeypatch, script) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = __import__(script)
+    argv = ["--device", "cuda"]
+    if script == "stage_costs":
+        argv += ["--bench-json", "unused.json", "--out", "unused.json", "--micro-sizes", "1"]
+    with pytest.raises(SystemExit, match="CUDA is not available"):
+        module.main(argv)
+
+
+def test_replay_rebalances_on_the_measured_blocks_and_simulates_every_schedule(monkeypatch) -> None:
+    """benchmarks/replay_costs.py on the committed GPU stage terms: the cut follows the measured
+    plain F + B of each block, and every sweep schedule gets an ideal and a simulated ratio."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import replay_costs
+
+    costs = json.loads((BENCHMARKS / "results" / "gpu" / "costs_mlp.json").read_text())
+    balanced = replay_costs.rebalanced(costs)
+    size = str(max(costs["micro_sizes"]))
+    first = costs["ranks"][0]
+    block = first["per_size"][size][0]
+    assert balanced["block_costs"][first["blocks"][0]] == block["forward_off"] + block["backward"]
+    assert len(balanced["block_costs"]) == len(costs["block_costs"])
+    result = replay_costs.replay(costs)
+    assert result["device"] == costs["device"]
+    for name, row in result["schedules"].items():
+        assert row["ideal"] > 0 and row["simulated"] > 0, name
+        assert row["simulated"] == pytest.approx(row["step_time_off"] / row["step_time_on"])
