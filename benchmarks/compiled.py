@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from local_ranks import recorded_arguments, write_json  # beside this script
+from local_ranks import device_name, recorded_arguments, synchronized_clock, write_json  # beside this script
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
@@ -125,20 +125,13 @@ def _llama(args: argparse.Namespace) -> Workload:
 def _step(side: Side, work: Workload) -> float:
     """Seconds of one training step of ``side``."""
     x, y = work.batch
-    start = _clock(x.device)
+    start = synchronized_clock(x.device)
     work.loss_fn(side.model(x), y).backward()
     if side.patched:
         twobp.flush_weight_grads()
     side.optimizer.step()
     side.optimizer.zero_grad(set_to_none=True)
-    return _clock(x.device) - start
-
-
-def _clock(device: torch.device) -> float:
-    """Seconds, once the device's queued work is done (a GPU runs behind the host)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+    return synchronized_clock(x.device) - start
 
 
 def _gradients(model: nn.Module, work: Workload, patched: bool) -> dict[str, Tensor]:
@@ -327,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             "machine": platform.machine(),
             "cpu_count": os.cpu_count(),
             "threads": torch.get_num_threads(),
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+            "device": device_name(args.device),
         },
         "models": models,
     }

@@ -10,6 +10,7 @@ import functools
 import json
 import os
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,11 @@ __all__ = [
     "KEEP_FREED_MEMORY",
     "add_model_arguments",
     "allocator_environment",
+    "device_name",
     "run_on_local_ranks",
     "recorded_arguments",
     "write_json",
+    "synchronized_clock",
     "write_results",
 ]
 
@@ -77,6 +80,20 @@ def allocator_environment() -> dict[str, str]:
     if "LD_PRELOAD" in found:
         found["LD_PRELOAD"] = " ".join(Path(part).name for part in found["LD_PRELOAD"].split())
     return found
+
+
+def synchronized_clock(device: torch.device | str | None = None) -> float:
+    """Seconds, once ``device``'s queued work is done (a GPU runs behind the host)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def device_name(device: torch.device | str) -> str:
+    """The GPU's name, or the processor's: what a result was measured on."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or "cpu"
 
 
 def write_json(path: str | Path, document: dict[str, Any]) -> None:

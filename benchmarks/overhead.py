@@ -24,7 +24,6 @@ import copy
 import os
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from local_ranks import recorded_arguments, write_json  # beside this script
+from local_ranks import device_name, recorded_arguments, synchronized_clock, write_json  # beside this script
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
@@ -69,15 +68,6 @@ class Workload:
     loss_fn: LossFn
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _clock(device: torch.device) -> float:
-    _sync(device)
-    return time.perf_counter()
-
 
 def _load() -> list[float] | None:
     return list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -87,11 +77,11 @@ def plain_step(work: Workload, device: torch.device) -> dict[str, float]:
     work.plain.zero_grad(set_to_none=True)
     forward = backward = 0.0
     for x, y in work.batch:
-        t0 = _clock(device)
+        t0 = synchronized_clock(device)
         loss = work.loss_fn(work.plain(x), y) / len(work.batch)
-        t1 = _clock(device)
+        t1 = synchronized_clock(device)
         loss.backward()
-        t2 = _clock(device)
+        t2 = synchronized_clock(device)
         forward, backward = forward + t1 - t0, backward + t2 - t1
     return {"total": forward + backward, "forward": forward, "backward": backward, "flush": 0.0}
 
@@ -100,16 +90,16 @@ def twobp_step(work: Workload, device: torch.device, queue: twobp.WeightGradQueu
     work.patched.zero_grad(set_to_none=True)
     forward = backward = 0.0
     for x, y in work.batch:
-        t0 = _clock(device)
+        t0 = synchronized_clock(device)
         with twobp.use_queue(queue):
             loss = work.loss_fn(work.patched(x), y) / len(work.batch)
-        t1 = _clock(device)
+        t1 = synchronized_clock(device)
         loss.backward()  # backward-p1: input gradients; the weight work goes to `queue`
-        t2 = _clock(device)
+        t2 = synchronized_clock(device)
         forward, backward = forward + t1 - t0, backward + t2 - t1
-    t3 = _clock(device)
+    t3 = synchronized_clock(device)
     queue.flush()  # backward-p2
-    flush = _clock(device) - t3
+    flush = synchronized_clock(device) - t3
     return {"total": forward + backward + flush, "forward": forward, "backward": backward, "flush": flush}
 
 
@@ -283,7 +273,7 @@ def _environment(device: torch.device) -> dict[str, Any]:
         "machine": platform.machine(),
         "cpu_count": os.cpu_count(),
         "threads": torch.get_num_threads(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "device": device_name(device),
     }
 
 

@@ -38,7 +38,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from local_ranks import allocator_environment, recorded_arguments, write_json  # beside this script
+from local_ranks import (  # beside this script
+    allocator_environment,
+    device_name,
+    recorded_arguments,
+    synchronized_clock,
+    write_json,
+)
 from torch import Tensor, nn
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 from torch.profiler import ProfilerActivity, profile
@@ -81,18 +87,11 @@ def _layer_cases(device: torch.device) -> dict[str, tuple[nn.Module, LayerCall, 
     return {name: (module.to(device), call, x.to(device)) for name, (module, call, x) in cases.items()}
 
 
-def _clock(device: torch.device) -> float:
-    """Seconds, once the device's queued work is done (a GPU runs behind the host)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
 def _timed(run: Callable[[], Any], calls: int, device: torch.device) -> float:
-    start = _clock(device)
+    start = synchronized_clock(device)
     for _ in range(calls):
         run()
-    return (_clock(device) - start) / calls
+    return (synchronized_clock(device) - start) / calls
 
 
 def _interleaved(sides: Sequence[Callable[[], float]], rounds: int, warmup: int) -> list[list[float]]:
@@ -181,7 +180,7 @@ class _StageSides:
         self.grad = torch.randn_like(self._forward(plain)[1])
 
     def _clock(self) -> float:
-        return _clock(self.x.device)
+        return synchronized_clock(self.x.device)
 
     def _forward(self, stage: nn.Module) -> tuple[Tensor, Tensor, float]:
         x = self.x.detach().requires_grad_()
@@ -426,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "threads": torch.get_num_threads(),
             "load_average": load,
             "allocator": allocator_environment(),
-            "device": torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu",
+            "device": device_name(args.device),
         },
         "layers": layers,
         "stages": stages,

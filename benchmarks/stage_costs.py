@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from local_ranks import synchronized_clock  # beside this script
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
@@ -87,9 +88,7 @@ class saved_bytes(contextlib.AbstractContextManager):  # noqa: N801 (used like a
 
 
 def _now(tensor: Tensor | None = None) -> float:
-    if tensor is not None and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
-    return time.perf_counter()
+    return synchronized_clock(tensor.device if tensor is not None else None)
 
 
 class _Stage:
