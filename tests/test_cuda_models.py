@@ -105,12 +105,13 @@ def test_resnet50_on_cuda_matches_plain_autograd(memory_format: torch.memory_for
     _assert_grads_close(model, reference, exact, dtype)
 
 
+@pytest.mark.parametrize("norm_rule", [twobp.ops.llama_rms_norm, twobp.ops.recompute], ids=["llama-rule", "recompute"])
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16], ids=["fp32", "bf16-autocast"])
-def test_llama_on_cuda_matches_plain_autograd(dtype: torch.dtype | None) -> None:
+def test_llama_on_cuda_matches_plain_autograd(dtype: torch.dtype | None, norm_rule: Callable[..., Tensor]) -> None:
     vocab, sequence = 96, 16
     model = tiny_models.llama(vocab, hidden=64, layers=2, sequence=sequence).cuda()
     reference, exact = copy.deepcopy(model), copy.deepcopy(model).double()
-    twobp.register(LlamaRMSNorm, twobp.ops.recompute)
+    twobp.register(LlamaRMSNorm, norm_rule)
     report = twobp.patch(model, report=True)
     assert report.skipped == {}, str(report)
 
