@@ -290,8 +290,8 @@ def test_optimizer_in_backward_with_a_capped_queue_steps_once_on_the_whole_gradi
         patched, reference = patched_and_reference(_TiedLM())
     else:
         patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), nn.Tanh()))
-    _optimizer_in_backward(patched, skip_none=True)
-    _optimizer_in_backward(reference, skip_none=True)
+    _optimizer_in_backward(patched, skip="none")
+    _optimizer_in_backward(reference, skip="none")
     queue = twobp.WeightGradQueue(max_pending_bytes=64)
     for seed in range(3):
         if model_kind == "tied-embedding-and-head":
@@ -308,16 +308,18 @@ def test_optimizer_in_backward_with_a_capped_queue_steps_once_on_the_whole_gradi
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _optimizer_in_backward(model: nn.Module, *, skip_none: bool) -> None:
+def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = True) -> None:
     """PyTorch's optimizer-in-backward idiom: one optimizer per parameter, stepped (and its
-    gradient freed) by the parameter's post-accumulate-grad hook."""
+    gradient freed, or zeroed) by the parameter's post-accumulate-grad hook, which returns at
+    once while ``p.grad`` is None (``skip="none"``) or work is queued for ``p`` (``"queued"``),
+    or never (``"never"``)."""
     optimizers = {p: torch.optim.SGD([p], lr=0.1, momentum=0.9) for p in model.parameters()}
 
     def step(p):
-        if skip_none and p.grad is None:
+        if (skip == "none" and p.grad is None) or (skip == "queued" and twobp.has_queued_work(p)):
             return
         optimizers[p].step()
-        optimizers[p].zero_grad()
+        optimizers[p].zero_grad(set_to_none=set_to_none)
 
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(step)
@@ -325,8 +327,8 @@ def _optimizer_in_backward(model: nn.Module, *, skip_none: bool) -> None:
 
 def test_optimizer_in_backward_steps_at_the_flush():
     patched, reference = patched_and_reference(mlp())
-    _optimizer_in_backward(patched, skip_none=True)
-    _optimizer_in_backward(reference, skip_none=True)
+    _optimizer_in_backward(patched, skip="none")
+    _optimizer_in_backward(reference, skip="none")
     for _ in range(3):
         x = torch.randn(4, 6)
         loss_of(patched, x).backward()
@@ -337,12 +339,76 @@ def test_optimizer_in_backward_steps_at_the_flush():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _HandWrittenTiedLM(nn.Module):
+    """A patched embedding whose weight a functional head also uses: one of its two
+    contributions is plain autograd's, in backward, the other deferred."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 8)
+        self.hidden = nn.Linear(8, 8)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(torch.tanh(self.hidden(self.embed(tokens))), self.embed.weight).flatten(0, 1)
+
+
+@pytest.mark.parametrize(
+    "model_kind, set_to_none",
+    [("mlp", False), ("embedding-with-a-functional-head", True), ("embedding-with-a-functional-head", False)],
+    ids=["zeroed-not-freed", "partly-plain-weight", "partly-plain-weight-zeroed"],
+)
+def test_optimizer_in_backward_skipping_while_work_is_queued(model_kind, set_to_none):
+    """Where .grad is not None during backward (zeroed instead of freed, or a weight with a
+    plain use besides its patched one), the hook tells its two calls apart with
+    twobp.has_queued_work, and steps once, at the flush, on the whole gradient."""
+    torch.manual_seed(0)
+    model = mlp() if model_kind == "mlp" else _HandWrittenTiedLM()
+    patched, reference = patched_and_reference(model)
+    _optimizer_in_backward(patched, skip="queued", set_to_none=set_to_none)
+    _optimizer_in_backward(reference, skip="queued", set_to_none=set_to_none)
+    for seed in range(3):
+        if model_kind == "mlp":
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))
+            loss_of(patched, x).backward()
+            twobp.flush_weight_grads()
+            loss_of(reference, x).backward()
+        else:
+            _tied_lm_step(patched, seed)
+            twobp.flush_weight_grads()
+            _tied_lm_step(reference, seed)
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_one_optimizer_stepped_from_one_parameters_hook_is_refused_mid_flush():
+    """One optimizer over the whole model stepped from a parameter's hook ("the last gradient
+    is in"): a flush delivers in its own order, not plain backward's, so the step would run on
+    part of the gradients and the rest would land after it. Refused, naming the fix. (Hooked on
+    every parameter, so that whichever the flush delivers first steps.)"""
+    patched = twobp.patch(mlp())
+    optimizer = torch.optim.SGD(patched.parameters(), lr=0.1)
+
+    def step(p):
+        if not twobp.has_queued_work(p):
+            optimizer.step()
+            optimizer.zero_grad()
+
+    for p in patched.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    before = [p.detach().clone() for p in patched.parameters()]
+    loss_of(patched, torch.randn(4, 6)).backward()
+    with pytest.raises(PartlyDelivered, match="yet to hand .* their gradients.*its own hook"):
+        twobp.flush_weight_grads()
+    for p, b in zip(patched.parameters(), before, strict=True):
+        torch.testing.assert_close(p, b, rtol=0, atol=0)  # no step taken
+
+
 def test_optimizer_in_backward_stepping_on_none_is_refused_with_the_fix():
     """Its step during backward would skip the parameter (no gradient yet) and its zero_grad drop
     the queued work: refused, naming the idiom's fix."""
     patched = twobp.patch(mlp())
-    _optimizer_in_backward(patched, skip_none=False)
-    with pytest.raises(RuntimeError, match="post-accumulate-grad hook.*p.grad is None"):
+    _optimizer_in_backward(patched, skip="never")
+    with pytest.raises(RuntimeError, match="post-accumulate-grad hook.*twobp.has_queued_work"):
         loss_of(patched, torch.randn(4, 6)).backward()
     twobp.discard_weight_grads()
 
@@ -352,7 +418,7 @@ def test_optimizer_in_backward_over_several_backward_calls_per_flush_is_refused(
     weights; one flush for several backward calls cannot do that: its hook's step is refused,
     naming the fix, instead of stepping once on the sum."""
     patched = twobp.patch(mlp())
-    _optimizer_in_backward(patched, skip_none=True)
+    _optimizer_in_backward(patched, skip="none")
     before = [p.detach().clone() for p in patched.parameters()]
     for _ in range(2):
         loss_of(patched, torch.randn(4, 6)).backward()
@@ -502,6 +568,44 @@ def test_tensor_hook_on_a_linear_output_then_modified_in_place():
         calls.append(len(seen))
     twobp.flush_weight_grads()
     assert calls[0] == calls[1] == 1
+
+
+class _FrozenWeightResidual(nn.Module):
+    """Bias-only fine-tuning (BitFit): a Linear with a frozen weight, its output added in place
+    onto its own input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8, dtype=torch.float64)
+        self.linear.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = x * 1.0
+        hidden += self.linear(hidden)
+        return hidden
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["one-node", "autocast-tap"])
+@pytest.mark.parametrize("when", ["before-backward", "before-flush"])
+def test_a_frozen_weights_linear_keeps_no_input(autocast, when):
+    """Plain addmm saves its input only for the weight's gradient: with the weight frozen, the
+    input may change in place before backward, or before the flush, and the bias gradient
+    (the output gradient's sum) is the same."""
+    patched, reference = patched_and_reference(_FrozenWeightResidual())
+    context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+    for model in (patched, reference):
+        x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        with context:
+            if when == "before-backward":
+                model(x).sum().backward()
+            else:
+                hidden = x * 1.0
+                (model.linear(hidden) + hidden).sum().backward()
+                with torch.no_grad():
+                    hidden.add_(1.0)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16 if autocast else torch.float64)
+    assert patched.linear.weight.grad is None
 
 
 @pytest.mark.parametrize("mode", ["all", "any"])

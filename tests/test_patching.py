@@ -283,7 +283,7 @@ def test_torch_func_transforms_take_the_plain_path():
 def test_the_package_exports_exactly_its_public_api() -> None:
     """README's API table: the functions, the queue, and the types public calls return."""
     expected = {
-        "patch", "unpatch", "flush_weight_grads", "discard_weight_grads", "pending", "register",
+        "patch", "unpatch", "flush_weight_grads", "discard_weight_grads", "pending", "has_queued_work", "register",
         "WeightGradQueue", "use_queue", "PatchReport", "PendingWork",
     }  # fmt: skip
     assert set(twobp.__all__) == expected

@@ -6,6 +6,7 @@ call per layer over all queued micro-batches.
 """
 
 from . import fsdp  # noqa: F401  (flushes reduce-scatter FSDP2-sharded gradients)
+from .grad_guard import has_queued_work
 from .patching import PatchReport, patch, unpatch
 from .queue import PendingWork, WeightGradQueue, discard_weight_grads, flush_weight_grads, pending, use_queue
 from .registry import register
@@ -16,6 +17,7 @@ __all__ = [
     "flush_weight_grads",
     "discard_weight_grads",
     "pending",
+    "has_queued_work",
     "register",
     "WeightGradQueue",
     "use_queue",

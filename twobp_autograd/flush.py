@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from torch import Tensor
@@ -120,7 +120,8 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
     watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
     check_nan = (torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()) or any(j.check_nan for j in jobs)
-    _running.append(jobs)
+    running = _RunningFlush(jobs, _grad_states_if_hooked(groups))
+    _running.append(running)
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
     ready: list[tuple[Tensor, Tensor]] = []
@@ -147,6 +148,8 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                     _refuse_nan(group[0], grads)
                 ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
                 del grads
+                if running.grads_before:
+                    _forget_undeliverable(running.grads_before, group[0].params, index, last_group, ready)
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
                 if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
@@ -165,13 +168,62 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
             ) from error
         raise
     finally:
-        del _running[next(i for i, running in enumerate(_running) if running is jobs)]
+        del _running[next(i for i, other in enumerate(_running) if other is running)]
     for watch in watches:
         watch.finished()
 
 
-#: The jobs of the flushes running now (in any thread: on CUDA, hooks run on autograd's threads).
-_running: list[Sequence[WeightGradJob]] = []
+class _RunningFlush(NamedTuple):
+    jobs: Sequence[WeightGradJob]
+    #: id(param) -> (param, the state of its .grad when the flush began) for the parameters it
+    #: has yet to deliver; kept only where a post-accumulate-grad hook may run an optimizer step
+    #: in the middle of the delivery (see :func:`undelivered`).
+    grads_before: dict[int, tuple[Tensor, object]]
+
+
+#: The flushes running now (in any thread: on CUDA, hooks run on autograd's threads).
+_running: list[_RunningFlush] = []
+
+
+def _grad_state(param: Tensor) -> object:
+    """Changes when a gradient is delivered: AccumulateGrad puts a new tensor into an empty
+    ``.grad`` or adds in place into the one there (bumping its version)."""
+    grad = param.grad
+    return None if grad is None else (id(grad), grad._version)
+
+
+def _grad_states_if_hooked(groups: list[list[WeightGradJob]]) -> dict[int, tuple[Tensor, object]]:
+    params = {id(p): p for group in groups for p in group[0].params if p is not None}
+    if not any(p._post_accumulate_grad_hooks for p in params.values()):
+        return {}
+    return {key: (p, _grad_state(p)) for key, p in params.items()}
+
+
+def _forget_undeliverable(
+    grads_before: dict[int, tuple[Tensor, object]],
+    params: Sequence[Tensor | None],
+    index: int,
+    last_group: dict[int, int],
+    ready: list[tuple[Tensor, Tensor]],
+) -> None:
+    """A parameter whose last group gave it no gradient (no backward reached it) gets nothing."""
+    readied = {id(p) for p, _ in ready}
+    for param in params:
+        if param is not None and last_group[id(param)] == index and id(param) not in readied:
+            grads_before.pop(id(param), None)
+
+
+def undelivered(params: Iterable[Tensor]) -> list[Tensor]:
+    """Those of ``params`` whose gradient a running flush has yet to put into ``.grad``, where
+    a post-accumulate-grad hook runs in that flush (asked by the optimizer step guard)."""
+    found = []
+    for running in list(_running):
+        if running.grads_before:
+            for param in params:
+                entry = running.grads_before.get(id(param))
+                if entry is not None and _grad_state(param) == entry[1]:
+                    found.append(param)
+    return found
 
 
 def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
@@ -181,8 +233,8 @@ def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
         return False
     wanted = {id(p) for p in params}
     task_of: dict[int, int] = {}
-    for jobs in list(_running):
-        for job in jobs:
+    for running in list(_running):
+        for job in running.jobs:
             for param in job.params:
                 if param is not None and id(param) in wanted and task_of.setdefault(id(param), job.task) != job.task:
                     return True

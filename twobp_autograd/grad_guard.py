@@ -42,11 +42,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .flush import summed_over_backward_calls
+from .flush import summed_over_backward_calls, undelivered
 from .queue import WeightGradQueue, current_queue, queues_with_work
 from .warn_once import warn_once
 
-__all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued"]
+__all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued", "has_queued_work"]
 
 #: ``finder(params) -> tensors`` that queued work names in place of some of ``params``
 #: (twobp_autograd.fsdp: the unsharded stand-ins of FSDP2-sharded parameters).
@@ -87,6 +87,13 @@ def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait
             f"backward and before it{advice}{where}. Under a GradientSynchroniser, its "
             "synchronise(queue) flushes (pass the queue the forwards used, if not the default)."
         )
+
+
+def has_queued_work(param: torch.Tensor) -> bool:
+    """Whether a queue holds weight-gradient work for ``param`` (its gradient is yet to come):
+    what a post-accumulate-grad hook asks to tell its call during backward, before the deferred
+    gradient exists, from its call at the flush."""
+    return bool(_holding_work_for([param]))
 
 
 def _holding_work_for(params: Iterable[Any], *, wait: bool = True) -> list[WeightGradQueue]:
@@ -182,10 +189,20 @@ def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
             "also used outside it, or in another checkpoint, counts as a second call; use "
             "checkpoint(..., use_reentrant=False).)"
         )
+    waiting = undelivered(_optimizer_params(optimizer)) if in_backward else []
+    if waiting:
+        raise RuntimeError(
+            f"twobp: optimizer.step() in a post-accumulate-grad hook while the flush has yet to hand "
+            f"{len(waiting)} of its parameters their gradients (shapes {[tuple(p.shape) for p in waiting][:4]}): a "
+            "flush delivers in its own order, not plain backward's, so a hook that steps many "
+            "parameters cannot count on being called last. Step each parameter in its own hook (an "
+            "optimizer per parameter), or step after twobp.flush_weight_grads() returns."
+        )
     if in_backward:
         advice = (
             " (a step in a post-accumulate-grad hook, the optimizer-in-backward idiom: return from "
-            "the hook while p.grad is None; it runs again at the flush, with the gradient)"
+            "the hook while twobp.has_queued_work(p): during backward it runs before the deferred "
+            "gradient exists, with .grad as it was; it runs again at the flush, with the gradient)"
         )
     else:
         advice = " (with step(closure): inside the closure, after its backward)"

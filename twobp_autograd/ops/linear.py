@@ -32,12 +32,12 @@ def linear_weight_grad(
     saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
 ) -> list[Tensor | None]:
     """Summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
-    (rows,) = saved
     (grad,) = grad_outputs  # rows already, as the forward computed them
     need_weight, need_bias = needs
     accumulate = accumulation_dtype(grad.dtype)
     weight_grad = None
     if need_weight:
+        (rows,) = saved  # saved only for a weight that needs a gradient
         if accumulate == grad.dtype:
             weight_grad = grad.t().mm(rows)
         elif grad.is_cuda:  # reduced-precision GEMM, fp32 result
@@ -58,24 +58,28 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, deferral: ParamDeferral, rows: Tensor, weight: Tensor, bias_input: Tensor) -> Tensor:
         ctx.deferral = deferral
-        # The weight only for the input's gradient, as addmm saves it: a first layer's weight
-        # may change in place before backward (an EMA of the weights) without a version error.
-        ctx.save_for_backward(rows, weight if ctx.needs_input_grad[1] else None)
+        # Each only where addmm saves it: the weight for the input's gradient, the input for the
+        # weight's. A first layer's weight may change in place before backward (an EMA of the
+        # weights), and so may a frozen layer's input (a residual added in place), as in plain.
+        needs_input, needs_weight = ctx.needs_input_grad[1:3]
+        ctx.save_for_backward(rows if needs_weight else None, weight if needs_input else None)
+        ctx.column_major = rows.stride(0) == 1 and rows.stride(1) == rows.shape[0]
         return F.linear(rows, weight, param_from_input(bias_input))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
-        grad_rows = _rows_grad(grad, rows, weight) if weight is not None else None
+        grad_rows = _rows_grad(grad, weight, ctx.column_major) if weight is not None else None
         deferral: ParamDeferral = ctx.deferral
-        param_grads = deferral.route(ctx, linear_weight_grad, linear_weight_grad, None, (rows,), (grad,))
+        saved = (rows,) if rows is not None else ()
+        param_grads = deferral.route(ctx, linear_weight_grad, linear_weight_grad, None, saved, (grad,))
         return (None, grad_rows, *param_grads)
 
 
-def _rows_grad(grad: Tensor, rows: Tensor, weight: Tensor) -> Tensor:
+def _rows_grad(grad: Tensor, weight: Tensor, column_major: bool) -> Tensor:
     """ATen's ``mm_mat1_backward`` for ``rows @ weight.t()`` (aten::linear's addmm or mm), with
-    its column-major case, so the input gradient is bit for bit plain autograd's."""
-    if rows.stride(0) == 1 and rows.stride(1) == rows.shape[0]:
+    its case for column-major rows, so the input gradient is bit for bit plain autograd's."""
+    if column_major:
         return weight.t().mm(grad.t()).t()
     return grad.mm(weight)
 
@@ -94,9 +98,10 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
         output = _DeferredLinear.apply(deferral, rows, weight, *param_inputs((bias,)))
     else:
         output = F.linear(rows, detached(weight), detached(bias))
-        # Saved in the dtype the product ran in (autocast's), as plain autograd would.
-        saved = rows.detach().to(output.dtype)
-        output = defer_weight_grads(output, (weight, bias), (saved,), linear_weight_grad)
+        # Saved in the dtype the product ran in (autocast's), as plain autograd would; only for
+        # a weight that needs a gradient, as plain saves it.
+        saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
+        output = defer_weight_grads(output, (weight, bias), saved, linear_weight_grad)
     if input.dim() == 2:
         return output
     # Shaped as aten::linear returns it: with a bias a view of the 2-D product (addmm, then view),
