@@ -570,42 +570,69 @@ def test_tensor_hook_on_a_linear_output_then_modified_in_place():
     assert calls[0] == calls[1] == 1
 
 
-class _FrozenWeightResidual(nn.Module):
-    """Bias-only fine-tuning (BitFit): a Linear with a frozen weight, its output added in place
-    onto its own input."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.linear = nn.Linear(8, 8, dtype=torch.float64)
-        self.linear.weight.requires_grad_(False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = x * 1.0
-        hidden += self.linear(hidden)
-        return hidden
+def _frozen(module: nn.Module, *names: str) -> nn.Module:
+    for name in names:
+        module.get_parameter(name).requires_grad_(False)
+    return module
 
 
-@pytest.mark.parametrize("autocast", [False, True], ids=["one-node", "autocast-tap"])
+def _cross_attention(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    memory = torch.ones(2, 5, module.kdim, dtype=torch.float64)  # key is value: packed k/v where it can be
+    return module(x, memory, memory, need_weights=False)[0]
+
+
+# (id, module, call, whether the input needs a gradient): where plain autograd saves no input,
+# (the weight of the product it feeds is frozen, or the norm's input needs no gradient).
+_NO_INPUT_SAVED = [
+    ("linear-frozen-weight", lambda: _frozen(nn.Linear(8, 8), "weight"), None, True),
+    ("rms-norm-input-without-grad", lambda: nn.RMSNorm(8), None, False),
+    ("rms-norm-4d-input-without-grad", lambda: nn.RMSNorm((3, 8)), None, False),
+    (
+        "attention-frozen-in-proj-cross",
+        lambda: _frozen(nn.MultiheadAttention(8, 2, batch_first=True), "in_proj_weight"),
+        _cross_attention,
+        True,
+    ),
+    (
+        "attention-frozen-q-proj-kdim",
+        lambda: _frozen(nn.MultiheadAttention(8, 2, kdim=6, vdim=6, batch_first=True), "q_proj_weight"),
+        _cross_attention,
+        True,
+    ),
+]
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["no-autocast", "autocast"])
 @pytest.mark.parametrize("when", ["before-backward", "before-flush"])
-def test_a_frozen_weights_linear_keeps_no_input(autocast, when):
-    """Plain addmm saves its input only for the weight's gradient: with the weight frozen, the
-    input may change in place before backward, or before the flush, and the bias gradient
-    (the output gradient's sum) is the same."""
-    patched, reference = patched_and_reference(_FrozenWeightResidual())
+@pytest.mark.parametrize(
+    "make, call, input_grad", [c[1:] for c in _NO_INPUT_SAVED], ids=[c[0] for c in _NO_INPUT_SAVED]
+)
+def test_an_input_plain_does_not_save_may_change_in_place(make, call, input_grad, when, autocast):
+    """Plain autograd keeps a layer's input only where a gradient needs it (addmm's for a
+    trainable weight; the norm's input for its own gradient, else only x_hat): such an input
+    may then change in place after the forward (a residual added in place, bias-only
+    fine-tuning), before backward or before the flush, and the gradients are plain's. Under
+    autocast (CPU, fp64 tensors left alone) the ops take their other path, the tap."""
+    call = call or (lambda module, x: module(x))
+    patched, reference = patched_and_reference(make().to(torch.float64))
+    x0 = torch.randn(2, 3, 8, dtype=torch.float64)
+    if isinstance(patched, nn.RMSNorm) and len(patched.normalized_shape) == 2:
+        x0 = torch.randn(2, 4, 3, 8, dtype=torch.float64)
     context = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
     for model in (patched, reference):
-        x = torch.randn(4, 8, dtype=torch.float64, requires_grad=True)
+        x = x0.clone().requires_grad_(input_grad)
+        hidden = x * 1.0 if input_grad else x
         with context:
+            out = call(model, hidden)
             if when == "before-backward":
-                model(x).sum().backward()
-            else:
-                hidden = x * 1.0
-                (model.linear(hidden) + hidden).sum().backward()
+                with torch.no_grad():
+                    hidden.add_(1.0)
+            (out * torch.linspace(-1, 1, out.shape[-1], dtype=out.dtype)).sum().backward()
+            if when == "before-flush":
                 with torch.no_grad():
                     hidden.add_(1.0)
     twobp.flush_weight_grads()
-    assert_grads_match(patched, reference, torch.bfloat16 if autocast else torch.float64)
-    assert patched.linear.weight.grad is None
+    assert_grads_match(patched, reference, torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["all", "any"])

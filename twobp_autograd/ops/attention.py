@@ -74,9 +74,16 @@ def _deferred_products(
     params: Sequence[Tensor | None],
     packed_weight: bool,
 ) -> tuple[Tensor, ...]:
-    """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``."""
+    """``F.linear(inputs[i], weights[i], biases[i])`` (detached slices) under one tap over ``params``.
+    A product's input is saved only for a weight that needs a gradient, as addmm saves it (an
+    input may then change in place after the forward); for a frozen one an empty (rows, 0)
+    stand-in keeps the products' order and concatenates like rows."""
     products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases, strict=True))
-    saved = tuple(_rows(x).detach().to(p.dtype) for x, p in zip(inputs, products, strict=True))
+    weight_params = [params[0]] * len(inputs) if packed_weight else list(params[: len(inputs)])
+    saved = tuple(
+        _rows(x).detach().to(p.dtype) if w is not None and w.requires_grad else x.new_empty(p.shape[0], 0)
+        for x, p, w in zip(inputs, products, weight_params, strict=True)
+    )
     kernel, group = configured_kernel(attention_in_projection_weight_grad, packed_weight=packed_weight)
     tapped = defer_weight_grads(products, params, saved, kernel, group=group)
     return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped, strict=True))

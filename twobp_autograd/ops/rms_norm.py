@@ -32,25 +32,32 @@ def rms_norm_weight_grad(
     *,
     eps: float | None,
     weight_dtype: torch.dtype,
+    normalized: bool = False,
 ) -> list[Tensor | None]:
     """F.rms_norm's composite: ``(x.to(opmath) * rsqrt(mean(x^2) + eps) * w).type_as(x)``.
-    Its weight gradient is ``sum over rows of grad * x_hat``, in the product's dtype."""
+    Its weight gradient is ``sum over rows of grad * x_hat``, in the product's dtype.
+    ``saved``: the rows of x (and 1/rms where the fused op gave it), or x_hat itself
+    (``normalized``)."""
     (need_weight,) = needs
     if not need_weight:
         return [None]
+    x_hat = saved[0] if normalized else _normalized(saved, eps)
+    product = torch.promote_types(x_hat.dtype, weight_dtype)
+    grad = grad_outputs[0].reshape(x_hat.shape).to(product)
+    return [(grad * x_hat).sum(0)]
+
+
+def _normalized(saved: Sequence[Tensor], eps: float | None) -> Tensor:
+    """x_hat from the rows of x, in the composite's compute dtype."""
     rows = saved[0]
     compute = accumulation_dtype(rows.dtype)
     upcast = rows.to(compute)
     if len(saved) > 1:  # 1/rms, as the forward computed it
-        normalized = upcast * saved[1]
-    else:
-        if eps is None:
-            eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
-        dims = tuple(range(1, rows.dim()))
-        normalized = upcast * torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
-    product = torch.promote_types(compute, weight_dtype)
-    grad = grad_outputs[0].reshape(rows.shape).to(product)
-    return [(grad * normalized).sum(0)]
+        return upcast * saved[1]
+    if eps is None:
+        eps = torch.finfo(torch.float64 if compute == torch.float64 else torch.float32).eps
+    dims = tuple(range(1, rows.dim()))
+    return upcast * torch.rsqrt(upcast.pow(2).mean(dims, keepdim=True) + eps)
 
 
 @register(nn.RMSNorm)
@@ -63,7 +70,12 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     shape = tuple(module.normalized_shape)
     x, (weight,) = as_autocast_casts("rms_norm", x, detached(param))
     assert weight is not None  # an RMSNorm without weight has no parameter to defer
-    kernel, group = configured_kernel(rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype)
+    # An input that needs no gradient is not kept, as plain keeps only x_hat then (the input may
+    # change in place after the forward: a residual stream updated in place).
+    keeps_input = x.requires_grad
+    kernel, group = configured_kernel(
+        rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype, normalized=not keeps_input
+    )
     # rms_norm's own test for its fused op (channels-last inputs are only 4-D or 5-D); inputs
     # of the wrong shape take the public op, for its error.
     fused = weight.dtype == x.dtype and x.dim() < 4 and x.shape[x.dim() - len(shape) :] == shape
@@ -72,7 +84,9 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     else:
         output = F.rms_norm(x, shape, weight, module.eps)
     rows = x.reshape(-1, *shape)
-    if rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
-        rows = rows.clone()
     saved = (rows, inverse_rms.reshape(rows.shape[0], *(1,) * len(shape))) if fused else (rows,)
+    if not keeps_input:
+        saved = (_normalized(saved, module.eps),)
+    elif rows.is_inference():  # cannot be saved; plain saves the normalised input, not x itself
+        saved = (rows.clone(), *saved[1:])
     return defer_weight_grads(output, (param,), saved, kernel, group=group)
