@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
 from tests.ranks import run_scenario
-from tests.utils import TOLERANCES, Scale
+from tests.utils import TOLERANCES, Scale, assert_grads_match
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.pipeline.runtime import PipelineRuntime, RankMetrics, StepReport
 from twobp_autograd.pipeline.schedules import default_num_micro_batches, placement, schedule
@@ -239,6 +239,34 @@ def test_join_over_uneven_inputs_is_refused_with_the_way_out(one_rank_group: Non
     synchroniser = GradientSynchroniser(twobp.patch(nn.Linear(3, 2)))
     with pytest.raises(RuntimeError, match="twobp: GradientSynchroniser does not take part in Join.*drop_last"):
         Join([synchroniser])
+
+
+def test_synchronising_another_queue_than_the_forwards_used_is_refused(one_rank_group: None) -> None:
+    """The forwards ran under use_queue(queue), the synchroniser flushed the default one: its
+    reductions would start before those gradients exist, and they would land unreduced. Refused,
+    naming the queue to pass; passing it gives plain's gradients (one rank: the mean is its own)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    synchroniser = GradientSynchroniser(twobp.patch(model))
+    queue = twobp.WeightGradQueue()
+    x = torch.randn(5, 3)
+    with twobp.use_queue(queue):
+        model(x).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: GradientSynchroniser: 4 parameter.*synchronise\(queue\)"):
+        synchroniser.synchronise()
+    synchroniser.synchronise(queue)
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(model, reference)
+
+
+def test_a_sparse_gradient_is_refused_naming_the_fix(one_rank_group: None) -> None:
+    model = twobp.patch(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+    synchroniser = GradientSynchroniser(model)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: GradientSynchroniser reduces dense gradients only.*sparse=False"):
+        synchroniser.synchronise()
+    twobp.discard_weight_grads()
 
 
 def _skipped_step(rank: int) -> dict:

@@ -145,6 +145,37 @@ def test_a_patched_model_loaded_in_a_fresh_process_brings_its_guards(tmp_path) -
         torch.testing.assert_close(got, want)
 
 
+_DDP_BEFORE_IMPORT = """
+import sys, torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1], 1), rank=0, world_size=1)
+inner = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+wrapped = torch.nn.parallel.DistributedDataParallel(inner)
+import twobp_autograd as twobp  # late: a plugin, or a Trainer callback
+try:
+    twobp.patch(inner)
+    print("patched")
+except RuntimeError as error:
+    print("refused" if "built earlier" in str(error) else "other-error")
+dist.destroy_process_group()
+"""
+
+
+def test_patching_inside_a_ddp_built_before_the_package_was_imported_is_refused(tmp_path) -> None:
+    """A DDP built before this package was imported escaped the wrapped constructor: patching
+    its module went through, and each rank stepped on its own gradients (0.2-0.6 off DDP's)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "late_import.py"
+    script.write_text(_DDP_BEFORE_IMPORT)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "store")], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["refused"], result.stdout
+
+
 def test_replicate_built_on_fsdp2_reduces_after_the_flush(one_rank_group: None) -> None:
     from torch.distributed._composable.replicate_with_fsdp import replicate
 

@@ -174,7 +174,9 @@ class GradientSynchroniser:
 
     def finish(self) -> None:
         """Launch what is left (parameters without a gradient take part as zeros), wait for
-        every reduction and write the means into ``.grad``."""
+        every reduction and write the means into ``.grad``. Refused while work for one of the
+        parameters is queued (its gradient would arrive after the reduction, unreduced)."""
+        self._refuse_queued_work()
         try:
             for b in range(self._next_bucket, len(self._buckets)):
                 self._launch(b)
@@ -188,6 +190,19 @@ class GradientSynchroniser:
         finally:
             self.reset()
             self._buffers_due = True
+
+    def _refuse_queued_work(self) -> None:
+        waiting = queues_with_work()
+        queued = sum(any(q.has_work_for([p]) for q in waiting) for p in self.params) if waiting else 0
+        if queued:
+            self.reset()
+            raise RuntimeError(
+                f"twobp: GradientSynchroniser: {queued} parameter(s) still have weight work queued when "
+                "their reduction would start, so their gradients would arrive later, unreduced. The "
+                "forwards ran under twobp.use_queue(queue) and the synchroniser flushed another queue: "
+                "pass that one, sync.synchronise(queue) or GradientSynchroniser(model, queue=queue) "
+                "(or sync.flush(queue) for each queue before sync.finish())."
+            )
 
     def _warn_of_unknown_gradients(self) -> None:
         """A parameter that trains now but did not when this synchroniser was built (unfrozen,
@@ -288,7 +303,8 @@ class GradientSynchroniser:
             grad = p.grad
             if grad is not None and grad.layout != torch.strided:
                 raise RuntimeError(
-                    f"GradientSynchroniser reduces dense gradients only; parameter {i} has a {grad.layout} one"
+                    f"twobp: GradientSynchroniser reduces dense gradients only; parameter {i} (shape "
+                    f"{tuple(p.shape)}) has a {grad.layout} one: build its embedding with sparse=False"
                 )
             pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel()))
             flags.append(grad is not None)

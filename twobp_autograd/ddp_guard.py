@@ -13,8 +13,9 @@ nothing (its layers compute with views of its flat parameters, which autograd di
 once): that gets one warning, in either order, naming FSDP2.
 
 PyTorch has no hook on DDP's (or FSDP1's) construction, so its ``__init__`` is wrapped: DDP's
-when this package is imported, to know the wrappers built since (``patch`` on the module inside
-one, as ``patch(accelerator.unwrap_model(model))`` after ``prepare`` does, is refused too), and
+when this package is imported, to know the wrappers built since (and those alive then, found
+once among the live objects), so that ``patch`` on the module inside one, as
+``patch(accelerator.unwrap_model(model))`` after ``prepare`` does, is refused too; and
 it refuses patched models once one is patched; FSDP1's the first time a model is patched."""
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch.distributed as dist
 from torch import nn
 
 from .warn_once import warn_once
@@ -60,6 +62,11 @@ def _watch_ddp_constructions() -> None:
         _ddp_wrappers.add(self)
 
     setattr(DistributedDataParallel, "__init__", watched_init)  # noqa: B010  (mypy refuses a direct assignment)
+    # Wrappers built before this package was imported (lazily, by a plugin or a Trainer
+    # callback): found once among the live objects. A DDP needs a process group, so without
+    # one there is none to find.
+    if dist.is_available() and dist.is_initialized():
+        _ddp_wrappers.update(o for o in gc.get_objects() if isinstance(o, DistributedDataParallel))
 
 
 _watch_ddp_constructions()
