@@ -245,6 +245,14 @@ def _misuse(rank: int) -> dict:
     twobp.flush_weight_grads()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # allowed once flushed
     optimizer.step()
+    queue = twobp.WeightGradQueue()  # forwards under use_queue: the refusal names that queue
+    with twobp.use_queue(queue):
+        _loss(model, *_data(rank, 1)).backward()
+    try:
+        model.zero_grad()
+    except RuntimeError as error:
+        refusals["zero_grad_other_queue"] = str(error)
+    queue.clear()
 
     torch.manual_seed(0)
     late = twobp.patch(Net())
@@ -361,6 +369,7 @@ MISUSES = {
     # Unlike unsharded parameters' (dropped, as plain zero_grad drops them): the work is queued
     # on FSDP2's unsharded stand-ins, whose reduction the flush still owes.
     "zero_grad": ("twobp: FSDPNet.zero_grad()", "discard_weight_grads()"),
+    "zero_grad_other_queue": ("twobp: FSDPNet.zero_grad()", "other than the current one"),
     "shard_after_queue": ("twobp: ", "before calling fully_shard"),
     "replicated_sync_on_sharded": ("twobp: ", "flush_weight_grads()"),
 }

@@ -685,6 +685,20 @@ def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes)
     assert_grads_match(patched, reference)
 
 
+def test_discarding_the_empty_current_queue_while_another_holds_work_is_refused():
+    """The forwards ran under use_queue(queue), the discard went to the (empty) current queue:
+    the micro-batch meant to be dropped reached .grad at the next flush (6.1 off). Refused."""
+    layer = twobp.patch(nn.Linear(3, 3))
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue):
+        layer(torch.randn(2, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: discard_weight_grads\(\) with the current queue empty.*\(queue\)"):
+        twobp.discard_weight_grads()
+    assert queue.pending().jobs == 1
+    twobp.discard_weight_grads(queue)
+    assert queue.pending().jobs == 0
+
+
 def test_an_empty_queue_passed_explicitly_is_the_one_used():
     """An empty queue has len() 0; it must still be the queue acted on, not the default one."""
     empty = twobp.WeightGradQueue()

@@ -12,6 +12,7 @@ how to run them: one entry point, :func:`run_jobs`, so a new option is added onc
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
@@ -19,6 +20,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import torch
 from torch import Tensor
 from torch.autograd.graph import _engine_run_backward
+from torch.utils.hooks import RemovableHandle
 
 from .job import WeightGradJob
 from .streams import LaunchedGroups
@@ -120,7 +122,8 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
     watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
     check_nan = (torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()) or any(j.check_nan for j in jobs)
-    running = _RunningFlush(jobs, _grad_states_if_hooked(groups))
+    running = _RunningFlush(jobs, _HookedDelivery.of(groups))
+    hooked = running.hooked
     _running.append(running)
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
@@ -148,16 +151,16 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                     _refuse_nan(group[0], grads)
                 ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
                 del grads
-                if running.grads_before:
-                    _forget_undeliverable(running.grads_before, group[0].params, index, last_group, ready)
+                if hooked is not None:
+                    hooked.forget_undeliverable(group[0].params, index, last_group, ready)
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
                 if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
-                    _deliver(ready, watches)
+                    (hooked.deliver if hooked is not None else _deliver)(ready, watches)
                     ready_bytes = 0
         # From here a failure (a hook raising) may leave part of the gradients in .grad.
         handed_over = handed_over or bool(ready)
-        _deliver(ready, watches)
+        (hooked.deliver if hooked is not None else _deliver)(ready, watches)
     except Exception as error:
         if handed_over:
             raise PartlyDelivered(
@@ -173,72 +176,166 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
         watch.finished()
 
 
+class _HookedDelivery:
+    """A flush to parameters with post-accumulate-grad hooks, which may read ``.grad`` or step
+    an optimizer while the flush hands gradients over: it tracks which gradients have arrived
+    (:func:`undelivered`), and remembers which backward calls each delivery came from
+    (:func:`summed_over_backward_calls`)."""
+
+    def __init__(self, groups: list[list[WeightGradJob]]) -> None:
+        self.pending: set[int] = set()  # id(param): gradients not handed over yet
+        self.tasks: dict[int, frozenset[int]] = {}  # id(param) -> the backward calls of its work
+        calls: dict[int, set[int]] = {}
+        for group in groups:
+            for job in group:
+                for param in job.params:
+                    if param is not None:
+                        calls.setdefault(id(param), set()).add(job.task)
+        self.pending = set(calls)
+        self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}
+
+    @classmethod
+    def of(cls, groups: list[list[WeightGradJob]]) -> _HookedDelivery | None:
+        hooked = any(p is not None and p._post_accumulate_grad_hooks for g in groups for p in g[0].params)
+        return cls(groups) if hooked else None
+
+    def forget_undeliverable(
+        self,
+        params: Sequence[Tensor | None],
+        index: int,
+        last_group: dict[int, int],
+        ready: list[tuple[Tensor, Tensor]],
+    ) -> None:
+        """A parameter whose last group gave it no gradient (no backward reached it) gets nothing."""
+        readied = {id(p) for p, _ in ready}
+        for param in params:
+            if param is not None and last_group[id(param)] == index and id(param) not in readied:
+                self.pending.discard(id(param))
+
+    def deliver(self, ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
+        """Parameters without hooks first, in one hand-over, so that every hook finds them
+        delivered; then the hooked ones in another, each marked delivered by a hook of ours
+        that runs before the others on it."""
+        plain = [(p, g) for p, g in ready if not p._post_accumulate_grad_hooks]
+        hooked = [(p, g) for p, g in ready if p._post_accumulate_grad_hooks]
+        ready.clear()
+        if plain:
+            entries = self._begin(p for p, _ in plain)
+            self.pending.difference_update(id(p) for p, _ in plain)
+            _deliver(plain, watches)
+            self._end(entries)
+        if hooked:
+            entries = self._begin(p for p, _ in hooked)
+            handles = [_hook_first(p, self._arrived) for p, _ in hooked]
+            try:
+                _deliver(hooked, watches)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            self._end(entries)
+
+    def _arrived(self, param: Tensor) -> None:
+        self.pending.discard(id(param))
+
+    def _begin(self, params: Iterable[Tensor]) -> list[tuple[Tensor, _Delivered]]:
+        """What the hooks see while the hand-over runs: this call and the earlier ones."""
+        entries = []
+        for param in params:
+            entry = _Delivered(weakref.ref(param), None, _earlier_calls(param) | self.tasks[id(param)])
+            _deliveries[id(param)] = entry
+            entries.append((param, entry))
+        return entries
+
+    @staticmethod
+    def _end(entries: list[tuple[Tensor, _Delivered]]) -> None:
+        for param, entry in entries:
+            if _deliveries.get(id(param)) is entry:  # not consumed by a step or zero_grad in a hook
+                _remember_delivery(param, entry.calls)
+
+
+def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
+    """``param.register_post_accumulate_grad_hook(hook)``, moved before the hooks already there."""
+    handle = param.register_post_accumulate_grad_hook(hook)
+    hooks = param._post_accumulate_grad_hooks  # called in the dict's own order (not OrderedDict's)
+    others = [(key, value) for key, value in hooks.items() if key != handle.id]
+    hooks.clear()
+    hooks[handle.id] = hook
+    hooks.update(others)
+    return handle
+
+
 class _RunningFlush(NamedTuple):
     jobs: Sequence[WeightGradJob]
-    #: id(param) -> (param, the state of its .grad when the flush began) for the parameters it
-    #: has yet to deliver; kept only where a post-accumulate-grad hook may run an optimizer step
-    #: in the middle of the delivery (see :func:`undelivered`).
-    grads_before: dict[int, tuple[Tensor, object]]
+    hooked: _HookedDelivery | None
 
 
 #: The flushes running now (in any thread: on CUDA, hooks run on autograd's threads).
 _running: list[_RunningFlush] = []
 
+class _Delivered(NamedTuple):
+    param: weakref.ref[Tensor]
+    grad: int | None  # id of the .grad the calls went into; None while a delivery runs
+    calls: frozenset[int]  # the backward calls (graph tasks) whose gradients it holds
 
-def _grad_state(param: Tensor) -> object:
-    """Changes when a gradient is delivered: AccumulateGrad puts a new tensor into an empty
-    ``.grad`` or adds in place into the one there (bumping its version)."""
+
+#: id(param) -> what flushes put into its ``.grad``: kept for the parameters of flushes with
+#: post-accumulate-grad hooks, until an optimizer step or ``zero_grad`` consumes the gradient.
+_deliveries: dict[int, _Delivered] = {}
+
+
+def _remember_delivery(param: Tensor, calls: frozenset[int]) -> None:
     grad = param.grad
-    return None if grad is None else (id(grad), grad._version)
+    if grad is None:  # freed by its hook
+        _deliveries.pop(id(param), None)
+        return
+    if len(_deliveries) > 4096:  # parameters since freed
+        for key in [k for k, entry in _deliveries.items() if entry.param() is None]:
+            del _deliveries[key]
+    _deliveries[id(param)] = _Delivered(weakref.ref(param), id(grad), calls)
 
 
-def _grad_states_if_hooked(groups: list[list[WeightGradJob]]) -> dict[int, tuple[Tensor, object]]:
-    params = {id(p): p for group in groups for p in group[0].params if p is not None}
-    if not any(p._post_accumulate_grad_hooks for p in params.values()):
-        return {}
-    return {key: (p, _grad_state(p)) for key, p in params.items()}
+def _earlier_calls(param: Tensor) -> frozenset[int]:
+    """The backward calls whose gradients flushes put into ``param.grad``, as it is now (or
+    are putting: during a delivery, with the one running)."""
+    entry = _deliveries.get(id(param))
+    if entry is None or entry.param() is not param:
+        return frozenset()
+    grad = param.grad
+    if entry.grad is not None and (grad is None or id(grad) != entry.grad):  # replaced since
+        return frozenset()
+    return entry.calls
 
 
-def _forget_undeliverable(
-    grads_before: dict[int, tuple[Tensor, object]],
-    params: Sequence[Tensor | None],
-    index: int,
-    last_group: dict[int, int],
-    ready: list[tuple[Tensor, Tensor]],
-) -> None:
-    """A parameter whose last group gave it no gradient (no backward reached it) gets nothing."""
-    readied = {id(p) for p, _ in ready}
-    for param in params:
-        if param is not None and last_group[id(param)] == index and id(param) not in readied:
-            grads_before.pop(id(param), None)
+def forget_deliveries(params: Iterable[Tensor]) -> None:
+    """An optimizer step or ``zero_grad`` consumed these parameters' gradients."""
+    if _deliveries:
+        for param in params:
+            _deliveries.pop(id(param), None)
 
 
 def undelivered(params: Iterable[Tensor]) -> list[Tensor]:
-    """Those of ``params`` whose gradient a running flush has yet to put into ``.grad``, where
-    a post-accumulate-grad hook runs in that flush (asked by the optimizer step guard)."""
-    found = []
-    for running in list(_running):
-        if running.grads_before:
-            for param in params:
-                entry = running.grads_before.get(id(param))
-                if entry is not None and _grad_state(param) == entry[1]:
-                    found.append(param)
-    return found
+    """Those of ``params`` whose gradient a running flush with post-accumulate-grad hooks has
+    yet to hand over (asked by the guards, from such a hook)."""
+    pending = [running.hooked.pending for running in list(_running) if running.hooked is not None]
+    if not pending:
+        return []
+    return [param for param in params if any(id(param) in ids for ids in pending)]
 
 
 def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
     """Whether a running flush delivers, to one of ``params``, work queued by more than one
-    backward call (asked by the optimizer step guard: a step in a post-accumulate-grad hook)."""
+    backward call, counting those earlier flushes put into its ``.grad`` (asked by the
+    optimizer step guard: a step in a post-accumulate-grad hook)."""
     if not _running:  # every step asks
         return False
-    wanted = {id(p) for p in params}
-    task_of: dict[int, int] = {}
+    wanted = {id(p): p for p in params}
+    calls: dict[int, set[int]] = {}
     for running in list(_running):
         for job in running.jobs:
             for param in job.params:
-                if param is not None and id(param) in wanted and task_of.setdefault(id(param), job.task) != job.task:
-                    return True
-    return False
+                if param is not None and id(param) in wanted:
+                    calls.setdefault(id(param), set(_earlier_calls(param))).add(job.task)
+    return any(len(tasks) > 1 for tasks in calls.values())
 
 
 def _refuse_nan(job: WeightGradJob, grads: Sequence[Tensor | None]) -> None:

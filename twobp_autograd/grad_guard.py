@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .flush import summed_over_backward_calls, undelivered
+from .flush import forget_deliveries, summed_over_backward_calls, undelivered
 from .queue import WeightGradQueue, current_queue, queues_with_work
 from .warn_once import warn_once
 
@@ -69,23 +69,46 @@ def install_grad_guards() -> None:
 
 
 def refuse_if_queued(params: Iterable[Any], what: str, advice: str = "", *, wait: bool = True) -> None:
-    """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored).
-    Work another thread's flush is running counts once it has landed (``wait``), or at once
+    """Raise if any queue holds work for one of ``params`` (tensors; anything else is ignored),
+    or, from a hook inside a flush, that flush has yet to hand one of them its gradient. Work
+    another thread's flush is running counts once it has landed (``wait``), or at once
     (``wait=False``, for a caller that has read the gradients already)."""
+    params = list(params)
+    _refuse_mid_flush(params, what)
     holding = _holding_work_for(params, wait=wait)
     if holding:
-        others = sum(q is not current_queue() for q in holding)
-        where = (
-            f" ({others} queue(s) other than the current one, which forwards ran under with "
-            "twobp.use_queue, hold some of it: flush each, queue.flush(); twobp.flush_weight_grads() "
-            "flushes only the current one)"
-            if others else ""
-        )
         raise RuntimeError(
             f"twobp: {what} over parameters whose weight gradients are still queued (their .grad "
             "is partial until the flush); call twobp.flush_weight_grads() (or queue.flush()) after "
-            f"backward and before it{advice}{where}. Under a GradientSynchroniser, its "
+            f"backward and before it{advice}{_other_queues_hint(holding)}. Under a GradientSynchroniser, its "
             "synchronise(queue) flushes (pass the queue the forwards used, if not the default)."
+        )
+
+
+def _other_queues_hint(holding: list[WeightGradQueue]) -> str:
+    others = sum(q is not current_queue() for q in holding)
+    if not others:
+        return ""
+    return (
+        f" ({others} queue(s) other than the current one, which forwards ran under with "
+        "twobp.use_queue, hold some of it: flush each, queue.flush(), or drop it, queue.clear(); "
+        "twobp.flush_weight_grads() and twobp.discard_weight_grads() act on the current one only)"
+    )
+
+
+def _refuse_mid_flush(params: list[Any], what: str) -> None:
+    """From a hook a flush's hand-over runs (a post-accumulate-grad hook), refuse to read or
+    change gradients the flush has yet to hand over."""
+    if torch._C._current_graph_task_id() < 0:
+        return
+    waiting = undelivered([p for p in params if isinstance(p, torch.Tensor)])
+    if waiting:
+        raise RuntimeError(
+            f"twobp: {what} in a post-accumulate-grad hook while the flush has yet to hand {len(waiting)} "
+            f"of its parameters their gradients (shapes {[tuple(p.shape) for p in waiting][:4]}): a flush "
+            "delivers in its own order, not plain backward's, so a hook that acts on many parameters "
+            "cannot count on being called last. Act on each parameter in its own hook (an optimizer "
+            "per parameter), or after twobp.flush_weight_grads() returns."
         )
 
 
@@ -122,15 +145,19 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
     With ``set_to_none=False`` a parameter whose work is dropped while its ``.grad`` is None
     gets a zero ``.grad``, as plain ``zero_grad`` zeroes the gradient backward gave it (an
     optimizer steps a zero gradient, momentum and weight decay included, but skips a None)."""
+    params = list(params)
+    _refuse_mid_flush(params, what)
+    forget_deliveries(params)
     queues, tensors = _queued(params)
     if not queues:
         return
     stand_ins = _stand_ins(tensors)
-    if any(q.has_work_for(stand_ins) for q in queues):
+    holding = [q for q in queues if q.has_work_for(stand_ins)]
+    if holding:
         raise RuntimeError(
             f"twobp: {what} over FSDP2-sharded parameters whose weight gradients are still queued: "
             "call twobp.flush_weight_grads() before it, or twobp.discard_weight_grads() to drop "
-            "that work."
+            f"that work{_other_queues_hint(holding)}."
         )
     for queue in queues:
         for param in queue.discard_work_for(tensors):
@@ -173,6 +200,7 @@ def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, k
     if len(args) > 1 and args[1] is not None:
         return (args[0], _checked_closure(optimizer, args[1]), *args[2:]), kwargs
     _refuse_step(optimizer)
+    forget_deliveries(_optimizer_params(optimizer))
     return None
 
 
@@ -188,15 +216,6 @@ def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
             "activation checkpoint runs a backward call of its own: one that reaches a parameter "
             "also used outside it, or in another checkpoint, counts as a second call; use "
             "checkpoint(..., use_reentrant=False).)"
-        )
-    waiting = undelivered(_optimizer_params(optimizer)) if in_backward else []
-    if waiting:
-        raise RuntimeError(
-            f"twobp: optimizer.step() in a post-accumulate-grad hook while the flush has yet to hand "
-            f"{len(waiting)} of its parameters their gradients (shapes {[tuple(p.shape) for p in waiting][:4]}): a "
-            "flush delivers in its own order, not plain backward's, so a hook that steps many "
-            "parameters cannot count on being called last. Step each parameter in its own hook (an "
-            "optimizer per parameter), or step after twobp.flush_weight_grads() returns."
         )
     if in_backward:
         advice = (
@@ -214,6 +233,7 @@ def _checked_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
     def checked() -> Any:
         loss = closure()
         _refuse_step(optimizer)
+        forget_deliveries(_optimizer_params(optimizer))
         return loss
 
     return checked

@@ -485,8 +485,18 @@ def flush_weight_grads(queue: WeightGradQueue | None = None) -> None:
 def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
     """Drop all queued weight-gradient work (default: the current queue's) without computing
     it: after a failed step, to start the next one clean. The dropped micro-batches contribute
-    nothing to ``.grad``."""
-    (queue if queue is not None else current_queue()).clear()
+    nothing to ``.grad``. Refused where the current queue holds nothing but others do (forwards
+    under ``use_queue``): the work meant to be dropped would reach ``.grad`` at their flush."""
+    if queue is None:
+        queue = current_queue()
+        others = [q for q in queues_with_work() if q is not queue]
+        if others and not queue.busy():
+            raise RuntimeError(
+                f"twobp: discard_weight_grads() with the current queue empty while {len(others)} other "
+                "queue(s) hold work (forwards ran under twobp.use_queue(queue)): pass the queue, "
+                "twobp.discard_weight_grads(queue), or queue.clear()."
+            )
+    queue.clear()
 
 
 def pending(queue: WeightGradQueue | None = None) -> PendingWork:
