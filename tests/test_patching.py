@@ -441,3 +441,36 @@ def test_a_deprecated_non_full_backward_hook_keeps_plain_autograd(where, fresh_w
                 handle.remove()
     assert twobp.pending().jobs == 0
     assert_grads_match(patched, reference)
+
+
+class _ClampedLinear(nn.Linear):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).clamp(-0.1, 0.1)
+
+
+@pytest.mark.parametrize("change", ["class-swapped", "class-forward-replaced"])
+def test_a_module_whose_class_changed_since_patch_runs_its_new_forward(change, monkeypatch):
+    """The rule was chosen for the class's forward: a class swapped to a subclass with its own
+    forward, or the class's forward replaced, ran the old rule in training (the clamp ignored,
+    outputs 1.0 off) while no_grad ran the new forward. Plain autograd now, with one warning;
+    patch() again chooses by the new class."""
+    model = nn.Sequential(nn.Linear(4, 3))
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    if change == "class-swapped":
+        for m in (model, reference):
+            m[0].__class__ = _ClampedLinear
+    else:
+        plain_forward = nn.Linear.forward
+        monkeypatch.setattr(nn.Linear, "forward", lambda self, x: plain_forward(self, x).clamp(-0.1, 0.1))
+    x = torch.randn(5, 4) * 10
+    with pytest.warns(UserWarning, match="class or its forward changed since patch"):
+        out = model(x)
+    torch.testing.assert_close(out, reference(x))
+    out.sum().backward()
+    reference(x).sum().backward()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(model, reference)
+    report = twobp.patch(model, report=True)  # chosen again: no rule stands for the new forward
+    assert report.patched == []
+    assert "is not registered" in report.skipped["0"] or "class forward replaced" in report.skipped["0"]

@@ -49,12 +49,16 @@ class DeferredForwardCall:
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         self.module = module
         self.deferred = deferred  # the class's forward once unpatched
+        # What the rule was chosen for: a class swapped since, or its forward replaced, computes
+        # something else (a parametrization's subclass keeps the forward).
+        self.class_forward = type(module).forward
         _calls.add(self)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A patched model deep-copied, or loaded in a process that never called ``patch``
         (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
         self.__dict__.update(state)
+        self.__dict__.setdefault("class_forward", type(self.module).forward)
         _calls.add(self)
         _install_guards()
 
@@ -73,8 +77,21 @@ class DeferredForwardCall:
             if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
                 _warn_non_full_backward_hook_once(module)
                 return self.plain(*args, **kwargs)
+            if type(module).forward is not self.class_forward:
+                _warn_class_changed_once(module)
+                return self.plain(*args, **kwargs)
             return self.deferred(module, *args, **kwargs)
         return self.plain(*args, **kwargs)
+
+
+def _warn_class_changed_once(module: nn.Module) -> None:
+    warn_once(
+        ("class changed", type(module)),
+        f"twobp: a patched module's class or its forward changed since patch() (now "
+        f"{type(module).__name__}): it runs that forward under plain autograd, not deferred. Call "
+        "twobp.patch(model) again to defer it by its new class's rule, if that has one.",
+        stacklevel=3,
+    )
 
 
 _maybe_current_level = torch._C._functorch.maybe_current_level
@@ -152,6 +169,11 @@ _INSTANCE_FORWARD = (
     "deferred forward would bypass; patch before adding it"
 )
 
+_REPLACED_FORWARD = (
+    "a class forward replaced since its rule was registered, which the rule's computation would not "
+    "follow; register a rule for it again (twobp.register) if it still computes the same"
+)
+
 #: Where a patched module keeps its DeferredForwardCall: its ``forward`` may be a wrapper around
 #: it by now (accelerate's hooks, added after patching, call the forward they found).
 _CALL = "_twobp_deferred_forward"
@@ -187,15 +209,19 @@ def patch(
         if _selected(name, module, exclude):
             continue
         if _is_patched(module):
-            # Patched before (its class may have changed since: a parametrization's subclass).
-            result.patched.append(name)
-            continue
+            if type(module).forward is module.__dict__[_CALL].class_forward:
+                # Patched before (its class may have changed since: a parametrization's subclass).
+                result.patched.append(name)
+                continue
+            _unpatch_module(module)  # its class or forward changed since: chosen again below
         rule = rule_for(module)
         if rule is None:
             if any(True for _ in module.parameters(recurse=False)):
                 result.skipped[name] = f"{type(module).__name__} is not registered (plain autograd)"
             continue
         reason = rule.unsupported(module)
+        if reason is None and not rule.stands_for(module):
+            reason = _REPLACED_FORWARD
         if reason is None and module.__dict__.get("forward") is not None:
             # Its own instance forward (a wrapper: accelerate's hooks, a user's) would be bypassed
             # by the deferred forward, which computes what the class's forward does.
@@ -246,9 +272,14 @@ def unpatch(model: nn.Module) -> nn.Module:
     wrapper added since patching, the deferred forward stays where the wrapper calls it, and runs
     the plain forward from now on.)"""
     for module in model.modules():
-        call = module.__dict__.pop(_CALL, None)
-        if isinstance(call, DeferredForwardCall):
-            call.deferred = _class_forward
-            if module.__dict__.get("forward") is call:
-                del module.forward
+        _unpatch_module(module)
     return model
+
+
+def _unpatch_module(module: nn.Module) -> None:
+    """Restore plain autograd on ``module`` alone (not its children)."""
+    call = module.__dict__.pop(_CALL, None)
+    if isinstance(call, DeferredForwardCall):
+        call.deferred = _class_forward
+        if module.__dict__.get("forward") is call:
+            del module.forward

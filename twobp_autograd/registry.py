@@ -26,6 +26,12 @@ class Rule:
     #: Returns why a module's configuration cannot be deferred (it then keeps plain
     #: autograd, with one warning), or None.
     unsupported: Callable[[nn.Module], str | None]
+    #: The class's forward when the rule was registered: the computation the rule stands for.
+    #: A class whose forward was replaced since keeps plain autograd.
+    class_forward: Callable[..., Any] | None = None
+
+    def stands_for(self, module: nn.Module) -> bool:
+        return self.class_forward is None or type(module).forward is self.class_forward
 
 
 _rules: dict[type, Rule] = {}
@@ -62,7 +68,7 @@ def register(
         if not callable(fn):
             raise TypeError(f"register({', '.join(t.__name__ for t in types)}) needs a callable forward, got {fn!r}")
         for t in types:
-            _rules[t] = Rule(fn, unsupported or _always_supported)
+            _rules[t] = Rule(fn, unsupported or _always_supported, getattr(t, "forward", None))
         return fn
 
     return decorator if forward is None else decorator(forward)
