@@ -196,7 +196,7 @@ class _HookedDelivery:
 
     @classmethod
     def of(cls, groups: list[list[WeightGradJob]]) -> _HookedDelivery | None:
-        hooked = any(p is not None and p._post_accumulate_grad_hooks for g in groups for p in g[0].params)
+        hooked = any(p is not None and _user_hooked(p) for g in groups for p in g[0].params)
         return cls(groups) if hooked else None
 
     def forget_undeliverable(
@@ -216,8 +216,8 @@ class _HookedDelivery:
         """Parameters without hooks first, in one hand-over, so that every hook finds them
         delivered; then the hooked ones in another, each marked delivered by a hook of ours
         that runs before the others on it."""
-        plain = [(p, g) for p, g in ready if not p._post_accumulate_grad_hooks]
-        hooked = [(p, g) for p, g in ready if p._post_accumulate_grad_hooks]
+        plain = [(p, g) for p, g in ready if not _user_hooked(p)]
+        hooked = [(p, g) for p, g in ready if _user_hooked(p)]
         ready.clear()
         if plain:
             entries = self._begin(p for p, _ in plain)
@@ -251,6 +251,17 @@ class _HookedDelivery:
         for param, entry in entries:
             if _deliveries.get(id(param)) is entry:  # not consumed by a step or zero_grad in a hook
                 _remember_delivery(param, entry.calls)
+
+
+#: Set on a post-accumulate-grad hook of this package's own that acts on its parameter's
+#: gradient alone, or on others only once they are final (the data-parallel synchroniser's):
+#: it needs no tracking of what a flush has handed over (see :func:`queue.takes_partial_gradients`).
+OWN_HOOK_MARK = "_twobp_takes_partial_gradients"
+
+
+def _user_hooked(param: Tensor) -> bool:
+    hooks = param._post_accumulate_grad_hooks
+    return bool(hooks) and any(not getattr(hook, OWN_HOOK_MARK, False) for hook in hooks.values())
 
 
 def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
-from .flush import FlushOptions, FlushStrategy, PartlyDelivered, run_jobs
+from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, PartlyDelivered, run_jobs
 from .job import WeightGradJob
 from .offload import HostOffload
 from .warn_once import warn_once
@@ -415,8 +415,10 @@ class WeightGradQueue:
 def takes_partial_gradients(hook: _Hook) -> _Hook:
     """Mark a post-accumulate-grad hook that ignores the deliveries of a capped queue's early
     flushes (a data-parallel synchroniser that counts only its own flush's): the parameter's
-    work may then be flushed early like any other."""
-    hook._twobp_takes_partial_gradients = True  # type: ignore[attr-defined]
+    work may then be flushed early like any other. Such a hook is also trusted to act on other
+    parameters' gradients only once they are final, so a flush does not track for it which
+    gradients it has handed over (the guards' check of a step or clipping inside a hook)."""
+    setattr(hook, OWN_HOOK_MARK, True)
     return hook
 
 
@@ -425,7 +427,7 @@ def _waits_for_the_flush(job: WeightGradJob) -> bool:
     gradient once per flush (see :meth:`WeightGradQueue._enforce_cap`)."""
     for param in job.params:
         hooks = None if param is None else param._post_accumulate_grad_hooks
-        if hooks and any(not getattr(h, "_twobp_takes_partial_gradients", False) for h in hooks.values()):
+        if hooks and any(not getattr(h, OWN_HOOK_MARK, False) for h in hooks.values()):
             return True
     return False
 
