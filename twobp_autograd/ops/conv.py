@@ -69,23 +69,28 @@ def conv_weight_grad(
     if extra_right_padding is not None:
         input = F.pad(input, extra_right_padding)
     need_weight, need_bias = needs
-    # Never read (its gradient is not asked for): only its shape and layout steer the backend.
-    weight = input.new_empty_strided(weight_shape, weight_stride)  # a DTensor where input is one
-    bias_sizes = [grad_output.shape[1]] if need_bias else None
-    _, weight_grad, bias_grad = torch.ops.aten.convolution_backward(
-        grad_output,
-        input,
-        weight,
-        bias_sizes,
-        list(stride),
-        list(padding),
-        list(dilation),
-        transposed,
-        list(output_padding),
-        groups,
-        [False, need_weight, need_bias],
-    )
-    return [weight_grad if need_weight else None, bias_grad if need_bias else None]
+    weight_grad = None
+    if need_weight:
+        # Never read (its gradient is not asked for): only its shape and layout steer the backend.
+        weight = input.new_empty_strided(weight_shape, weight_stride)  # a DTensor where input is one
+        weight_grad = torch.ops.aten.convolution_backward(
+            grad_output,
+            input,
+            weight,
+            None,
+            list(stride),
+            list(padding),
+            list(dilation),
+            transposed,
+            list(output_padding),
+            groups,
+            [False, True, False],
+        )[1]
+    # The bias by a reduction of its own: the CPU backend's sum over a joined batch runs almost
+    # serially (measured: 16 joined micro-batches of 8x4x64x64, 4.8e-3 relative error against
+    # fp64 where plain's per micro-batch had 3.8e-7); torch.sum sums pairwise.
+    bias_grad = grad_output.sum([d for d in range(grad_output.dim()) if d != 1]) if need_bias else None
+    return [weight_grad, bias_grad]
 
 
 def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, IntTuple | None]:

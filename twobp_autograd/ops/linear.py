@@ -43,7 +43,10 @@ def linear_weight_grad(
         elif grad.is_cuda:  # reduced-precision GEMM, fp32 result
             weight_grad = torch.mm(grad.t(), rows, out_dtype=accumulate)
         else:
-            weight_grad = grad.t().to(accumulate).mm(rows.to(accumulate))
+            # Outside autocast (a flush re-enters the backward's): it would run the fp32 product
+            # in bf16 again, rounding the whole joined sum once.
+            with torch.autocast("cpu", enabled=False):
+                weight_grad = grad.t().to(accumulate).mm(rows.to(accumulate))
     bias_grad = grad.sum(0, dtype=accumulate) if need_bias else None
     return [weight_grad, bias_grad]
 
