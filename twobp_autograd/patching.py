@@ -54,11 +54,16 @@ class DeferredForwardCall:
         self.class_forward = type(module).forward
         _calls.add(self)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # The class's forward is found again where the copy is made (a function defined in a
+        # script's __main__, or a lambda, would not pickle).
+        return {key: value for key, value in self.__dict__.items() if key != "class_forward"}
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A patched model deep-copied, or loaded in a process that never called ``patch``
         (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
         self.__dict__.update(state)
-        self.__dict__.setdefault("class_forward", type(self.module).forward)
+        self.class_forward = type(self.module).forward
         _calls.add(self)
         _install_guards()
 
