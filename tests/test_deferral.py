@@ -457,6 +457,64 @@ def test_optimizer_in_backward_over_backward_calls_flushed_apart_is_refused(spli
         queues[1].flush(tags=[1])
 
 
+def test_optimizer_in_backward_accumulating_over_flushed_backward_calls_steps_as_plain():
+    """One flush per backward, a hook stepping every second call (gradient accumulation in
+    optimizer-in-backward): each delivery was a whole backward call's, so the step on two of
+    them is plain's, not the refused sum of one flush over several calls."""
+    patched, reference = patched_and_reference(mlp(torch.float64))
+    for model in (patched, reference):
+        optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+        calls = dict.fromkeys(optimizers, 0)
+
+        def step(p, optimizers=optimizers, calls=calls):
+            if twobp.has_queued_work(p):
+                return
+            calls[p] += 1
+            if calls[p] % 2 == 0:
+                optimizers[p].step()
+                optimizers[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step)
+    for seed in range(4):
+        x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        loss_of(patched, x).backward()
+        twobp.flush_weight_grads()
+        loss_of(reference, x).backward()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_a_hook_raising_mid_flush_leaves_no_state_behind():
+    """A flush whose hook raised: the user clears .grad by hand and goes on; the next flushes'
+    steps are not refused for what the failed one had begun to deliver."""
+    patched = twobp.patch(mlp(torch.float64))
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in patched.parameters()}
+    failing = [True]
+
+    def step(p):
+        if twobp.has_queued_work(p):
+            return
+        if failing[0]:
+            failing[0] = False
+            raise ValueError("a hook failed")
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in patched.parameters():
+        p.register_post_accumulate_grad_hook(step)
+    loss_of(patched, torch.randn(4, 6, dtype=torch.float64)).backward()
+    with pytest.raises(PartlyDelivered, match="a hook failed"):
+        twobp.flush_weight_grads()
+    for p in patched.parameters():
+        p.grad = None
+    for _ in range(2):
+        loss_of(patched, torch.randn(4, 6, dtype=torch.float64)).backward()
+        twobp.flush_weight_grads()
+    assert all(p.grad is None for p in patched.parameters())  # stepped and freed by every hook
+    assert all(len(p._post_accumulate_grad_hooks) == 1 for p in patched.parameters())  # ours removed
+
+
 def test_optimizer_in_backward_stepping_on_none_is_refused_with_the_fix():
     """Its step during backward would skip the parameter (no gradient yet) and its zero_grad drop
     the queued work: refused, naming the idiom's fix."""

@@ -449,7 +449,7 @@ class _ClampedLinear(nn.Linear):
 
 
 @pytest.mark.parametrize("change", ["class-swapped", "class-forward-replaced"])
-def test_a_module_whose_class_changed_since_patch_runs_its_new_forward(change, monkeypatch):
+def test_a_module_whose_class_changed_since_patch_runs_its_new_forward(change, monkeypatch, fresh_warnings):
     """The rule was chosen for the class's forward: a class swapped to a subclass with its own
     forward, or the class's forward replaced, ran the old rule in training (the clamp ignored,
     outputs 1.0 off) while no_grad ran the new forward. Plain autograd now, with one warning;
@@ -474,3 +474,24 @@ def test_a_module_whose_class_changed_since_patch_runs_its_new_forward(change, m
     report = twobp.patch(model, report=True)  # chosen again: no rule stands for the new forward
     assert report.patched == []
     assert "is not registered" in report.skipped["0"] or "class forward replaced" in report.skipped["0"]
+
+
+@pytest.mark.parametrize("copied_by", ["deepcopy", "torch-save"])
+def test_a_copy_made_after_the_class_forward_changed_runs_it_too(copied_by, monkeypatch, tmp_path, fresh_warnings):
+    """A copy (deepcopy, torch.save/load) of a patched model whose class's forward was replaced
+    since kept the old rule, silently (outputs 1.4 off)."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 3)))
+    plain_forward = nn.Linear.forward
+    monkeypatch.setattr(nn.Linear, "forward", lambda self, x: 2 * plain_forward(self, x))
+    if copied_by == "deepcopy":
+        copied = copy.deepcopy(model)
+    else:
+        torch.save(model, tmp_path / "model.pt")
+        copied = torch.load(tmp_path / "model.pt", weights_only=False)
+    x = torch.randn(5, 4)
+    with pytest.warns(UserWarning, match="class or its forward changed since patch"):
+        out = copied(x)
+    torch.testing.assert_close(out, 2 * plain_forward(copied[0], x))
+    out.sum().backward()
+    assert twobp.pending().jobs == 0
+    assert twobp.patch(copied, report=True).patched == []

@@ -12,8 +12,10 @@ how to run them: one entry point, :func:`run_jobs`, so a new option is added onc
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -193,6 +195,8 @@ class _HookedDelivery:
                         calls.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}
+        self._readied: set[int] = set()  # id(param) of those put in `ready` (seen up to _seen)
+        self._seen = 0
 
     @classmethod
     def of(cls, groups: list[list[WeightGradJob]]) -> _HookedDelivery | None:
@@ -207,9 +211,10 @@ class _HookedDelivery:
         ready: list[tuple[Tensor, Tensor]],
     ) -> None:
         """A parameter whose last group gave it no gradient (no backward reached it) gets nothing."""
-        readied = {id(p) for p, _ in ready}
+        self._readied.update(id(p) for p, _ in ready[self._seen :])
+        self._seen = len(ready)
         for param in params:
-            if param is not None and last_group[id(param)] == index and id(param) not in readied:
+            if param is not None and last_group[id(param)] == index and id(param) not in self._readied:
                 self.pending.discard(id(param))
 
     def deliver(self, ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
@@ -219,38 +224,46 @@ class _HookedDelivery:
         plain = [(p, g) for p, g in ready if not _user_hooked(p)]
         hooked = [(p, g) for p, g in ready if _user_hooked(p)]
         ready.clear()
+        self._seen = 0
         if plain:
-            entries = self._begin(p for p, _ in plain)
             self.pending.difference_update(id(p) for p, _ in plain)
-            _deliver(plain, watches)
-            self._end(entries)
+            with self._remembering(p for p, _ in plain):
+                _deliver(plain, watches)
         if hooked:
-            entries = self._begin(p for p, _ in hooked)
             handles = [_hook_first(p, self._arrived) for p, _ in hooked]
             try:
-                _deliver(hooked, watches)
+                with self._remembering(p for p, _ in hooked):
+                    _deliver(hooked, watches)
             finally:
                 for handle in handles:
                     handle.remove()
-            self._end(entries)
 
     def _arrived(self, param: Tensor) -> None:
         self.pending.discard(id(param))
 
-    def _begin(self, params: Iterable[Tensor]) -> list[tuple[Tensor, _Delivered]]:
-        """What the hooks see while the hand-over runs: this call and the earlier ones."""
+    @contextlib.contextmanager
+    def _remembering(self, params: Iterable[Tensor]) -> Iterator[None]:
+        """While the hand-over runs, its hooks see this call and the earlier ones; after it, a
+        gradient not consumed (by a step or zero_grad in a hook) is remembered where more work
+        for it is still queued: a later flush then adds another backward call's gradient to it
+        (work split by tags or queues), which a step there must not take as one call's. On a
+        failure nothing is remembered (the step is to be run again)."""
         entries = []
         for param in params:
             entry = _Delivered(weakref.ref(param), None, _earlier_calls(param) | self.tasks[id(param)])
             _deliveries[id(param)] = entry
             entries.append((param, entry))
-        return entries
-
-    @staticmethod
-    def _end(entries: list[tuple[Tensor, _Delivered]]) -> None:
-        for param, entry in entries:
-            if _deliveries.get(id(param)) is entry:  # not consumed by a step or zero_grad in a hook
-                _remember_delivery(param, entry.calls)
+        try:
+            yield
+        finally:
+            failed = sys.exc_info()[0] is not None
+            left = [(param, entry) for param, entry in entries if _deliveries.get(id(param)) is entry]  # not consumed
+            still_queued = set() if failed else queued_among([param for param, _ in left])
+            for param, entry in left:
+                if param.grad is None or id(param) not in still_queued:
+                    del _deliveries[id(param)]
+                else:
+                    _deliveries[id(param)] = _Delivered(entry.param, id(param.grad), entry.calls)
 
 
 #: Set on a post-accumulate-grad hook of this package's own that acts on its parameter's
@@ -294,15 +307,13 @@ class _Delivered(NamedTuple):
 _deliveries: dict[int, _Delivered] = {}
 
 
-def _remember_delivery(param: Tensor, calls: frozenset[int]) -> None:
-    grad = param.grad
-    if grad is None:  # freed by its hook
-        _deliveries.pop(id(param), None)
-        return
-    if len(_deliveries) > 4096:  # parameters since freed
-        for key in [k for k, entry in _deliveries.items() if entry.param() is None]:
-            del _deliveries[key]
-    _deliveries[id(param)] = _Delivered(weakref.ref(param), id(grad), calls)
+def _none_queued(params: Sequence[Tensor]) -> set[int]:
+    return set()
+
+
+#: ``queued_among(params)``: the ids of those of ``params`` a queue still holds work for (set
+#: by :mod:`.queue`, which knows the queues).
+queued_among: Callable[[Sequence[Tensor]], set[int]] = _none_queued
 
 
 def _earlier_calls(param: Tensor) -> frozenset[int]:
@@ -314,7 +325,7 @@ def _earlier_calls(param: Tensor) -> frozenset[int]:
     grad = param.grad
     if entry.grad is not None and (grad is None or id(grad) != entry.grad):  # replaced since
         return frozenset()
-    return entry.calls
+    return entry.calls  # (entry.grad None: its delivery is running)
 
 
 def forget_deliveries(params: Iterable[Tensor]) -> None:
@@ -336,17 +347,18 @@ def undelivered(params: Iterable[Tensor]) -> list[Tensor]:
 def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
     """Whether a running flush delivers, to one of ``params``, work queued by more than one
     backward call, counting those earlier flushes put into its ``.grad`` (asked by the
-    optimizer step guard: a step in a post-accumulate-grad hook)."""
-    if not _running:  # every step asks
+    optimizer step guard: a step in a post-accumulate-grad hook, which only a flush with such
+    hooks runs)."""
+    hooked = [running.hooked for running in list(_running) if running.hooked is not None]
+    if not hooked:  # every step asks
         return False
-    wanted = {id(p): p for p in params}
-    calls: dict[int, set[int]] = {}
-    for running in list(_running):
-        for job in running.jobs:
-            for param in job.params:
-                if param is not None and id(param) in wanted:
-                    calls.setdefault(id(param), set(_earlier_calls(param))).add(job.task)
-    return any(len(tasks) > 1 for tasks in calls.values())
+    for param in params:
+        calls: set[int] = set()
+        for delivery in hooked:
+            calls |= delivery.tasks.get(id(param), frozenset())
+        if calls and len(calls | _earlier_calls(param)) > 1:
+            return True
+    return False
 
 
 def _refuse_nan(job: WeightGradJob, grads: Sequence[Tensor | None]) -> None:

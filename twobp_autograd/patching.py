@@ -63,7 +63,10 @@ class DeferredForwardCall:
         """A patched model deep-copied, or loaded in a process that never called ``patch``
         (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
         self.__dict__.update(state)
-        self.class_forward = type(self.module).forward
+        # The forward the rule stands for, not the class's now (replaced since, it is not).
+        rule = rule_for(self.module)
+        standing = rule.class_forward if rule is not None else None
+        self.class_forward = standing if standing is not None else type(self.module).forward
         _calls.add(self)
         _install_guards()
 
@@ -214,7 +217,9 @@ def patch(
         if _selected(name, module, exclude):
             continue
         if _is_patched(module):
-            if type(module).forward is module.__dict__[_CALL].class_forward:
+            rule = rule_for(module)
+            unchanged = type(module).forward is module.__dict__[_CALL].class_forward
+            if unchanged and (rule is None or rule.stands_for(module)):
                 # Patched before (its class may have changed since: a parametrization's subclass).
                 result.patched.append(name)
                 continue

@@ -30,6 +30,7 @@ from typing import Any, NamedTuple, TypeVar
 import torch
 from torch import Tensor
 
+from . import flush as flush_module
 from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, PartlyDelivered, run_jobs
 from .job import WeightGradJob
 from .offload import HostOffload
@@ -508,4 +509,14 @@ def pending(queue: WeightGradQueue | None = None) -> PendingWork:
 
 def queues_with_work() -> list[WeightGradQueue]:
     return [q for q in list(_live_queues) if q.busy()]
+
+
+def _queued_among(params: Sequence[Tensor]) -> set[int]:
+    queues = queues_with_work()
+    if not queues or not params:
+        return set()
+    return {id(p) for p in params if any(q.has_work_for([p], wait=False) for q in queues)}
+
+
+flush_module.queued_among = _queued_among
 
