@@ -185,16 +185,14 @@ class _HookedDelivery:
     (:func:`summed_over_backward_calls`)."""
 
     def __init__(self, groups: list[list[WeightGradJob]]) -> None:
-        self.pending: set[int] = set()  # id(param): gradients not handed over yet
-        self.tasks: dict[int, frozenset[int]] = {}  # id(param) -> the backward calls of its work
         calls: dict[int, set[int]] = {}
         for group in groups:
             for job in group:
                 for param in job.params:
                     if param is not None:
                         calls.setdefault(id(param), set()).add(job.task)
-        self.pending = set(calls)
-        self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}
+        self.pending = set(calls)  # id(param): gradients not handed over yet
+        self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
         self._readied: set[int] = set()  # id(param) of those put in `ready` (seen up to _seen)
         self._seen = 0
 
@@ -264,6 +262,9 @@ class _HookedDelivery:
                     del _deliveries[id(param)]
                 else:
                     _deliveries[id(param)] = _Delivered(entry.param, id(param.grad), entry.calls)
+            if len(_deliveries) > 4096:  # parameters freed since
+                for key in [key for key, entry in _deliveries.items() if entry.param() is None]:
+                    del _deliveries[key]
 
 
 #: Set on a post-accumulate-grad hook of this package's own that acts on its parameter's
@@ -295,6 +296,7 @@ class _RunningFlush(NamedTuple):
 
 #: The flushes running now (in any thread: on CUDA, hooks run on autograd's threads).
 _running: list[_RunningFlush] = []
+
 
 class _Delivered(NamedTuple):
     param: weakref.ref[Tensor]
