@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in order of worth, inside one time budget: the CUDA tests,
-# then the benchmarks with --device cuda (per call and per stage, whole models in one process,
+# each side's gradient error against fp64 on ResNet-50, then the benchmarks with --device cuda (per call and per stage, whole models in one process,
 # every sweep model's per-block F, B, I and W(n) for the simulator, torch.compile on Llama).
 # Each step gets what is left of the budget; a step that fails or runs out leaves the others.
 #
@@ -36,6 +36,8 @@ transformers.__version__, 'torchvision', torchvision.__version__, torch.cuda.get
 
 step tests 150 $python -m pytest -q -p no:cacheprovider tests/test_cuda_models.py tests/test_streams.py \
     tests/ops/test_conv.py tests/ops/test_attention.py tests/ops/test_norm.py tests/test_offload.py
+step cuda_precision 60 $python benchmarks/cuda_precision.py
+step cuda_precision_nhwc 60 $python benchmarks/cuda_precision.py --memory-format channels_last
 step per_call 120 $python benchmarks/per_call.py --device cuda --out "$out/per_call.json"
 for raw in benchmarks/results/raw/*/bench.json; do
     model=$(basename "$(dirname "$raw")")

@@ -439,11 +439,11 @@ def test_zb_bound_replay_picks_a_bound_no_slower_than_zb_or_1f1b_2(sweep) -> Non
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message is for machines without CUDA")
-@pytest.mark.parametrize("script", ["per_call", "stage_costs", "compiled"])
+@pytest.mark.parametrize("script", ["per_call", "stage_costs", "compiled", "cuda_precision"])
 def test_device_cuda_without_a_gpu_says_so(monkeypatch, script) -> None:
     monkeypatch.syspath_prepend(str(BENCHMARKS))
     module = __import__(script)
-    argv = ["--device", "cuda"]
+    argv = [] if script == "cuda_precision" else ["--device", "cuda"]
     if script == "stage_costs":
         argv += ["--bench-json", "unused.json", "--out", "unused.json", "--micro-sizes", "1"]
     with pytest.raises(SystemExit, match="CUDA is not available"):
