@@ -495,3 +495,47 @@ def test_a_copy_made_after_the_class_forward_changed_runs_it_too(copied_by, monk
     out.sum().backward()
     assert twobp.pending().jobs == 0
     assert twobp.patch(copied, report=True).patched == []
+
+
+def _clone(module: nn.Module) -> nn.Module:
+    """learn2learn's clone_module: a new instance sharing a copy of the module's __dict__, its
+    parameters replaced by differentiable copies (non-leaf tensors the inner loop updates)."""
+    clone = module.__new__(type(module))
+    clone.__dict__ = module.__dict__.copy()
+    clone._parameters = {name: p.clone() if p is not None else None for name, p in module._parameters.items()}
+    clone._modules = {name: _clone(child) for name, child in module._modules.items()}
+    return clone
+
+
+@pytest.mark.parametrize("copied_by", ["copy.copy", "clone_module"])
+def test_a_shallow_copy_computes_with_its_own_parameters(copied_by):
+    """A shallow copy shares the patched module's call through its copied __dict__: it computed
+    with the original's parameters and training flag (first-order MAML's meta-gradients 0.6
+    off, silently)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    if copied_by == "copy.copy":
+        copies = [copy.copy(model[0]), copy.copy(reference[0])]
+        for c in copies:
+            c._parameters = {"weight": torch.nn.Parameter(torch.zeros(8, 4, dtype=torch.float64)), "bias": None}
+        outputs = [c(x) for c in copies]
+        assert torch.equal(outputs[0], outputs[1]) and not outputs[0].any()
+        copies[0].eval()
+        assert model[0].training  # the copy's flag, not the original's
+        return
+    adapted = []
+    for net in (model, reference):  # one inner step of first-order MAML, then the outer backward
+        clone = _clone(net)
+        inner = clone(x).pow(2).mean()
+        grads = torch.autograd.grad(inner, list(clone.parameters()))
+        for (name, p), g in zip(list(clone.named_parameters()), grads, strict=True):
+            owner, attribute = clone.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2]
+            owner._parameters[attribute] = p - 0.5 * g.detach()
+        adapted.append(clone(x).pow(2).mean())
+        adapted[-1].backward()
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(adapted[0], adapted[1], rtol=0, atol=0)
+    assert_grads_match(model, reference, torch.float64)

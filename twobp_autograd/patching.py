@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import fnmatch
+import sys
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -70,11 +71,15 @@ class DeferredForwardCall:
         _calls.add(self)
         _install_guards()
 
-    def plain(self, *args: Any, **kwargs: Any) -> Any:
-        return type(self.module).forward(self.module, *args, **kwargs)
-
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if not _is_compiling():
+            # The module being called may be a shallow copy sharing this call through its copied
+            # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it
+            # computes with its own parameters and flags. nn.Module.__call__ is the caller.
+            caller = sys._getframe(1)
+            if caller.f_code is _CALL_IMPL:
+                module = caller.f_locals["self"]
         if (
             torch.is_grad_enabled()
             and module.training
@@ -84,12 +89,12 @@ class DeferredForwardCall:
         ):
             if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
                 _warn_non_full_backward_hook_once(module)
-                return self.plain(*args, **kwargs)
+                return type(module).forward(module, *args, **kwargs)
             if type(module).forward is not self.class_forward:
                 _warn_class_changed_once(module)
-                return self.plain(*args, **kwargs)
+                return type(module).forward(module, *args, **kwargs)
             return self.deferred(module, *args, **kwargs)
-        return self.plain(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
 
 
 def _warn_class_changed_once(module: nn.Module) -> None:
@@ -104,6 +109,8 @@ def _warn_class_changed_once(module: nn.Module) -> None:
 
 _maybe_current_level = torch._C._functorch.maybe_current_level
 _is_exporting = torch.compiler.is_exporting
+_is_compiling = torch.compiler.is_compiling
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
 _GLOBAL_BACKWARD_HOOKS = module_hooks._global_backward_hooks  # one dict, filled in place
