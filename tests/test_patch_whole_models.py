@@ -272,3 +272,35 @@ def test_hugging_face_trainer_with_the_readme_flush_trains_like_plain(tmp_path) 
     assert twobp.pending().jobs == 0
     for (name, trained), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         torch.testing.assert_close(trained, expected, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_an_accelerate_loop_with_the_readme_flush_trains_like_plain() -> None:
+    """README's place for the flush in a plain accelerate loop: inside ``accumulate``, on the
+    step's last micro-batch, before clipping and the step."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def train(patched: bool) -> nn.Module:
+        accelerator = accelerate.Accelerator(gradient_accumulation_steps=2, cpu=True)
+        torch.manual_seed(0)
+        model = tiny_llama()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = torch.utils.data.DataLoader(_TokenIds(12), batch_size=2)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        if patched:
+            twobp.register(LlamaRMSNorm, twobp.ops.llama_rms_norm)
+            twobp.patch(accelerator.unwrap_model(model))
+        for batch in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                if accelerator.sync_gradients:
+                    if patched:
+                        twobp.flush_weight_grads()
+                    accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                optimizer.step()
+                optimizer.zero_grad()
+        return accelerator.unwrap_model(model)
+
+    trained, expected = train(True), train(False)
+    assert twobp.pending().jobs == 0
+    for (name, p), q in zip(trained.named_parameters(), expected.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
