@@ -539,3 +539,42 @@ def test_a_shallow_copy_computes_with_its_own_parameters(copied_by):
     twobp.flush_weight_grads()
     torch.testing.assert_close(adapted[0], adapted[1], rtol=0, atol=0)
     assert_grads_match(model, reference, torch.float64)
+
+
+def test_a_module_given_a_patched_modules_forward_computes_that_module():
+    """``X.forward = Y.forward`` with Y patched: plain computes Y (a bound forward), and so does
+    the patched call; it took the calling module X's parameters instead."""
+    torch.manual_seed(0)
+    source, borrower = nn.Linear(3, 2).double(), nn.Linear(3, 2).double()
+    reference = copy.deepcopy(source)
+    twobp.patch(source)
+    borrower.forward = source.forward
+    x = torch.randn(4, 3, dtype=torch.float64)
+    out = borrower(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    out.sum().backward()
+    reference(x).sum().backward()
+    twobp.flush_weight_grads()
+    assert borrower.weight.grad is None
+    assert_grads_match(source, reference, torch.float64)
+
+
+def test_shallow_copies_get_calls_of_their_own():
+    """A copy called once through module(x) has its own call from then on (its forward called
+    directly computes with its own parameters); unpatching a copy leaves the original patched;
+    a patched module whose forward attribute was deleted is patched again by patch()."""
+    torch.manual_seed(0)
+    original = twobp.patch(nn.Linear(3, 2).double())
+    clone = _clone(original)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    clone(x)
+    torch.testing.assert_close(clone.forward(x), nn.functional.linear(x, clone.weight, clone.bias), rtol=0, atol=0)
+    twobp.unpatch(copy.copy(original))
+    original(x).sum().backward()
+    assert twobp.pending().jobs == 1, "the original still defers"
+    twobp.discard_weight_grads()
+    del original.forward
+    assert twobp.patch(original, report=True).patched == [""]
+    original(x).sum().backward()
+    assert twobp.pending().jobs == 1
+    twobp.discard_weight_grads()

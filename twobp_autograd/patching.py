@@ -76,10 +76,14 @@ class DeferredForwardCall:
         if not _is_compiling():
             # The module being called may be a shallow copy sharing this call through its copied
             # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it
-            # computes with its own parameters and flags. nn.Module.__call__ is the caller.
+            # computes with its own parameters and flags, and gets a call of its own.
+            # nn.Module.__call__ is the caller. (A module merely given this call as its forward
+            # holds no _CALL of it: this call's module computes.)
             caller = sys._getframe(1)
             if caller.f_code is _CALL_IMPL:
-                module = caller.f_locals["self"]
+                called = caller.f_locals["self"]
+                if called is not module and called.__dict__.get(_CALL) is self:
+                    module = _adopt(called, self)
         if (
             torch.is_grad_enabled()
             and module.training
@@ -95,6 +99,17 @@ class DeferredForwardCall:
                 return type(module).forward(module, *args, **kwargs)
             return self.deferred(module, *args, **kwargs)
         return type(module).forward(module, *args, **kwargs)
+
+
+def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
+    """Give a shallow copy a call of its own (its forward called directly, not through
+    ``nn.Module.__call__``, then finds it too)."""
+    own = DeferredForwardCall(copy, shared.deferred)
+    own.class_forward = shared.class_forward
+    if copy.__dict__.get("forward") is shared:
+        copy.__dict__["forward"] = own
+    copy.__dict__[_CALL] = own
+    return copy
 
 
 def _warn_class_changed_once(module: nn.Module) -> None:
@@ -225,12 +240,15 @@ def patch(
             continue
         if _is_patched(module):
             rule = rule_for(module)
-            unchanged = type(module).forward is module.__dict__[_CALL].class_forward
+            call = module.__dict__[_CALL]
+            unchanged = type(module).forward is call.class_forward and "forward" in module.__dict__
+            if call.module is not module:  # a shallow copy not called yet: a call of its own
+                _adopt(module, call)
             if unchanged and (rule is None or rule.stands_for(module)):
                 # Patched before (its class may have changed since: a parametrization's subclass).
                 result.patched.append(name)
                 continue
-            _unpatch_module(module)  # its class or forward changed since: chosen again below
+            _unpatch_module(module)  # its class or forward changed, or its forward was deleted: again
         rule = rule_for(module)
         if rule is None:
             if any(True for _ in module.parameters(recurse=False)):
@@ -297,6 +315,7 @@ def _unpatch_module(module: nn.Module) -> None:
     """Restore plain autograd on ``module`` alone (not its children)."""
     call = module.__dict__.pop(_CALL, None)
     if isinstance(call, DeferredForwardCall):
-        call.deferred = _class_forward
+        if call.module is module:  # not a shallow copy sharing the original's call
+            call.deferred = _class_forward
         if module.__dict__.get("forward") is call:
             del module.forward
