@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
 from .flush import run_jobs
-from .queue import WeightGradQueue, current_queue, queues_with_work, takes_partial_gradients
+from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 from .warn_once import warn_once
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
@@ -192,8 +192,7 @@ class GradientSynchroniser:
             self._buffers_due = True
 
     def _refuse_queued_work(self) -> None:
-        waiting = queues_with_work()
-        queued = sum(any(q.has_work_for([p]) for q in waiting) for p in self.params) if waiting else 0
+        queued = len(queued_among(self.params, wait=True))
         if queued:
             self.reset()
             raise RuntimeError(

@@ -36,6 +36,10 @@ __all__ = [
     "PartlyDelivered",
     "watch_flushes",
     "summed_over_backward_calls",
+    "undelivered",
+    "forget_deliveries",
+    "has_user_hooks",
+    "OWN_HOOK_MARK",
 ]
 
 FlushStrategy = Literal["concat", "loop", "auto"]
@@ -151,10 +155,11 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                     )
                 if check_nan:
                     _refuse_nan(group[0], grads)
+                readied = len(ready)
                 ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
                 del grads
                 if hooked is not None:
-                    hooked.forget_undeliverable(group[0].params, index, last_group, ready)
+                    hooked.forget_undeliverable(group[0].params, index, last_group, ready[readied:])
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
                 if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
@@ -193,12 +198,10 @@ class _HookedDelivery:
                         calls.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)  # id(param): gradients not handed over yet
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
-        self._readied: set[int] = set()  # id(param) of those put in `ready` (seen up to _seen)
-        self._seen = 0
 
     @classmethod
     def of(cls, groups: list[list[WeightGradJob]]) -> _HookedDelivery | None:
-        hooked = any(p is not None and _user_hooked(p) for g in groups for p in g[0].params)
+        hooked = any(p is not None and has_user_hooks(p) for g in groups for p in g[0].params)
         return cls(groups) if hooked else None
 
     def forget_undeliverable(
@@ -206,23 +209,24 @@ class _HookedDelivery:
         params: Sequence[Tensor | None],
         index: int,
         last_group: dict[int, int],
-        ready: list[tuple[Tensor, Tensor]],
+        readied: list[tuple[Tensor, Tensor]],
     ) -> None:
-        """A parameter whose last group gave it no gradient (no backward reached it) gets nothing."""
-        self._readied.update(id(p) for p, _ in ready[self._seen :])
-        self._seen = len(ready)
+        """A parameter whose last group (group ``index``, which ``readied`` what it made ready)
+        gave it no gradient (no backward reached it) gets nothing."""
+        ids = {id(p) for p, _ in readied}
         for param in params:
-            if param is not None and last_group[id(param)] == index and id(param) not in self._readied:
+            if param is not None and last_group[id(param)] == index and id(param) not in ids:
                 self.pending.discard(id(param))
 
     def deliver(self, ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
         """Parameters without hooks first, in one hand-over, so that every hook finds them
         delivered; then the hooked ones in another, each marked delivered by a hook of ours
         that runs before the others on it."""
-        plain = [(p, g) for p, g in ready if not _user_hooked(p)]
-        hooked = [(p, g) for p, g in ready if _user_hooked(p)]
+        plain: list[tuple[Tensor, Tensor]] = []
+        hooked: list[tuple[Tensor, Tensor]] = []
+        for item in ready:
+            (hooked if has_user_hooks(item[0]) else plain).append(item)
         ready.clear()
-        self._seen = 0
         if plain:
             self.pending.difference_update(id(p) for p, _ in plain)
             with self._remembering(p for p, _ in plain):
@@ -273,7 +277,8 @@ class _HookedDelivery:
 OWN_HOOK_MARK = "_twobp_takes_partial_gradients"
 
 
-def _user_hooked(param: Tensor) -> bool:
+def has_user_hooks(param: Tensor) -> bool:
+    """Whether ``param`` has a post-accumulate-grad hook not marked as this package's own."""
     hooks = param._post_accumulate_grad_hooks
     return bool(hooks) and any(not getattr(hook, OWN_HOOK_MARK, False) for hook in hooks.values())
 
@@ -314,7 +319,7 @@ def _none_queued(params: Sequence[Tensor]) -> set[int]:
 
 
 #: ``queued_among(params)``: the ids of those of ``params`` a queue still holds work for (set
-#: by :mod:`.queue`, which knows the queues).
+#: to :func:`.queue.queued_among` by that module, which knows the queues).
 queued_among: Callable[[Sequence[Tensor]], set[int]] = _none_queued
 
 

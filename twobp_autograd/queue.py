@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import flush as flush_module
-from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, PartlyDelivered, run_jobs
+from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, PartlyDelivered, has_user_hooks, run_jobs
 from .job import WeightGradJob
 from .offload import HostOffload
 from .warn_once import warn_once
@@ -45,6 +45,7 @@ __all__ = [
     "discard_weight_grads",
     "pending",
     "takes_partial_gradients",
+    "queued_among",
 ]
 
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
@@ -426,11 +427,7 @@ def takes_partial_gradients(hook: _Hook) -> _Hook:
 def _waits_for_the_flush(job: WeightGradJob) -> bool:
     """Whether a parameter of the job has a post-accumulate-grad hook that must see its whole
     gradient once per flush (see :meth:`WeightGradQueue._enforce_cap`)."""
-    for param in job.params:
-        hooks = None if param is None else param._post_accumulate_grad_hooks
-        if hooks and any(not getattr(h, OWN_HOOK_MARK, False) for h in hooks.values()):
-            return True
-    return False
+    return any(param is not None and has_user_hooks(param) for param in job.params)
 
 
 def _warn_cap_kept_for_hooks_once() -> None:
@@ -511,12 +508,14 @@ def queues_with_work() -> list[WeightGradQueue]:
     return [q for q in list(_live_queues) if q.busy()]
 
 
-def _queued_among(params: Sequence[Tensor]) -> set[int]:
+def queued_among(params: Sequence[Tensor], *, wait: bool = False) -> set[int]:
+    """The ids of those of ``params`` a queue holds work for (see :meth:`WeightGradQueue.has_work_for`
+    for ``wait``)."""
     queues = queues_with_work()
     if not queues or not params:
         return set()
-    return {id(p) for p in params if any(q.has_work_for([p], wait=False) for q in queues)}
+    return {id(p) for p in params if any(q.has_work_for([p], wait=wait) for q in queues)}
 
 
-flush_module.queued_among = _queued_among
+flush_module.queued_among = queued_among
 
