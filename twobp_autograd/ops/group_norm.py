@@ -19,6 +19,7 @@ from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
+from .precision import summed_over_row_chunks
 
 __all__ = ["group_norm", "group_norm_weight_grad"]
 
@@ -33,13 +34,22 @@ def group_norm_weight_grad(
 ) -> list[Tensor | None]:
     input, mean, rstd = saved  # (N, C, *), (N, groups), (N, groups)
     need_weight, need_bias = needs
-    batch, channels = input.shape[:2]
+    channels, features = input.shape[1], math.prod(input.shape[2:])
     weight = input.new_ones(channels, dtype=weight_dtype)  # a DTensor where input is one
-    _, weight_grad, bias_grad = torch.ops.aten.native_group_norm_backward(
-        grad_outputs[0], input, mean, rstd, weight, batch, channels, math.prod(input.shape[2:]), num_groups,
-        [False, need_weight, need_bias],
-    )
+
+    def native(grad: Tensor, input: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor | None, ...]:
+        mask = [False, need_weight, need_bias]
+        batch = input.shape[0]
+        return torch.ops.aten.native_group_norm_backward(
+            grad, input, mean, rstd, weight, batch, channels, features, num_groups, mask
+        )[1:]
+
+    weight_grad, bias_grad = summed_over_row_chunks(native, (grad_outputs[0], input, mean, rstd), _SAMPLES_PER_CALL)
     return [weight_grad if need_weight else None, bias_grad if need_bias else None]
+
+
+#: Samples per CPU kernel call (see .precision; each sample's own sums are not serial).
+_SAMPLES_PER_CALL = 64
 
 
 @register(nn.GroupNorm)

@@ -27,7 +27,7 @@ from ..job import WeightGradKernel
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .precision import accumulation_dtype
+from .precision import accumulation_dtype, summed_over_row_chunks
 
 __all__ = ["layer_norm", "layer_norm_weight_grad"]
 
@@ -51,10 +51,19 @@ def layer_norm_weight_grad(
     # Made like the saved tensors (a DTensor under tensor parallelism, which refuses a mix).
     weight = rows.new_ones(normalized_shape, dtype=weight_dtype)
     bias = weight if has_bias else None
-    _, weight_grad, bias_grad = torch.ops.aten.native_layer_norm_backward(
-        grad, rows, normalized_shape, mean, rstd, weight, bias, [False, need_weight, need_bias]
-    )
+
+    def native(grad: Tensor, rows: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor | None, ...]:
+        mask = [False, need_weight, need_bias]
+        backward = torch.ops.aten.native_layer_norm_backward
+        return backward(grad, rows, normalized_shape, mean, rstd, weight, bias, mask)[1:]
+
+    weight_grad, bias_grad = summed_over_row_chunks(native, (grad, rows, mean, rstd), _ROWS_PER_CALL)
     return [weight_grad if need_weight else None, bias_grad if need_bias else None]
+
+
+#: Rows per CPU kernel call (see .precision): the error of a 1024-row sum, at about the speed
+#: of one call (measured 0.9-1.4x of one call over 4096-65536 joined rows of 64-1024 features).
+_ROWS_PER_CALL = 1024
 
 
 @sees_post_hooks

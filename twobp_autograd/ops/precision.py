@@ -1,13 +1,23 @@
-"""The dtype a weight-gradient kernel sums in. A flush joins many micro-batches into one kernel
-call; with bf16/fp16 operands (autocast) one rounding of the whole sum to 8 or 11 mantissa bits,
-or a kernel that accumulates in the operands' dtype, loses far more than autograd does by
-rounding each micro-batch's gradient and summing them in the fp32 ``.grad``."""
+"""How a weight-gradient kernel keeps plain autograd's precision when a flush joins many
+micro-batches into one call.
+
+- With bf16/fp16 operands (autocast), one rounding of the whole sum to 8 or 11 mantissa bits,
+  or a kernel that accumulates in the operands' dtype, loses far more than autograd does by
+  rounding each micro-batch's gradient and summing them in the fp32 ``.grad``: such kernels
+  sum in :func:`accumulation_dtype`.
+- Some of ATen's CPU kernels (LayerNorm's and GroupNorm's weight and bias sums) add their rows
+  one after another, so their rounding error grows with the rows joined: 10-20x plain's over
+  16 joined micro-batches. :func:`summed_over_row_chunks` calls them on bounded slices.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable, Sequence
 
-__all__ = ["accumulation_dtype"]
+import torch
+from torch import Tensor
+
+__all__ = ["accumulation_dtype", "summed_over_row_chunks"]
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -15,3 +25,25 @@ _REDUCED = (torch.bfloat16, torch.float16)
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for bf16/fp16, the dtype itself otherwise (as ATen's ``opmath_type``)."""
     return torch.float32 if dtype in _REDUCED else dtype
+
+
+def summed_over_row_chunks(
+    kernel: Callable[..., Sequence[Tensor | None]], tensors: Sequence[Tensor], rows: int
+) -> list[Tensor | None]:
+    """``kernel(*tensors)`` for a kernel that sums over dim 0 serially on a CPU: there, called
+    on slices of at most ``rows`` along dim 0 of every tensor and the results added, so its
+    error stays that of ``rows`` rows however many micro-batches were joined (about what
+    autograd's per-micro-batch calls give). One call elsewhere, or where the rows fit."""
+    first = tensors[0]
+    # A tensor subclass (a DTensor under tensor parallelism) slices by rules of its own.
+    if first.device.type != "cpu" or first.shape[0] <= rows or type(first) is not Tensor:
+        return list(kernel(*tensors))
+    total: list[Tensor | None] = []
+    for chunk in zip(*(t.split(rows) for t in tensors), strict=True):
+        grads = kernel(*chunk)
+        # The kernel's results are fresh tensors of this call: adding into the first is safe.
+        if not total:
+            total = list(grads)
+        else:
+            total = [t if t is None or g is None else t.add_(g) for t, g in zip(total, grads, strict=True)]
+    return total
