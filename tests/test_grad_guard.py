@@ -23,6 +23,11 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(6, 8), nn.PReLU(), nn.Linear(8, 2))
 
 
+def _model_with_batch_norm() -> nn.Module:
+    # BatchNorm's gradients are finished in backward and handed over at the flush: another kind of job.
+    return nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.PReLU(), nn.Linear(8, 2))
+
+
 def _scaler() -> torch.amp.GradScaler:
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.zeros(()))  # sets the scale up, as scaling the loss does (the tests scale by 4.0 themselves)
@@ -112,7 +117,8 @@ def _first_layer_zero_grad(model: nn.Module, set_to_none: bool) -> None:
 
 
 def _weights_only_zero_grad(model: nn.Module, set_to_none: bool) -> None:
-    # A parameter group that holds a Linear's weight but not its bias: half of one job is dropped.
+    # A parameter group that holds a layer's weight but not its bias: half of one job is dropped
+    # (BatchNorm's weight handed its bias's gradient that way, silently).
     weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
     torch.optim.SGD(weights, lr=0.1).zero_grad(set_to_none=set_to_none)
 
@@ -136,7 +142,7 @@ def test_zero_grad_before_the_flush_drops_that_work_as_plain_drops_those_grads(
     the work of parameters it does not zero stays queued, and a later backward's is kept.
     ``set_to_none=False`` leaves zeros where plain backward had made a gradient, not None: an
     optimizer steps a zero gradient (momentum, weight decay) but skips a None."""
-    model = _model()
+    model = _model_with_batch_norm()
     reference = copy.deepcopy(model)
     twobp.patch(model)
     queue = twobp.WeightGradQueue() if own_queue else None

@@ -119,15 +119,15 @@ class ParamDeferral(NamedTuple):
         back at the flush, summed there per micro-batch like any job; return what autograd
         gets now: the 'now' gradients, None for the rest."""
         deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions, strict=True)]
-        deferred = tuple(g.detach() for g, defer in zip(grads, deferring, strict=True) if defer)  # type: ignore[union-attr]
-        if deferred:
+        if any(deferring):
             self.queue.enqueue(
                 WeightGradJob(
                     kernel=_finished_grads,
                     group=_finished_grads,
                     concatenate=False,
                     params=tuple(p if defer else None for p, defer in zip(self.params, deferring, strict=True)),
-                    saved=deferred,
+                    # One per parameter, in place: zero_grad may drop any of them (drop_params).
+                    saved=tuple(g.detach() if defer else _NO_PARAM for g, defer in zip(grads, deferring, strict=True)),  # type: ignore[union-attr]
                     grad_outputs=(),
                     tag=self.tag,
                 )
@@ -179,10 +179,10 @@ class ParamDeferral(NamedTuple):
 def _finished_grads(
     saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
 ) -> list[Tensor | None]:
-    """The kernel of a job of finished gradients: ``saved`` holds one per needed parameter.
-    (The flush never adds in place into a tensor a kernel returns, so handing them out is safe.)"""
-    grads = iter(saved)
-    return [next(grads) if need else None for need in needs]
+    """The kernel of a job of finished gradients: ``saved`` holds one per parameter (a
+    placeholder where none was deferred). (The flush never adds in place into a tensor a kernel
+    returns, so handing them out is safe.)"""
+    return [grad if need else None for grad, need in zip(saved, needs, strict=True)]
 
 
 class _TapSpec(NamedTuple):
