@@ -191,3 +191,29 @@ def test_a_step_refused_over_work_in_a_queue_of_ones_own_says_to_flush_that_queu
         optimizer.step()
     queue.flush()
     optimizer.step()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("with_plain_grads", [False, True], ids=["all-queued", "some-in-grad"])
+def test_a_distributed_checkpoint_of_a_fresh_optimizer_between_backward_and_flush_is_as_on_plain_autograd(
+    with_plain_grads: bool,
+) -> None:
+    """DCP's ``get_optimizer_state_dict`` initialises a fresh optimizer's state with a step at lr 0
+    unless a ``.grad`` exists; with every gradient queued that step was refused, leaving lr at 0
+    and zeros as ``.grad``. (Its private check is wrapped: this fails if PyTorch renames it.)"""
+    from torch.distributed.checkpoint import state_dict
+
+    base = _model() if with_plain_grads else nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
+    model, reference = twobp.patch(copy.deepcopy(base)), base
+    assert getattr(state_dict._init_optim_state, "__wrapped__", None) is not None  # wrapped by patch()
+    x = torch.randn(4, 6)
+    saved = []
+    for net in (model, reference):
+        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        net(x).pow(2).sum().backward()
+        saved.append(state_dict.get_optimizer_state_dict(net, optimizer))
+        assert optimizer.param_groups[0]["lr"] == 1e-3
+    assert saved[0] == saved[1]
+    twobp.flush_weight_grads()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
