@@ -284,9 +284,50 @@ def _one_process_grads(setting: Setting) -> dict[str, Tensor]:
     return {name: p.grad for name, p in model.named_parameters()}
 
 
+class _Widening(nn.Module):
+    """A Linear, then a Conv1d over its output spread along a length each micro-batch chooses:
+    jobs of the Conv1d group apart by length, so a rank whose lengths differ from another's
+    finishes the two FSDP2 groups in another order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.conv = nn.Conv1d(4, 4, 1)
+
+    def forward(self, x: Tensor, length: int) -> Tensor:
+        return self.conv(self.linear(x).unsqueeze(-1).expand(-1, -1, length).contiguous())
+
+
+#: Per rank, the length of each micro-batch (rank 0 finishes the Linear's group first, rank 1 last).
+_LENGTHS = {0: (4, 8), 1: (8, 8)}
+
+
+def _shapes_by_rank(rank: int) -> dict:
+    """The flush reduced each group when it finished, so the ranks reduce-scattered in other
+    orders and gloo paired one rank's Linear with the other's Conv1d (0.3 off, silently)."""
+    mesh = init_device_mesh("cpu", (WORLD,))
+    grads = {}
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = _Widening()
+        if patched:
+            twobp.patch(model)
+        fully_shard(model.linear, mesh=mesh)
+        fully_shard(model.conv, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for micro, length in enumerate(_LENGTHS[rank]):
+            generator = torch.Generator().manual_seed(10 * rank + micro)
+            x, y = torch.randn(3, 4, generator=generator), torch.randn(3, 4, length, generator=generator)
+            F.mse_loss(model(x, length), y).backward()
+        twobp.flush_weight_grads()
+        grads[patched] = _full_grads(model)
+    return {"ours": grads[True], "plain": grads[False]}
+
+
 def _scenario(rank: int) -> dict:
     results = {setting.id: _run_setting(setting, rank) for setting in SETTINGS}
     results["misuse"] = _misuse(rank)
+    results["shapes_by_rank"] = _shapes_by_rank(rank)
     return results
 
 
@@ -388,6 +429,12 @@ def test_misuse_over_queued_sharded_work_is_refused(ranks: list[dict], rank: int
 # -- HSDP: fully_shard over a 2-D ("replicate", "shard") mesh, four ranks ---------------------
 
 HSDP_ACCUMULATIONS = ["sync_each", "sync_last"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_ranks_whose_micro_batches_differ_in_shape_reduce_the_groups_in_one_order(ranks: list[dict], rank: int) -> None:
+    result = ranks[rank]["shapes_by_rank"]
+    _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 
 def _hsdp(rank: int) -> dict:

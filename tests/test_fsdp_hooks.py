@@ -49,6 +49,9 @@ def _behaviour(rank: int) -> dict:
     }
     groups = fsdp_hooks.groups_of(model)
     found["groups"] = len(groups)
+    # The root's group (first in module order) is reduced after the inner one, as FSDP2 does.
+    order = fsdp_hooks.reduction_order()
+    found["inner_reduced_before_root"] = [order.get(id(g)) for g in groups] == [1, 0]
 
     seen_in_backward: list[bool] = []
     computed_with: list[torch.Tensor] = []
@@ -109,6 +112,7 @@ def behaviour(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "unsharded_grad_taken",
         "state_restored",
         "buffers_released",
+        "inner_reduced_before_root",
     ],
 )
 def test_fsdp2_behaves_as_the_hooks_expect(behaviour: dict, what: str) -> None:

@@ -50,43 +50,45 @@ __all__ = ["ShardedGradientSync"]
 class _GroupReductions:
     """One flush's watch: reduces each FSDP2 parameter group once the flush has delivered all
     of that group's gradients it makes (a group inside its own backward is left to FSDP2's
-    post-backward, which is still to come)."""
+    post-backward, which is still to come). Groups are reduced in one order every rank shares
+    (:func:`fsdp_hooks.reduction_order`): a group finished early waits for those before it, as
+    each rank's collectives must pair with the same group's on the others."""
 
     def __init__(self, sharded: dict[int, fsdp_hooks.ShardedParam]) -> None:
         self._group_of = {key: entry.group for key, entry in sharded.items()}
         self._awaited: dict[int, int] = {}
-        self._groups: dict[int, Any] = {}
+        groups: dict[int, Any] = {}
         for group in self._group_of.values():
             self._awaited[id(group)] = self._awaited.get(id(group), 0) + 1
-            self._groups[id(group)] = group
+            groups[id(group)] = group
+        place = fsdp_hooks.reduction_order()
+        self._order = sorted(groups.values(), key=lambda group: place[id(group)])
+        self._next = 0  # self._order[:self._next] are reduced
         self._reduced: list[Any] = []
 
     def completes(self, params: Sequence[Tensor]) -> bool:
-        """Whether ``params`` hold the last gradients a group still awaits."""
-        counts: dict[int, int] = {}
-        for param in params:
-            group = self._group_of.get(id(param))
-            if group is not None:
-                counts[id(group)] = counts.get(id(group), 0) + 1
-        return any(self._awaited[key] == count for key, count in counts.items())
+        """Whether ``params`` hold the last gradients that the next group to reduce awaits."""
+        if self._next == len(self._order):
+            return False
+        front = id(self._order[self._next])
+        return sum(id(self._group_of.get(id(param))) == front for param in params) == self._awaited[front]
 
     def delivered(self, params: Sequence[Tensor]) -> None:
         for param in params:
             group = self._group_of.get(id(param))
             if group is not None:
                 self._awaited[id(group)] -= 1
-                if self._awaited[id(group)] == 0:
-                    self._reduce(group)
+        while self._next < len(self._order) and self._awaited[id(self._order[self._next])] == 0:
+            self._reduce(self._order[self._next])
 
     def finished(self) -> None:
         # A kernel may return no gradient for a parameter (never delivered): its group goes now.
-        for key, left in self._awaited.items():
-            if left > 0:
-                self._reduce(self._groups[key])
+        while self._next < len(self._order):
+            self._reduce(self._order[self._next])
         fsdp_hooks.wait_for_reductions(self._reduced)
 
     def _reduce(self, group: Any) -> None:
-        self._awaited[id(group)] = 0
+        self._next += 1
         if fsdp_hooks.in_backward(group):
             return  # its own post-backward, still to come, takes the gradients
         if torch._C._current_graph_task_id() >= 0:
@@ -111,7 +113,9 @@ def _reduce_when_this_backward_ends(group: Any) -> None:
 
 
 def _reduce_now(groups: dict[int, Any]) -> None:
-    reduced = [group for group in groups.values() if not fsdp_hooks.in_backward(group)]
+    place = fsdp_hooks.reduction_order()
+    in_order = sorted(groups.values(), key=lambda group: place[id(group)])
+    reduced = [group for group in in_order if not fsdp_hooks.in_backward(group)]
     for group in reduced:
         fsdp_hooks.reduce_group(group)
     fsdp_hooks.wait_for_reductions(reduced)

@@ -28,6 +28,7 @@ __all__ = [
     "groups_of",
     "in_backward",
     "reduce_group",
+    "reduction_order",
     "replaced_by_fully_shard",
     "sharded_params_of",
     "unsharded_params_of",
@@ -130,6 +131,37 @@ def groups_of(module: nn.Module) -> list[Any]:
         if isinstance(submodule, FSDPModule):
             groups.extend(g for g in submodule._get_fsdp_state()._fsdp_param_groups if g not in groups)
     return groups
+
+
+def reduction_order() -> dict[int, int]:
+    """``id(group) -> place`` in one order of every live FSDP2 parameter group that all ranks
+    share, whatever order their flushes make the gradients in: the reverse of a depth-first walk
+    of the sharded modules (the order FSDP2's own backward reduces a model whose modules run in
+    their registration order: the last block first, an enclosing root last). It is built from
+    the modules alone: ranks whose micro-batches differ in shape group their queued work apart
+    and finish the groups in other orders, and collectives issued in those orders pair one
+    rank's group with another's."""
+    states = list(_states())
+    owner = {id(module): state for state in states for module in state._modules}
+    inner = {
+        id(owner[id(sub)])
+        for state in states
+        for module in state._modules
+        for sub in module.modules()
+        if sub is not module and id(sub) in owner and owner[id(sub)] is not state
+    }
+    walked: list[Any] = []
+    seen: set[int] = set()
+    for state in states:  # outermost first, in the order fully_shard registered them
+        if id(state) in inner:
+            continue
+        for module in state._modules:
+            for sub in module.modules():
+                found = owner.get(id(sub))
+                if found is not None and id(found) not in seen:
+                    seen.add(id(found))
+                    walked.extend(found._fsdp_param_groups)
+    return {id(group): place for place, group in enumerate(reversed(walked))}
 
 
 def in_backward(group: Any) -> bool:
