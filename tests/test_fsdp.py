@@ -207,6 +207,9 @@ class _EventLog:
     def completes(self, params: object) -> bool:
         return False  # only watches: FSDP2's own watch says when to hand over
 
+    def holds_back(self, param: object) -> bool:
+        return False
+
     def delivered(self, params: object) -> None:
         self.events.append("delivered")
 
@@ -324,10 +327,36 @@ def _shapes_by_rank(rank: int) -> dict:
     return {"ours": grads[True], "plain": grads[False]}
 
 
+def _capped_with_other_lengths(rank: int) -> dict:
+    """A capped queue whose ranks hold other amounts of work (5 tokens a sequence on one, 40 on
+    the other) flushes early at other moments on each: the early flushes reduced on one rank
+    only and the ranks waited on each other forever. Inside backward, and after it (the cap
+    enforced once the block ends, as a pipeline stage does)."""
+    results = {}
+    for when in ("in_backward", "after_backward"):
+        grads = {}
+        for patched in (False, True):
+            model = _build(Setting(), patched)
+            queue = twobp.WeightGradQueue(max_pending_bytes=4096)
+            for micro in range(MICRO_BATCHES):
+                g = torch.Generator().manual_seed(100 * rank + micro)
+                length = 5 if rank == 0 else 40
+                tokens = torch.randint(0, VOCAB, (ROWS, length), generator=g)
+                targets = torch.randint(0, VOCAB, (ROWS * length,), generator=g)
+                capped = queue.cap_enforced_after() if when == "after_backward" else contextlib.nullcontext()
+                with twobp.use_queue(queue), capped:
+                    _loss(model, tokens, targets).backward()
+            twobp.flush_weight_grads(queue)
+            grads[patched] = _sharded_grads(model)
+        results[when] = {"ours": grads[True], "plain": grads[False]}
+    return results
+
+
 def _scenario(rank: int) -> dict:
     results = {setting.id: _run_setting(setting, rank) for setting in SETTINGS}
     results["misuse"] = _misuse(rank)
     results["shapes_by_rank"] = _shapes_by_rank(rank)
+    results["capped_with_other_lengths"] = _capped_with_other_lengths(rank)
     return results
 
 
@@ -434,6 +463,15 @@ HSDP_ACCUMULATIONS = ["sync_each", "sync_last"]
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_ranks_whose_micro_batches_differ_in_shape_reduce_the_groups_in_one_order(ranks: list[dict], rank: int) -> None:
     result = ranks[rank]["shapes_by_rank"]
+    _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
+
+
+@pytest.mark.parametrize("when", ["in_backward", "after_backward"])
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_capped_queue_whose_ranks_hold_other_amounts_of_work_reduces_on_all_ranks_at_once(
+    ranks: list[dict], rank: int, when: str
+) -> None:
+    result = ranks[rank]["capped_with_other_lengths"][when]
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 

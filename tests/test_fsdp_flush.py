@@ -46,6 +46,9 @@ class _Log:
     def completes(self, params: Sequence[Tensor]) -> bool:
         return True  # every gradient as soon as it is final
 
+    def holds_back(self, param: Tensor) -> bool:
+        return False
+
     def delivered(self, params: Sequence[Tensor]) -> None:
         self.handovers.append(list(params))
 

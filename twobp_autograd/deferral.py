@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from .job import WeightGradJob, WeightGradKernel
+from .job import WeightGradJob, WeightGradKernel, finished_grads
 from .queue import WeightGradQueue, current_queue
 from .warn_once import warn_once
 
@@ -122,8 +122,8 @@ class ParamDeferral(NamedTuple):
         if any(deferring):
             self.queue.enqueue(
                 WeightGradJob(
-                    kernel=_finished_grads,
-                    group=_finished_grads,
+                    kernel=finished_grads,
+                    group=finished_grads,
                     concatenate=False,
                     params=tuple(p if defer else None for p, defer in zip(self.params, deferring, strict=True)),
                     # One per parameter, in place: zero_grad may drop any of them (drop_params).
@@ -174,15 +174,6 @@ class ParamDeferral(NamedTuple):
                 )
             )
         return param_grads
-
-
-def _finished_grads(
-    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
-) -> list[Tensor | None]:
-    """The kernel of a job of finished gradients: ``saved`` holds one per parameter (a
-    placeholder where none was deferred). (The flush never adds in place into a tensor a kernel
-    returns, so handing them out is safe.)"""
-    return [grad if need else None for grad, need in zip(saved, needs, strict=True)]
 
 
 class _TapSpec(NamedTuple):

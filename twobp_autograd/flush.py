@@ -74,6 +74,12 @@ class DeliveryWatch(Protocol):
 
     def completes(self, params: Sequence[Tensor]) -> bool: ...
 
+    def holds_back(self, param: Tensor) -> bool:
+        """Asked at an early flush (a capped queue's) for each gradient before it is handed over:
+        True keeps it from ``.grad`` and back in the queue, as finished work for the next flush
+        (FSDP2: a reduction that every rank must run at once cannot follow one rank's cap)."""
+        ...
+
     def delivered(self, params: Sequence[Tensor]) -> None: ...
 
     def finished(self) -> None: ...
@@ -103,21 +109,26 @@ def watch_flushes(watcher: FlushWatcher, *, active: Callable[[], bool] = _always
 _DEFAULT_OPTIONS = FlushOptions()  # frozen: one shared instance is safe as a default
 
 
-def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPTIONS) -> None:
+def run_jobs(
+    jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPTIONS, *, early: bool = False
+) -> list[tuple[Tensor, Tensor]]:
     """Run ``jobs`` grouped per layer and accumulate the results into ``.grad`` via autograd.
 
     A parameter's gradient is delivered once its last group has run: all at the end, or with
     ``options.delivery_bucket_bytes`` in buckets of about that size while later groups still
     run. ``options.weight_grad_streams`` > 1: every group's kernels are launched first, spread
-    over that many CUDA side streams, then summed and delivered in order (:mod:`.streams`)."""
+    over that many CUDA side streams, then summed and delivered in order (:mod:`.streams`).
+    Returns ``(param, gradient)`` for the gradients an ``early`` flush's watches held back
+    (:meth:`DeliveryWatch.holds_back`): for the caller to queue again."""
+    held: list[tuple[Tensor, Tensor]] = []
     if not jobs:
-        return
+        return held
     if torch.is_inference_mode_enabled():
         # Made in inference mode, every new .grad would be an inference tensor, which the next
         # in-place update (accumulation, clipping, zero_grad(set_to_none=False)) refuses: the
         # gradients are made as the backward that queued them would have made them.
         with torch.inference_mode(False):
-            return run_jobs(jobs, options)
+            return run_jobs(jobs, options, early=early)
     for job in jobs:
         job.check_unmodified()
     grouped: dict[Hashable, list[WeightGradJob]] = {}  # (kernel group, parameters, shapes) -> jobs
@@ -161,6 +172,8 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
                 if hooked is not None:
                     hooked.forget_undeliverable(group[0].params, index, last_group, ready[readied:])
                 bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
+                if early:
+                    _hold_back(ready, watches, held)
                 if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
                     (hooked.deliver if hooked is not None else _deliver)(ready, watches)
@@ -181,6 +194,19 @@ def run_jobs(jobs: Sequence[WeightGradJob], options: FlushOptions = _DEFAULT_OPT
         del _running[next(i for i, other in enumerate(_running) if other is running)]
     for watch in watches:
         watch.finished()
+    return held
+
+
+def _hold_back(
+    ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch], held: list[tuple[Tensor, Tensor]]
+) -> None:
+    """Move from ``ready`` to ``held`` the gradients a watch holds back (in place)."""
+    if not watches or not ready:
+        return
+    kept: list[tuple[Tensor, Tensor]] = []
+    for pair in ready:
+        (held if any(watch.holds_back(pair[0]) for watch in watches) else kept).append(pair)
+    ready[:] = kept
 
 
 class _HookedDelivery:

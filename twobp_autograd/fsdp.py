@@ -65,6 +65,7 @@ class _GroupReductions:
         self._order = sorted(groups.values(), key=lambda group: place[id(group)])
         self._next = 0  # self._order[:self._next] are reduced
         self._reduced: list[Any] = []
+        self._held: set[int] = set()  # groups with gradients an early flush held back
 
     def completes(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` hold the last gradients that the next group to reduce awaits."""
@@ -72,6 +73,16 @@ class _GroupReductions:
             return False
         front = id(self._order[self._next])
         return sum(id(self._group_of.get(id(param))) == front for param in params) == self._awaited[front]
+
+    def holds_back(self, param: Tensor) -> bool:
+        """At a capped queue's early flush: a group that would reduce keeps its gradients queued,
+        for the flush every rank runs (ranks hit their caps at other moments, and a reduction
+        on some ranks only would wait forever, or pair with another group's)."""
+        group = self._group_of.get(id(param))
+        if group is None or not fsdp_hooks.reduces(group):
+            return False
+        self._held.add(id(group))
+        return True
 
     def delivered(self, params: Sequence[Tensor]) -> None:
         for param in params:
@@ -89,7 +100,7 @@ class _GroupReductions:
 
     def _reduce(self, group: Any) -> None:
         self._next += 1
-        if fsdp_hooks.in_backward(group):
+        if id(group) in self._held or fsdp_hooks.in_backward(group):
             return  # its own post-backward, still to come, takes the gradients
         if torch._C._current_graph_task_id() >= 0:
             _reduce_when_this_backward_ends(group)  # a capped queue's early flush, maybe one of many

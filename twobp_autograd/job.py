@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .offload import HostOffload, ParkedTensors
 
-__all__ = ["WeightGradKernel", "WeightGradJob"]
+__all__ = ["WeightGradKernel", "WeightGradJob", "finished_grads"]
 
 #: ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``.
 #: ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0.
@@ -116,3 +116,12 @@ class WeightGradJob:
     @property
     def needs(self) -> tuple[bool, ...]:
         return tuple([p is not None for p in self.params])
+
+
+def finished_grads(
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
+) -> list[Tensor | None]:
+    """The kernel of a job of gradients already computed (BatchNorm's, made in backward; those an
+    early flush holds back): ``saved`` holds one per parameter (a placeholder where none). (The
+    flush never adds in place into a tensor a kernel returns, so handing them out is safe.)"""
+    return [grad if need else None for grad, need in zip(saved, needs, strict=True)]

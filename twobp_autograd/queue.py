@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import flush as flush_module
 from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, PartlyDelivered, has_user_hooks, run_jobs
-from .job import WeightGradJob
+from .job import WeightGradJob, finished_grads
 from .offload import HostOffload
 from .warn_once import warn_once
 
@@ -223,7 +223,7 @@ class WeightGradQueue:
                 self._jobs = kept
                 self._count(early, -1)
                 flight = self._take_off(early)
-            self._run(early, flight)
+            self._run(early, flight, early=True)
 
     def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
         """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep
@@ -343,11 +343,14 @@ class WeightGradQueue:
             flight = self._take_off(jobs)
         self._run(jobs, flight)
 
-    def _run(self, jobs: list[WeightGradJob], flight: _Flight) -> None:
+    def _run(self, jobs: list[WeightGradJob], flight: _Flight, *, early: bool = False) -> None:
         """Run jobs taken out of the queue (``flight``); on failure put them back, oldest first,
-        unless part of them already reached ``.grad`` (:class:`PartlyDelivered`)."""
+        unless part of them already reached ``.grad`` (:class:`PartlyDelivered`). What an
+        ``early`` flush (the cap's) holds back comes back as one job of finished gradients."""
         try:
-            run_jobs(jobs, self.flush_options)
+            held = run_jobs(jobs, self.flush_options, early=early)
+            if held:
+                self._queue_held(held, jobs)
         except PartlyDelivered:
             raise
         except BaseException:
@@ -357,6 +360,24 @@ class WeightGradQueue:
             raise
         finally:
             self._land(flight)
+
+    def _queue_held(self, held: list[tuple[Tensor, Tensor]], jobs: Sequence[WeightGradJob]) -> None:
+        """Queue gradients an early flush held back as one job (never flushed early again), with
+        the tag its jobs shared (None if they had several)."""
+        tags = {job.tag for job in jobs}
+        job = WeightGradJob(
+            kernel=finished_grads,
+            group=_HELD_BACK,
+            concatenate=False,
+            params=tuple(param for param, _ in held),
+            saved=tuple(grad for _, grad in held),
+            grad_outputs=(),
+            tag=tags.pop() if len(tags) == 1 else None,
+        )
+        job.task = torch._C._current_graph_task_id()
+        with self._lock:
+            self._jobs.append(job)
+            self._count([job], +1)
 
     @contextlib.contextmanager
     def running(self, jobs: Sequence[WeightGradJob]) -> Iterator[None]:
@@ -424,19 +445,25 @@ def takes_partial_gradients(hook: _Hook) -> _Hook:
     return hook
 
 
+#: The group of a job of gradients an early flush held back (see :meth:`WeightGradQueue._run`).
+_HELD_BACK = "held back by an early flush"
+
+
 def _waits_for_the_flush(job: WeightGradJob) -> bool:
-    """Whether a parameter of the job has a post-accumulate-grad hook that must see its whole
-    gradient once per flush (see :meth:`WeightGradQueue._enforce_cap`)."""
-    return any(param is not None and has_user_hooks(param) for param in job.params)
+    """Whether the job holds gradients an early flush held back, or a parameter of it has a
+    post-accumulate-grad hook that must see its whole gradient once per flush (see
+    :meth:`WeightGradQueue._enforce_cap`)."""
+    return job.group == _HELD_BACK or any(param is not None and has_user_hooks(param) for param in job.params)
 
 
 def _warn_cap_kept_for_hooks_once() -> None:
     warn_once(
         "cap kept for post-accumulate-grad hooks",
         "twobp: a capped WeightGradQueue holds more than max_pending_bytes because its work is for "
-        "parameters with post-accumulate-grad hooks (optimizer-in-backward): that work is not "
-        "flushed early, so that each hook sees the parameter's gradient once, at the flush you "
-        "call. Flush more often to bound the memory.",
+        "parameters with post-accumulate-grad hooks (optimizer-in-backward), or is FSDP2 gradients "
+        "an early flush computed but could not reduce: that work is not flushed early, so that each "
+        "hook sees the parameter's gradient once, and every rank reduces at the flush you call. "
+        "Flush more often to bound the memory.",
         RuntimeWarning,
         stacklevel=3,
     )
