@@ -423,11 +423,11 @@ def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, acti
     flushing, release = threading.Event(), threading.Event()
     run_jobs = queue_module.run_jobs
 
-    def slow_run_jobs(jobs, options):
+    def slow_run_jobs(jobs, options, **kwargs):
         if threading.current_thread() is flusher:
             flushing.set()
             release.wait(30)
-        return run_jobs(jobs, options)
+        return run_jobs(jobs, options, **kwargs)
 
     monkeypatch.setattr(queue_module, "run_jobs", slow_run_jobs)
     flusher = threading.Thread(target=twobp.flush_weight_grads)
