@@ -93,6 +93,32 @@ def test_a_class_with_another_forward_keeps_plain_autograd_and_its_gradients() -
     assert_grads_match(patched, reference, torch.float32)
 
 
+def test_a_class_whose_forward_is_replaced_after_its_verdict_is_judged_again() -> None:
+    """The verdict was kept per class: a class judged Llama-like whose forward was then replaced
+    by a Gemma-style one, and registered again, was computed as Llama's (13 off, silently)."""
+
+    class CopiedRMSNorm(LookAlikeRMSNorm):
+        forward = LlamaRMSNorm.forward  # Llama's code: this rule applies
+
+    twobp.register(CopiedRMSNorm, llama_rms_norm)
+    assert computes_like_llama_rms_norm(CopiedRMSNorm)
+    CopiedRMSNorm.forward = LookAlikeRMSNorm.forward  # type: ignore[method-assign]
+    twobp.register(CopiedRMSNorm, llama_rms_norm)
+    assert not computes_like_llama_rms_norm(CopiedRMSNorm)
+    module = CopiedRMSNorm(8)
+    with torch.no_grad():
+        module.weight.uniform_(0.5, 1.5)
+    patched, reference = patched_and_reference(module)
+    x = torch.randn(3, 5, 8)
+    with pytest.warns(UserWarning, match="other than LlamaRMSNorm's"):
+        out = patched(x)
+    torch.testing.assert_close(out, reference(x), rtol=0, atol=0)
+    cubic_loss(out).backward()
+    cubic_loss(reference(x)).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float32)
+
+
 def test_defer_norms_finds_the_rms_norms_of_any_model() -> None:
     """Outside the families this package splits (Qwen2, Mistral, Gemma, a model of one's own):
     each unregistered class named *RMSNorm, by the Llama rule where it computes as Llama's does,

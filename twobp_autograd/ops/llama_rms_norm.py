@@ -70,18 +70,22 @@ def llama_rms_norm(module: nn.Module, hidden_states: Tensor) -> Tensor:
 def computes_like_llama_rms_norm(module_type: type) -> bool:
     """Whether ``module_type.forward`` is the installed ``LlamaRMSNorm.forward`` (same code) and
     that forward computes exactly :func:`llama_rms_norm`'s output (checked once)."""
-    verdict = _verdicts.get(module_type)
-    return _judged(module_type) if verdict is None else verdict
+    judged = _verdicts.get(module_type)
+    if judged is not None and judged[0] is getattr(module_type, "forward", None):
+        return judged[1]
+    return _judged(module_type)
 
 
-_verdicts: dict[type, bool] = {}  # module type -> computes_like_llama_rms_norm, asked on every call
+#: module type -> (the forward judged, computes_like_llama_rms_norm), asked on every call: a
+#: class whose forward is replaced since (a Gemma-style ``1 + weight``) is judged again.
+_verdicts: dict[type, tuple[object, bool]] = {}
 
 
 @torch.compiler.disable  # a first call traced by torch.compile: its fake tensors compare as nothing
 def _judged(module_type: type) -> bool:
     reference = _llama_rms_norm_class()
     verdict = reference is not None and _same_code(module_type, reference) and _llama_matches_this_rule(reference)
-    _verdicts[module_type] = verdict
+    _verdicts[module_type] = (getattr(module_type, "forward", None), verdict)
     return verdict
 
 
