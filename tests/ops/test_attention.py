@@ -254,6 +254,38 @@ def test_micro_batches_of_different_shapes():
     assert_grads_match(model, reference)
 
 
+UNREACHED_V = {
+    "separate-projections": dict(kdim=5, vdim=6),
+    "bias_kv": dict(add_bias_kv=True),
+    "separate-projections-bias_kv": dict(kdim=5, vdim=6, add_bias_kv=True),
+    "packed-cross-attention": dict(kdim=EMBED, vdim=EMBED),
+}
+
+
+@pytest.mark.parametrize("strategy", ["auto", "concat", "loop"])
+@pytest.mark.parametrize("outputs_used", ["weights-only", "weights-then-both"])
+@pytest.mark.parametrize("options", UNREACHED_V.values(), ids=UNREACHED_V.keys())
+def test_a_value_path_no_backward_reaches_keeps_its_parameters_none(options, outputs_used, strategy):
+    """A loss on the attention weights alone never reaches v: plain leaves v's own parameters
+    (v_proj_weight, bias_v) None; the kernels were handed zeros for v and made zeros of them."""
+    model = nn.MultiheadAttention(EMBED, HEADS, **options)
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    queue = twobp.WeightGradQueue(strategy)
+    kdim = options.get("kdim", EMBED)
+    losses = [lambda out, weights: weights.pow(2).sum()]
+    if outputs_used == "weights-then-both":
+        losses.append(lambda out, weights: out.pow(2).mean() + weights.sum())
+    for loss in losses:
+        q, k = torch.randn(TGT, BATCH, EMBED), torch.randn(SRC, BATCH, kdim)
+        v = torch.randn(SRC, BATCH, options.get("vdim", EMBED)) if "vdim" in options else k
+        for m in (model, reference):
+            with twobp.use_queue(queue):
+                loss(*m(q, k, v)).backward()
+    queue.flush()
+    assert_grads_match(model, reference)
+
+
 def test_frozen_projection_keeps_no_grad():
     model = nn.MultiheadAttention(EMBED, HEADS, kdim=5, vdim=6)
     model.k_proj_weight.requires_grad_(False)

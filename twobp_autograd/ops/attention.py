@@ -38,9 +38,19 @@ def attention_in_projection_weight_grad(
     """Gradients of an in-projection made of one linear per (rows, output) pair.
 
     ``packed_weight``: params are ``(in_proj_weight, in_proj_bias)``, each product using a
-    consecutive block of rows of both; else ``(q_w, k_w, v_w, in_proj_bias)``.
+    consecutive block of rows of both; else ``(q_w, k_w, v_w, in_proj_bias)``. The last saved
+    tensor says which products each backward reached (``saves_reached``): a separate weight only
+    unreached products use stays None, as in plain autograd (a loss on the attention weights
+    alone never reaches v); a packed weight or the bias is None only if no product was reached
+    (else the unreached blocks are zeros, as autograd fills a chunk's unused parts).
     """
+    *saved, reached_rows = saved
+    reached = reached_rows.any(0).tolist()
+    if not any(reached):
+        return [None] * len(needs)
     *need_weights, need_bias = needs  # one weight if packed, else q, k, v
+    if not packed_weight:
+        need_weights = [need and hit for need, hit in zip(need_weights, reached, strict=True)]
     need_product_weights = need_weights * len(saved) if packed_weight else need_weights
     per_product = [
         linear_weight_grad((rows,), (grad,), (need_weight, need_bias))
@@ -59,8 +69,14 @@ def attention_in_projection_weight_grad(
 def attention_kv_bias_weight_grad(
     saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
 ) -> list[Tensor | None]:
-    """``bias_k`` / ``bias_v`` were repeated once per sample as (N, 1, E): sum over dim 0."""
-    return [grad.sum(0, keepdim=True) if need else None for grad, need in zip(grad_outputs, needs, strict=True)]
+    """``bias_k`` / ``bias_v`` were repeated once per sample as (N, 1, E): sum over dim 0. The
+    saved tensors: (N, 0) for the batch, then which of the two each backward reached (one no
+    backward reached stays None, as in plain autograd)."""
+    reached = saved[-1].any(0).tolist()
+    return [
+        grad.sum(0, keepdim=True) if need and hit else None
+        for grad, need, hit in zip(grad_outputs, needs, reached, strict=True)
+    ]
 
 
 def _rows(x: Tensor) -> Tensor:
@@ -85,7 +101,7 @@ def _deferred_products(
         for x, p, w in zip(inputs, products, weight_params, strict=True)
     )
     kernel, group = configured_kernel(attention_in_projection_weight_grad, packed_weight=packed_weight)
-    tapped = defer_weight_grads(products, params, saved, kernel, group=group)
+    tapped = defer_weight_grads(products, params, saved, kernel, group=group, saves_reached=True)
     return tuple(p.view(*x.shape[:-1], p.shape[-1]) for x, p in zip(inputs, tapped, strict=True))
 
 
@@ -130,7 +146,10 @@ def _deferred_kv_bias(module: nn.MultiheadAttention, bsz: int) -> tuple[Tensor, 
     assert bias_k is not None and bias_v is not None
     # Repeated with the batch on dim 0, as (N, 1, E), so micro-batches concatenate.
     repeated = (detached(bias_k).repeat(bsz, 1, 1), detached(bias_v).repeat(bsz, 1, 1))
-    k_rows, v_rows = defer_weight_grads(repeated, (bias_k, bias_v), (), attention_kv_bias_weight_grad)
+    batch = repeated[0].new_empty(bsz, 0)  # gives the reached flags their batch dimension
+    k_rows, v_rows = defer_weight_grads(
+        repeated, (bias_k, bias_v), (batch,), attention_kv_bias_weight_grad, saves_reached=True
+    )
     return k_rows.transpose(0, 1), v_rows.transpose(0, 1)
 
 
