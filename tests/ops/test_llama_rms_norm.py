@@ -6,6 +6,7 @@ picks, and classes that only look alike kept on plain autograd. The norm setting
 from __future__ import annotations
 
 import copy
+import types
 
 import pytest
 import torch
@@ -113,6 +114,20 @@ def test_a_class_whose_forward_is_replaced_after_its_verdict_is_judged_again() -
     twobp.register(CopiedRMSNorm, llama_rms_norm)
     assert not computes_like_llama_rms_norm(CopiedRMSNorm)
     _assert_kept_on_plain_autograd(CopiedRMSNorm(8))
+
+
+def test_a_forward_whose_code_is_swapped_in_place_is_judged_again() -> None:
+    """The same function object, another body (``forward.__code__ = ...``)."""
+    llama_forward = types.FunctionType(LlamaRMSNorm.forward.__code__, LlamaRMSNorm.forward.__globals__)
+
+    class SwappedRMSNorm(LookAlikeRMSNorm):
+        forward = llama_forward
+
+    twobp.register(SwappedRMSNorm, llama_rms_norm)
+    assert computes_like_llama_rms_norm(SwappedRMSNorm)
+    llama_forward.__code__ = LookAlikeRMSNorm.forward.__code__
+    assert not computes_like_llama_rms_norm(SwappedRMSNorm)
+    _assert_kept_on_plain_autograd(SwappedRMSNorm(8))
 
 
 def test_defer_norms_finds_the_rms_norms_of_any_model() -> None:

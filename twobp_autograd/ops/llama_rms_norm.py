@@ -71,21 +71,21 @@ def computes_like_llama_rms_norm(module_type: type) -> bool:
     """Whether ``module_type.forward`` is the installed ``LlamaRMSNorm.forward`` (same code) and
     that forward computes exactly :func:`llama_rms_norm`'s output (checked once)."""
     judged = _verdicts.get(module_type)
-    if judged is not None and judged[0] is getattr(module_type, "forward", None):
+    if judged is not None and judged[0] is _code_of(module_type):
         return judged[1]
     return _judged(module_type)
 
 
-#: module type -> (the forward judged, computes_like_llama_rms_norm), asked on every call: a
-#: class whose forward is replaced since (a Gemma-style ``1 + weight``) is judged again.
-_verdicts: dict[type, tuple[object, bool]] = {}
+#: module type -> (the forward's code judged, computes_like_llama_rms_norm), asked on every call:
+#: a class whose forward (or its code) is replaced since, by a Gemma-style ``1 + weight``, is judged again.
+_verdicts: dict[type, tuple[CodeType | None, bool]] = {}
 
 
 @torch.compiler.disable  # a first call traced by torch.compile: its fake tensors compare as nothing
 def _judged(module_type: type) -> bool:
     reference = _llama_rms_norm_class()
     verdict = reference is not None and _same_code(module_type, reference) and _llama_matches_this_rule(reference)
-    _verdicts[module_type] = (getattr(module_type, "forward", None), verdict)
+    _verdicts[module_type] = (_code_of(module_type), verdict)
     return verdict
 
 
