@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from .job import WeightGradJob, WeightGradKernel, finished_grads
+from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads
 from .queue import WeightGradQueue, current_queue
 from .warn_once import warn_once
 
@@ -127,7 +127,10 @@ class ParamDeferral(NamedTuple):
                     concatenate=False,
                     params=tuple(p if defer else None for p, defer in zip(self.params, deferring, strict=True)),
                     # One per parameter, in place: zero_grad may drop any of them (drop_params).
-                    saved=tuple(g.detach() if defer else _NO_PARAM for g, defer in zip(grads, deferring, strict=True)),  # type: ignore[union-attr]
+                    saved=tuple(
+                        g.detach() if defer else NO_GRADIENT  # type: ignore[union-attr]
+                        for g, defer in zip(grads, deferring, strict=True)
+                    ),
                     grad_outputs=(),
                     tag=self.tag,
                 )

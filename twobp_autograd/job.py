@@ -19,7 +19,7 @@ from torch import Tensor
 
 from .offload import HostOffload, ParkedTensors
 
-__all__ = ["WeightGradKernel", "WeightGradJob", "finished_grads"]
+__all__ = ["WeightGradKernel", "WeightGradJob", "finished_grads", "NO_GRADIENT"]
 
 #: ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``.
 #: ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0.
@@ -72,7 +72,14 @@ class WeightGradJob:
         present = [p for p in params if p is not None]
         kept_versions = [v for p, v in zip(present, self.versions[tensors:], strict=True) if id(p) not in dropped]
         self.params = tuple(None if p is None or id(p) in dropped else p for p in params)
-        self.versions = (*self.versions[:tensors], *kept_versions)
+        saved_versions = self.versions[: len(self.saved)]
+        if self.kernel is finished_grads:  # one gradient per parameter: free the dropped ones'
+            gone = [p is not None and id(p) in dropped for p in params]
+            self.saved = tuple(NO_GRADIENT if drop else t for t, drop in zip(self.saved, gone, strict=True))
+            saved_versions = tuple(
+                NO_GRADIENT._version if drop else v for v, drop in zip(saved_versions, gone, strict=True)
+            )
+        self.versions = (*saved_versions, *self.versions[len(self.saved) : tensors], *kept_versions)
         return any(p is not None for p in self.params)
 
     def check_unmodified(self) -> None:
@@ -125,3 +132,7 @@ def finished_grads(
     early flush holds back): ``saved`` holds one per parameter (a placeholder where none). (The
     flush never adds in place into a tensor a kernel returns, so handing them out is safe.)"""
     return [grad if need else None for grad, need in zip(saved, needs, strict=True)]
+
+
+#: What a job of finished gradients holds for a parameter without one (none deferred, or dropped).
+NO_GRADIENT = torch.empty(0)
