@@ -12,10 +12,11 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.nn.utils import clip_grad_norm_  # imported by name before anything is patched in this module
 
 import twobp_autograd as twobp
+from tests.utils import assert_grads_match
 
 
 def _model() -> nn.Module:
@@ -168,6 +169,17 @@ def test_zero_grad_before_the_flush_drops_that_work_as_plain_drops_those_grads(
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_zero_grad_of_one_batch_norm_parameter_frees_its_finished_gradient() -> None:
+    """BatchNorm's job holds both finished gradients: dropping one frees it (the other stays)."""
+    model = twobp.patch(nn.Sequential(nn.Linear(6, 256), nn.BatchNorm1d(256)))
+    model(torch.randn(4, 6)).pow(2).sum().backward()
+    before = twobp.pending().bytes
+    torch.optim.SGD([model[1].weight], lr=0.1).zero_grad()
+    assert twobp.pending().bytes == before - 256 * 4
+    twobp.flush_weight_grads()
+    assert model[1].weight.grad is None and model[1].bias.grad is not None
+
+
 def test_zero_grad_of_other_parameters_keeps_the_work() -> None:
     model = twobp.patch(_model())
     model(torch.randn(4, 6)).sum().backward()
@@ -193,27 +205,60 @@ def test_a_step_refused_over_work_in_a_queue_of_ones_own_says_to_flush_that_queu
     optimizer.step()
 
 
+def _attention_weights_only() -> nn.Module:
+    """A loss on the attention weights alone never reaches v: its own parameters get no gradient."""
+
+    class WeightsOnly(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention = nn.MultiheadAttention(6, 2, kdim=6, vdim=4, add_bias_kv=True)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.attention(x, x, torch.ones(*x.shape[:-1], 4))[1]
+
+    return WeightsOnly()
+
+
+#: A model, and which of its parameters (by name) the optimizer holds.
+DCP_CASES: dict[str, tuple[Callable[[], nn.Module], Callable[[str], bool]]] = {
+    "all-queued": (lambda: nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2)), lambda name: True),
+    "some-in-grad": (_model, lambda name: True),
+    "queued-work-makes-none": (_attention_weights_only, lambda name: "v_proj" in name or "bias_v" in name),
+}
+
+
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-@pytest.mark.parametrize("with_plain_grads", [False, True], ids=["all-queued", "some-in-grad"])
+@pytest.mark.parametrize("make, held", DCP_CASES.values(), ids=DCP_CASES.keys())
 def test_a_distributed_checkpoint_of_a_fresh_optimizer_between_backward_and_flush_is_as_on_plain_autograd(
-    with_plain_grads: bool,
+    make: Callable[[], nn.Module], held: Callable[[str], bool]
 ) -> None:
     """DCP's ``get_optimizer_state_dict`` initialises a fresh optimizer's state with a step at lr 0
     unless a ``.grad`` exists; with every gradient queued that step was refused, leaving lr at 0
-    and zeros as ``.grad``. (Its private check is wrapped: this fails if PyTorch renames it.)"""
+    and zeros as ``.grad``. The queues are flushed first: where the queued work makes no
+    gradient (v's parameters above), the state is initialised as on plain autograd. Two steps.
+    (DCP's private check is wrapped: this fails if PyTorch renames it.)"""
     from torch.distributed.checkpoint import state_dict
 
-    base = _model() if with_plain_grads else nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 2))
-    model, reference = twobp.patch(copy.deepcopy(base)), base
+    reference = make()
+    model = twobp.patch(copy.deepcopy(reference))
     assert getattr(state_dict._init_optim_state, "__wrapped__", None) is not None  # wrapped by patch()
-    x = torch.randn(4, 6)
-    saved = []
-    for net in (model, reference):
-        optimizer = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        net(x).pow(2).sum().backward()
-        saved.append(state_dict.get_optimizer_state_dict(net, optimizer))
-        assert optimizer.param_groups[0]["lr"] == 1e-3
-    assert saved[0] == saved[1]
-    twobp.flush_weight_grads()
+    optimizers = [
+        torch.optim.Adam([p for name, p in net.named_parameters() if held(name)], lr=1e-2)
+        for net in (model, reference)
+    ]
+    for _ in range(2):
+        x = torch.randn(4, 3, 6)
+        saved = []
+        for net, optimizer in zip((model, reference), optimizers, strict=True):
+            net(x).pow(2).sum().backward()
+            saved.append(state_dict.get_optimizer_state_dict(net, optimizer))
+            assert optimizer.param_groups[0]["lr"] == 1e-2
+        twobp.flush_weight_grads()
+        torch.testing.assert_close(saved[0]["state"], saved[1]["state"])
+        assert saved[0]["param_groups"] == saved[1]["param_groups"]
+        assert_grads_match(model, reference)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)

@@ -312,10 +312,11 @@ def _flush_before_pipeline_grad_scaling() -> None:
 def _checkpoint_optimizer_state_as_plain() -> None:
     """``torch.distributed.checkpoint.state_dict`` builds a fresh optimizer's state (to save or
     load it) by a step on zero gradients at lr 0, unless some parameter's ``.grad`` exists, as
-    it does between a plain backward and its step. A parameter whose gradient is queued has one
-    but for the flush: that step would set zeros as ``.grad``, be refused, and leave lr at 0.
-    Its check (a private helper today, wrapped where that module looks it up) counts queued
-    work as a gradient; ``tests/test_grad_guard.py`` fails if the helper goes."""
+    it does between a plain backward and its step. Between a backward and its flush that step
+    would set zeros as ``.grad``, be refused, and leave lr at 0: the queues holding work for the
+    optimizer's parameters are flushed first, so its check sees the gradients plain autograd
+    would have made (None where a kernel makes none). Its check is a private helper today,
+    wrapped where that module looks it up; ``tests/test_grad_guard.py`` fails if it goes."""
     if not torch.distributed.is_available():
         return
     from torch.distributed.checkpoint import state_dict
@@ -325,13 +326,14 @@ def _checkpoint_optimizer_state_as_plain() -> None:
     if init is None:
         return
 
-    def init_unless_queued(optimizer: torch.optim.Optimizer) -> None:
-        if not optimizer.state and _holding_work_for(_optimizer_params(optimizer)):
-            return
+    def init_after_the_flush(optimizer: torch.optim.Optimizer) -> None:
+        if not optimizer.state:
+            for queue in _holding_work_for(_optimizer_params(optimizer)):
+                queue.flush()
         init(optimizer)
 
-    functools.update_wrapper(init_unless_queued, init)
-    setattr(state_dict, name, init_unless_queued)
+    functools.update_wrapper(init_after_the_flush, init)
+    setattr(state_dict, name, init_after_the_flush)
 
 
 def _flushing_first(scale: Callable[..., Any]) -> Callable[..., Any]:
