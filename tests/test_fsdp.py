@@ -333,23 +333,34 @@ def _capped_with_other_lengths(rank: int) -> dict:
     only and the ranks waited on each other forever. Inside backward, and after it (the cap
     enforced once the block ends, as a pipeline stage does)."""
     results = {}
-    for when in ("in_backward", "after_backward"):
-        grads = {}
+    for when in CAPPED_WHEN:
+        grads, left = {}, 0
         for patched in (False, True):
             model = _build(Setting(), patched)
             queue = twobp.WeightGradQueue(max_pending_bytes=4096)
-            for micro in range(MICRO_BATCHES):
-                g = torch.Generator().manual_seed(100 * rank + micro)
-                length = 5 if rank == 0 else 40
-                tokens = torch.randint(0, VOCAB, (ROWS, length), generator=g)
-                targets = torch.randint(0, VOCAB, (ROWS * length,), generator=g)
-                capped = queue.cap_enforced_after() if when == "after_backward" else contextlib.nullcontext()
-                with twobp.use_queue(queue), capped:
-                    _loss(model, tokens, targets).backward()
-            twobp.flush_weight_grads(queue)
+            # Tagged: the cap enforced once after all micro-batches, so one early flush takes
+            # several tags' work.
+            with queue.cap_enforced_after() if when == "tagged" else contextlib.nullcontext():
+                for micro in range(MICRO_BATCHES):
+                    g = torch.Generator().manual_seed(100 * rank + micro)
+                    length = 5 if rank == 0 else 40
+                    tokens = torch.randint(0, VOCAB, (ROWS, length), generator=g)
+                    targets = torch.randint(0, VOCAB, (ROWS * length,), generator=g)
+                    capped = queue.cap_enforced_after() if when == "after_backward" else contextlib.nullcontext()
+                    tagged = queue.tagged(micro) if when == "tagged" else contextlib.nullcontext()
+                    with twobp.use_queue(queue), tagged, capped:
+                        _loss(model, tokens, targets).backward()
+            # Tagged: flushed by tag, as a pipeline stage flushes (the held work keeps its tag).
+            queue.flush(list(range(MICRO_BATCHES)) if when == "tagged" else None)
+            left = queue.pending().jobs
             grads[patched] = _sharded_grads(model)
-        results[when] = {"ours": grads[True], "plain": grads[False]}
+        results[when] = {"ours": grads[True], "plain": grads[False], "left": left}
     return results
+
+
+#: Where the cap is enforced: inside backward, after each (as a pipeline stage does), after all
+#: of them over tagged work.
+CAPPED_WHEN = ("in_backward", "after_backward", "tagged")
 
 
 def _scenario(rank: int) -> dict:
@@ -466,12 +477,13 @@ def test_ranks_whose_micro_batches_differ_in_shape_reduce_the_groups_in_one_orde
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 
-@pytest.mark.parametrize("when", ["in_backward", "after_backward"])
+@pytest.mark.parametrize("when", CAPPED_WHEN)
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_a_capped_queue_whose_ranks_hold_other_amounts_of_work_reduces_on_all_ranks_at_once(
     ranks: list[dict], rank: int, when: str
 ) -> None:
     result = ranks[rank]["capped_with_other_lengths"][when]
+    assert result["left"] == 0, "work left queued after flushing every tag"
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 

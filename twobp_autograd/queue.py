@@ -222,8 +222,20 @@ class WeightGradQueue:
                     return
                 self._jobs = kept
                 self._count(early, -1)
-                flight = self._take_off(early)
-            self._run(early, flight, early=True)
+                # One run per tag: what a run holds back comes back as one job, under that tag.
+                runs = [(jobs, self._take_off(jobs)) for jobs in _by_tag(early)]
+            for index, (jobs, flight) in enumerate(runs):
+                try:
+                    self._run(jobs, flight, early=True)
+                except BaseException:
+                    later = runs[index + 1 :]
+                    with self._lock:
+                        for not_run, _ in later:
+                            self._jobs[:0] = not_run
+                            self._count(not_run, +1)
+                    for _, not_run_flight in later:
+                        self._land(not_run_flight)
+                    raise
 
     def _count(self, jobs: Sequence[WeightGradJob], sign: int) -> None:
         """Keep ``_held_bytes`` equal to the bytes of the distinct storages ``_jobs`` keep
@@ -363,8 +375,7 @@ class WeightGradQueue:
 
     def _queue_held(self, held: list[tuple[Tensor, Tensor]], jobs: Sequence[WeightGradJob]) -> None:
         """Queue gradients an early flush held back as one job (never flushed early again), with
-        the tag its jobs shared (None if they had several)."""
-        tags = {job.tag for job in jobs}
+        the tag of its jobs (an early flush runs one tag at a time)."""
         job = WeightGradJob(
             kernel=finished_grads,
             group=_HELD_BACK,
@@ -372,7 +383,7 @@ class WeightGradQueue:
             params=tuple(param for param, _ in held),
             saved=tuple(grad for _, grad in held),
             grad_outputs=(),
-            tag=tags.pop() if len(tags) == 1 else None,
+            tag=jobs[0].tag,
         )
         job.task = torch._C._current_graph_task_id()
         with self._lock:
@@ -443,6 +454,14 @@ def takes_partial_gradients(hook: _Hook) -> _Hook:
     gradients it has handed over (the guards' check of a step or clipping inside a hook)."""
     setattr(hook, OWN_HOOK_MARK, True)
     return hook
+
+
+def _by_tag(jobs: list[WeightGradJob]) -> list[list[WeightGradJob]]:
+    """``jobs`` split per tag, in the order each tag first appears."""
+    runs: dict[Hashable, list[WeightGradJob]] = {}
+    for job in jobs:
+        runs.setdefault(job.tag, []).append(job)
+    return list(runs.values())
 
 
 #: The group of a job of gradients an early flush held back (see :meth:`WeightGradQueue._run`).
