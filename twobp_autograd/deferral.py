@@ -453,14 +453,26 @@ def defer_weight_grads(
     parameters detached. ``kernel(saved, grad_outputs, needs)`` later returns one gradient per
     parameter. Returns ``outputs`` (the same tensors).
 
-    ``concatenate``: False if the kernel must see one micro-batch at a time; otherwise it must
-    accept several joined on dim 0 of every saved tensor and output gradient. True says joining
-    always pays; None (default) that it pays off the CPU only (see ``WeightGradQueue``).
+    ``concatenate``: False if the kernel must see one micro-batch at a time (then saved tensors
+    need not hold the batch on dim 0); otherwise it must accept several joined on dim 0 of every
+    saved tensor and output gradient. True says joining always pays; None (default) that it pays
+    off the CPU only (see ``WeightGradQueue``).
+
+    ``group``: jobs with equal groups (and parameters and trailing shapes) may share one call of
+    the *first* job's kernel; by default the kernel itself, or its function and arguments when it
+    is a ``functools.partial`` (see :func:`configured_kernel`). Give calls one group only where
+    their kernels compute the same. A tensor the kernel needs goes in ``saved`` (its in-place
+    changes before the flush are refused there), not in a partial, which nothing checks.
 
     ``saves_reached`` (with several outputs): the kernel's last saved tensor is then a bool
     ``(batch, outputs)`` (batch: ``saved[0]``'s dim 0) saying which outputs each micro-batch's
     backward reached (the others' output gradients are zeros), so that a parameter no backward
     reached through them can stay None, as in plain autograd."""
+    if isinstance(params, Tensor) or isinstance(saved, Tensor):
+        raise TypeError(
+            "twobp: defer_weight_grads takes params and saved as sequences of tensors, e.g. "
+            "(module.weight, module.bias) and (rows,), not a tensor alone (iterated, it would be its rows)"
+        )
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
     deferral = ParamDeferral.at_forward(params)
     spec = _TapSpec(
@@ -482,9 +494,19 @@ def defer_weight_grads(
         raise TypeError(
             "twobp: defer_weight_grads takes the op's output tensors and the tensors its kernel "
             f"needs, got outputs {[type(t).__name__ for t in outs]} and saved "
-            f"{[type(t).__name__ for t in saved_tensors]} (pass other values to the kernel with functools.partial)"
+            f"{[type(t).__name__ for t in saved_tensors]} (pass values that are not tensors to the kernel "
+            "with functools.partial; tensors go in saved, where in-place changes are checked)"
         ) from None
-    tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))
+    try:
+        tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))
+    except RuntimeError as error:
+        if len(outs) > 1 and any(t._is_view() for t in outs):
+            raise RuntimeError(
+                "twobp: defer_weight_grads cannot take several outputs that are views (q, k, v = "
+                "qkv.chunk(3)): pass the tensor they are views of as one output and split what it "
+                f"returns, or pass copies. ({error})"
+            ) from error
+        raise
     # mark_dirty bumped the outputs' version counters, yet no value changed: put them back, so
     # that whatever recorded them before stays valid (the op's own saved output, as sigmoid or
     # relu keep theirs; selective activation checkpointing's cache, which refuses a "mutated"

@@ -158,12 +158,6 @@ def run_jobs(
                 )
             for index, group in enumerate(groups):
                 grads = _run_group(group, options) if launched is None else launched.take(index)
-                if len(grads) != len(group[0].params):
-                    raise RuntimeError(
-                        f"twobp: the weight-gradient kernel '{_kernel_name(group[0])}' returned {len(grads)} "
-                        f"gradients for {len(group[0].params)} parameters: a kernel returns one per parameter "
-                        "(None where it is not needed)."
-                    )
                 if check_nan:
                     _refuse_nan(group[0], grads)
                 readied = len(ready)
@@ -547,7 +541,7 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
     first = group[0]
     needs = first.needs
     if len(group) == 1:
-        return first.kernel(*first.on_device(), needs)
+        return _checked(first, first.kernel(*first.on_device(), needs))
     if first.concatenate is False or options.strategy == "loop" or _subclassed(first):
         concat = False
     elif options.strategy == "concat":
@@ -559,18 +553,52 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
         )
     if concat:
         on_device = [job.on_device() for job in group]
-        saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device), strict=True)]
-        grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device), strict=True)]
+        try:
+            saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device), strict=True)]
+            grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device), strict=True)]
+        except RuntimeError as error:
+            raise RuntimeError(
+                f"twobp: the tensors the weight-gradient kernel '{_kernel_name(first)}' takes could not be "
+                "joined on dim 0 across micro-batches: every saved tensor and output gradient of a kernel "
+                "that may be joined holds the batch on dim 0. Pass concatenate=False to defer_weight_grads "
+                f"for one kernel call per micro-batch. ({error})"
+            ) from error
         del on_device
-        return first.kernel(saved, grad_outputs, needs)
+        return _checked(first, first.kernel(saved, grad_outputs, needs))
     # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial
     # sums into an fp32 parameter would lose precision with every micro-batch.
     dtypes = [p.dtype if p is not None else None for p in first.params]
     total: list[_Sum | None] = [None] * len(needs)
     for job in group:
-        for i, grad in enumerate(job.kernel(*job.on_device(), needs)):
+        for i, grad in enumerate(_checked(job, job.kernel(*job.on_device(), needs))):
             total[i] = _sum(total[i], grad if grad is None or grad.dtype == dtypes[i] else grad.to(dtypes[i]))
     return [t.tensor if t is not None else None for t in total]
+
+
+def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Tensor | None]:
+    """``grads`` if they are one tensor (or None) per parameter, shaped like it; else a clear
+    error, raised before anything reaches ``.grad`` (the work stays queued)."""
+    params = job.params
+    wrong = not isinstance(grads, (list, tuple)) or len(grads) != len(params) or any(
+        grad is not None and (not isinstance(grad, Tensor) or (param is not None and grad.shape != param.shape))
+        for param, grad in zip(params, grads, strict=False)
+    )
+    if wrong:
+        raise RuntimeError(
+            f"twobp: the weight-gradient kernel '{_kernel_name(job)}' returned {_described(grads)} for "
+            f"{len(params)} parameters of shapes {[None if p is None else tuple(p.shape) for p in params]}: a "
+            "kernel returns a list or tuple of one gradient per parameter, shaped like it (None where it is "
+            "not needed)."
+        )
+    return grads
+
+
+def _described(grads: object) -> str:
+    """What a kernel returned, for an error: how many gradients and their shapes."""
+    if not isinstance(grads, (list, tuple)):
+        return f"a {type(grads).__name__}"
+    shapes = [None if g is None else tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__ for g in grads]
+    return f"{len(grads)} gradients {shapes}"
 
 
 def _subclassed(job: WeightGradJob) -> bool:

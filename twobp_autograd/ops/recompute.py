@@ -183,6 +183,7 @@ _RANDOM = "dropout or other random draws in its forward (the flush's recomputati
 _STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
 _NOT_TENSORS = "outputs other than a tensor or a tuple or list of tensors"
 _ALIASES = "outputs that are its inputs, parameters or buffers, views of them, or views of one another"
+_CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
 
 #: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
 #: keep plain autograd.
@@ -206,7 +207,17 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
+    versions = [t._version for t in inputs]
     output = _plain_forward(module, inputs, substitutes)
+    if [t._version for t in inputs] != versions:
+        _unreplayable[module] = _CHANGES_INPUTS
+        raise RuntimeError(
+            f"twobp: {type(module).__name__}'s forward changed its input in place: the recompute rule "
+            "replays the forward on its input at the flush, which would hold the changed values (and "
+            "change them again), so its weight gradients would be wrong. This call is refused (its "
+            "input is changed already, as plain's forward changes it); the module keeps plain autograd "
+            "from its next call on. Exclude it from patch() (exclude=[...]) to train it as before."
+        )
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
     why = (
         _RANDOM if random
