@@ -337,11 +337,15 @@ def _capped_with_other_lengths(rank: int) -> dict:
         grads, left = {}, 0
         for patched in (False, True):
             model = _build(Setting(), patched)
-            queue = twobp.WeightGradQueue(max_pending_bytes=4096)
+            # sync_last: only one rank flushes early (the other holds all its work till the flush).
+            cap = None if when == "sync_last" and rank == 0 else 4096
+            queue = twobp.WeightGradQueue(max_pending_bytes=cap)
             # Tagged: the cap enforced once after all micro-batches, so one early flush takes
             # several tags' work.
             with queue.cap_enforced_after() if when == "tagged" else contextlib.nullcontext():
                 for micro in range(MICRO_BATCHES):
+                    if when == "sync_last":
+                        model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
                     g = torch.Generator().manual_seed(100 * rank + micro)
                     length = 5 if rank == 0 else 40
                     tokens = torch.randint(0, VOCAB, (ROWS, length), generator=g)
@@ -359,8 +363,9 @@ def _capped_with_other_lengths(rank: int) -> dict:
 
 
 #: Where the cap is enforced: inside backward, after each (as a pipeline stage does), after all
-#: of them over tagged work.
-CAPPED_WHEN = ("in_backward", "after_backward", "tagged")
+#: of them over tagged work; inside backward with sync off but for the last micro-batch (an early
+#: flush's gradient in .grad on one rank only was reduced by FSDP2's own post-backward there).
+CAPPED_WHEN = ("in_backward", "after_backward", "tagged", "sync_last")
 
 
 def _scenario(rank: int) -> dict:

@@ -154,11 +154,40 @@ def _runtime(name: str, twobp_on: bool, mesh: DeviceMesh) -> dict:
     }
 
 
+def _capped_with_other_lengths(name: str, mesh: DeviceMesh) -> dict:
+    """A capped queue whose replicas hold other amounts of work (16 tokens a sample against 1):
+    one replica's early flushes had made some groups' gradients before the step's flushes, so it
+    reduced them at the end of the step while the other reduced them in its flushes, in another
+    order (silently wrong; a hang under 1f1b-2). Against the same runtime with 2BP off."""
+    pp_rank, replica = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    per_stage = BLOCKS // PIPELINE
+    m = default_num_micro_batches(name, PIPELINE)
+    g = torch.Generator().manual_seed(10 + replica)
+    tokens = 16 if replica == 0 else 1
+    inputs, targets = (torch.randn(m * ROWS, tokens, WIDTH, generator=g) for _ in range(2))
+    grads = {}
+    for twobp_on in (False, True):
+        stage = shard(make_model()[pp_rank * per_stage : (pp_rank + 1) * per_stage], mesh["dp"])
+        runtime = PipelineRuntime(
+            stage, schedule(name, PIPELINE, m, twobp_on)[pp_rank], num_micro_batches=m, loss_fn=F.mse_loss,
+            twobp=twobp_on, group=mesh.get_group("pp"), timeout=30.0, grad_sync=ShardedGradientSync(stage),
+            queue=twobp.WeightGradQueue(max_pending_bytes=3000) if twobp_on else None,
+        )  # fmt: skip
+        runtime.step(inputs if pp_rank == 0 else None, targets if pp_rank == PIPELINE - 1 else None, gather=False)
+        grads[twobp_on] = gathered([stage])
+    return {"ours": grads[True], "plain": grads[False]}
+
+
+CAPPED_SCHEDULES = ["gpipe", "1f1b-2"]
+
+
 def _scenario(rank: int) -> dict:
     mesh = init_device_mesh("cpu", (PIPELINE, REPLICAS), mesh_dim_names=("pp", "dp"))
     results = {setting.id: _torch_schedule(setting, mesh) for setting in TORCH_SETTINGS}
     for (name, on), setting_id in zip(RUNTIME_SETTINGS, RUNTIME_IDS, strict=True):
         results[setting_id] = _runtime(name, on, mesh)
+    for name in CAPPED_SCHEDULES:
+        results[f"capped-{name}"] = _capped_with_other_lengths(name, mesh)
     return results
 
 
@@ -197,4 +226,16 @@ def test_pipelined_sharded_gradients_equal_one_process(ranks: list[dict], settin
             expected = reference[name]
             assert close_to_reference(grad, expected), (
                 f"rank {rank} {name}: largest difference {(grad - expected).abs().max().item():.3g}"
+            )
+
+
+@pytest.mark.parametrize("name", CAPPED_SCHEDULES)
+def test_a_capped_queue_whose_replicas_hold_other_amounts_of_work_equals_2bp_off(ranks: list[dict], name: str) -> None:
+    for rank, results in enumerate(ranks):
+        result = results[f"capped-{name}"]
+        for param, grad in result["ours"].items():
+            expected = result["plain"][param]
+            assert grad is not None and expected is not None, f"rank {rank} {param}: no gradient"
+            assert close_to_reference(grad, expected), (
+                f"rank {rank} {param}: largest difference {(grad - expected).abs().max().item():.3g}"
             )

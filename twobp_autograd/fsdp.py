@@ -75,11 +75,13 @@ class _GroupReductions:
         return sum(id(self._group_of.get(id(param))) == front for param in params) == self._awaited[front]
 
     def holds_back(self, param: Tensor) -> bool:
-        """At a capped queue's early flush: a group that would reduce keeps its gradients queued,
-        for the flush every rank runs (ranks hit their caps at other moments, and a reduction
-        on some ranks only would wait forever, or pair with another group's)."""
+        """At a capped queue's early flush every sharded parameter's gradient stays queued, for
+        the flush every rank runs: ranks reach their caps at other moments, and a gradient in
+        ``.grad`` on some ranks only would be reduced there alone (now, by FSDP2's own
+        post-backward of a later backward, or at the end of the step), waiting forever or
+        pairing with another group's reduction."""
         group = self._group_of.get(id(param))
-        if group is None or not fsdp_hooks.reduces(group):
+        if group is None:
             return False
         self._held.add(id(group))
         return True
@@ -177,7 +179,8 @@ class ShardedGradientSync:
     def finish(self) -> None:
         self._set_sync(True)
         try:
-            groups = fsdp_hooks.groups_of(self.module)
+            place = fsdp_hooks.reduction_order()
+            groups = sorted(fsdp_hooks.groups_of(self.module), key=lambda group: place[id(group)])
             for group in groups:
                 fsdp_hooks.reduce_group(group)
             fsdp_hooks.wait_for_reductions(groups)

@@ -28,7 +28,6 @@ __all__ = [
     "groups_of",
     "in_backward",
     "reduce_group",
-    "reduces",
     "reduction_order",
     "replaced_by_fully_shard",
     "sharded_params_of",
@@ -170,12 +169,6 @@ def in_backward(group: Any) -> bool:
     post-backward will reduce whatever gradient its unsharded parameters hold then."""
     state = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"].TrainingState
     return group._training_state in (state.FORWARD, state.PRE_BACKWARD)
-
-
-def reduces(group: Any) -> bool:
-    """Whether ``group``'s post-backward would reduce (``set_requires_gradient_sync(True)``, the
-    default), a collective every rank must run, rather than accumulate locally."""
-    return bool(group.reduce_grads)
 
 
 def reduce_group(group: Any) -> None:
