@@ -144,12 +144,19 @@ class GradientSynchroniser:
         self.flush(queue)
         self.finish()
 
-    def flush(self, queue: WeightGradQueue | None = None, tags: Sequence[Hashable] | None = None) -> None:
+    def flush(
+        self,
+        queue: WeightGradQueue | None = None,
+        tags: Sequence[Hashable] | None = None,
+        params: Iterable[Tensor] | None = None,
+    ) -> None:
         """Run the queued work of ``tags`` (all when None), launching each bucket's all-reduce
-        once its gradients are final. Call only when no more backward passes will add to
-        this step's gradients; later work queued for a parameter keeps it waiting. A flush that
-        raises has dropped its work and may have launched part of the reductions: discard the
-        step (:meth:`reset`, and ``zero_grad``)."""
+        once its gradients are final. Call only when no more backward passes will add to the
+        gradients of ``params`` (default: all of the module's) this step; later work queued for
+        a parameter keeps it waiting. A rank holding several pipeline stages passes the flushed
+        stage's: another stage's backwards may be still to come with nothing queued (a capped
+        queue flushed it early). A flush that raises has dropped its work and may have launched
+        part of the reductions: discard the step (:meth:`reset`, and ``zero_grad``)."""
         if queue is None:  # not `or`: an empty queue is falsy
             queue = self.queue if self.queue is not None else current_queue()
         jobs = queue.take(tags)
@@ -159,7 +166,10 @@ class GradientSynchroniser:
         # holding several pipeline stages, each with its queue, flushed one after the other).
         waiting = queues_with_work()
         later = {id(p) for p in self.params if any(q.has_work_for([p]) for q in waiting)} if waiting else set()
+        may_be_final = None if params is None else {id(p) for p in params}
         for i, p in enumerate(self.params):  # finished by backward or an earlier flush, or unused
+            if may_be_final is not None and id(p) not in may_be_final:
+                continue
             if not self._ready[i] and id(p) not in delivered and id(p) not in later:
                 self._mark_ready(i)
         self._final = delivered - later

@@ -32,7 +32,7 @@ parameters it was queued for (its gradients would land on parameters no longer i
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -172,7 +172,10 @@ class ShardedGradientSync:
         self.module = module
         self._set_sync(False)
 
-    def flush(self, queue: WeightGradQueue, tags: Sequence[Hashable] | None) -> None:
+    def flush(
+        self, queue: WeightGradQueue, tags: Sequence[Hashable] | None, params: Iterable[Tensor] | None = None
+    ) -> None:
+        """One stage per rank: every flush that may make gradients final is that stage's (``params``)."""
         self._set_sync(True)
         queue.flush(tags)
 

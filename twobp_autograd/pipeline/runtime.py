@@ -57,7 +57,12 @@ class GradientSync(Protocol):
     the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`, a
     failed step calls :meth:`reset`. See :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
 
-    def flush(self, queue: WeightGradQueue, tags: Sequence[Hashable] | None) -> None: ...
+    def flush(
+        self, queue: WeightGradQueue, tags: Sequence[Hashable] | None, params: Iterable[Tensor] | None = None
+    ) -> None:
+        """``params``: those whose gradients this flush may make final (the flushed stage's, whose
+        last backward has run; a rank's other stages may still have backwards to come)."""
+        ...
 
     def finish(self) -> None: ...
 
@@ -302,15 +307,15 @@ class PipelineRuntime:
         elif kind.is_backward:
             self._backward(step, stage, action)
             if kind is ActionKind.BACKWARD and self.twobp:  # a patched stage queued B's weight work: run it now
-                self._flush(stage.queue, action.micro_batches, final=after_last_backward)
+                self._flush(stage, action.micro_batches, final=after_last_backward)
         else:
-            self._flush(stage.queue, action.micro_batches, final=after_last_backward)
+            self._flush(stage, action.micro_batches, final=after_last_backward)
 
-    def _flush(self, queue: WeightGradQueue, tags: Sequence[Hashable] | None, *, final: bool) -> None:
-        if self.grad_sync is not None and final:  # gradients can become final
-            self.grad_sync.flush(queue, tags)
+    def _flush(self, stage: _Stage, tags: Sequence[Hashable] | None, *, final: bool) -> None:
+        if self.grad_sync is not None and final:  # the stage's gradients can become final
+            self.grad_sync.flush(stage.queue, tags, stage.module.parameters())
         else:
-            queue.flush(tags=tags)
+            stage.queue.flush(tags=tags)
 
     @property
     def _num_stages(self) -> int:
