@@ -324,3 +324,35 @@ def test_a_parameter_unfrozen_after_the_synchroniser_was_built_is_warned_about(t
     """It is not averaged (as under DDP): the ranks' copies drifted apart (0.14 in 3 steps), silently."""
     for result in run_scenario(_unfrozen_after_building, 2, str(tmp_path)):
         assert any("not averaged" in w for w in result["warnings"]), result
+
+
+def test_a_weight_tied_across_a_ranks_stages_waits_for_the_last_of_their_backwards(one_rank_group: None) -> None:
+    """One rank holds both stages, which share a bias; capped at 0, nothing is queued for it
+    between backwards. zbv's actions with the second stage's last W moved before the first
+    stage's last backward: that flush took the shared bias as final, reduced it then, and the
+    first stage's last contribution was lost when the mean was written back."""
+    name = "zbv"
+    torch.manual_seed(0)
+    first, second = nn.Linear(4, 4), nn.Linear(4, 4)
+    second.bias = first.bias
+    reference = nn.Sequential(copy.deepcopy(first), nn.Tanh(), copy.deepcopy(second))
+    reference[2].bias = reference[0].bias
+    stages = {0: nn.Sequential(first, nn.Tanh()), 1: nn.Sequential(second)}
+    m = default_num_micro_batches(name, 1)
+    actions = list(schedule(name, 1, m, True)[0])
+    last_w_of_second = max(i for i, a in enumerate(actions) if str(a).startswith("W") and str(a).endswith("@s1"))
+    last_i_of_first = max(i for i, a in enumerate(actions) if str(a).startswith("I") and str(a).endswith("@s0"))
+    actions.insert(last_i_of_first, actions.pop(last_w_of_second))
+    runtime = PipelineRuntime(
+        stages, actions, num_micro_batches=m, loss_fn=F.mse_loss, twobp=True,
+        group=dist.group.WORLD, timeout=30.0, placement=placement(name, 1),
+        grad_sync=GradientSynchroniser(nn.ModuleList(stages.values()), bucket_bytes=4),  # one per bucket
+        queue={index: twobp.WeightGradQueue(max_pending_bytes=0) for index in stages},
+    )  # fmt: skip
+    x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+    runtime.step(x, y)
+    for xs, ys in zip(x.tensor_split(m), y.tensor_split(m), strict=True):
+        (F.mse_loss(reference(xs), ys) / m).backward()
+    for ours, theirs in ((first, reference[0]), (second, reference[2])):
+        for name_, p in ours.named_parameters():
+            torch.testing.assert_close(p.grad, dict(theirs.named_parameters())[name_].grad, msg=name_)

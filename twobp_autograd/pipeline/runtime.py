@@ -23,6 +23,7 @@ What a step reports is measured by :mod:`.metrics` (times) and :mod:`.memory_pro
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -67,6 +68,17 @@ class GradientSync(Protocol):
     def finish(self) -> None: ...
 
     def reset(self) -> None: ...
+
+
+def _check_takes_params(grad_sync: GradientSync) -> None:
+    try:
+        inspect.signature(grad_sync.flush).bind(None, None, None)
+    except TypeError:
+        raise TypeError(
+            f"twobp: {type(grad_sync).__name__}.flush takes (queue, tags); the runtime calls "
+            "flush(queue, tags, params) with the parameters the flush may make final (the flushed "
+            "stage's): add the third argument (GradientSync)."
+        ) from None
 
 
 class PipelineError(RuntimeError):
@@ -188,6 +200,8 @@ class PipelineRuntime:
         self.device = device or next((p.device for p in parameters), torch.device("cpu"))
         self.timeout = timeout
         self.grad_sync = grad_sync
+        if grad_sync is not None:
+            _check_takes_params(grad_sync)
         self.apply_mode()
         for position, action in enumerate(self.actions):
             if action.kind.is_backward:
@@ -286,7 +300,7 @@ class PipelineRuntime:
             self._post_next_receive(step, position)
             step.timer.action_starts()
             stage = self.stages[action.stage_on(self.rank)]
-            self._run(step, stage, action, after_last_backward=position >= stage.last_backward_position)
+            self._run(step, stage, action, position=position)
             step.timer.action_ends(action)
             step.memory.sample(tensor for pair in step.held.values() for tensor in pair)
         for stage in self.stages.values():
@@ -300,22 +314,27 @@ class PipelineRuntime:
         if self.grad_sync is not None:
             self.grad_sync.finish()
 
-    def _run(self, step: _Step, stage: _Stage, action: Action, *, after_last_backward: bool) -> None:
+    def _run(self, step: _Step, stage: _Stage, action: Action, *, position: int) -> None:
         kind = action.kind
         if kind is ActionKind.FORWARD:
             self._forward(step, stage, action)
         elif kind.is_backward:
             self._backward(step, stage, action)
             if kind is ActionKind.BACKWARD and self.twobp:  # a patched stage queued B's weight work: run it now
-                self._flush(stage, action.micro_batches, final=after_last_backward)
+                self._flush(stage, action.micro_batches, position)
         else:
-            self._flush(stage, action.micro_batches, final=after_last_backward)
+            self._flush(stage, action.micro_batches, position)
 
-    def _flush(self, stage: _Stage, tags: Sequence[Hashable] | None, *, final: bool) -> None:
-        if self.grad_sync is not None and final:  # the stage's gradients can become final
-            self.grad_sync.flush(stage.queue, tags, stage.module.parameters())
-        else:
+    def _flush(self, stage: _Stage, tags: Sequence[Hashable] | None, position: int) -> None:
+        if self.grad_sync is None or position < stage.last_backward_position:
             stage.queue.flush(tags=tags)
+            return
+        # The stage's gradients can become final, but for parameters it shares with a stage of
+        # this rank whose backwards are still to come (a tied weight).
+        later = [s for s in self.stages.values() if position < s.last_backward_position]
+        to_come = {id(p) for s in later for p in s.module.parameters()}
+        final = [p for p in stage.module.parameters() if id(p) not in to_come]
+        self.grad_sync.flush(stage.queue, tags, final)
 
     @property
     def _num_stages(self) -> int:
