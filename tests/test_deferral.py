@@ -1380,30 +1380,50 @@ def test_several_outputs_that_are_views_of_one_tensor_are_told_what_to_pass():
         twobp.deferral.defer_weight_grads(both.chunk(2, 1), (model.weight,), (x.detach(),), _scale_shift_grads)
 
 
-class DoublesItsInput(nn.Module):
-    def __init__(self) -> None:
+class ChangesItsInput(nn.Module):
+    """``x.mul_(2)`` (or an in-place ReLU, ``inplace_relu``) on its input; from call ``from_call`` on."""
+
+    def __init__(self, inplace_relu: bool = False, from_call: int = 0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(4))
+        self.inplace_relu, self.from_call, self.calls = inplace_relu, from_call, 0
 
     def forward(self, x):
-        x.mul_(2)
+        if self.calls >= self.from_call:
+            x.relu_() if self.inplace_relu else x.mul_(2)
+        self.calls += 1
         return x * self.weight
 
 
-def test_the_recompute_rule_refuses_a_forward_that_changes_its_input_in_place():
-    """The flush replayed the forward on the saved input, which held the doubled values (and
-    doubled them again): the weight's gradient came out twice plain's, silently. Refused at that
-    call; the module keeps plain autograd from its next call on."""
-    twobp.register(DoublesItsInput, twobp.ops.recompute)
-    model = twobp.patch(DoublesItsInput())
-    reference = copy.deepcopy(model)
-    twobp.unpatch(reference)
-    with pytest.raises(RuntimeError, match="twobp: DoublesItsInput's forward changed its input in place"):
-        model(torch.randn(3, 4) * 1.0)
-    x = torch.randn(3, 4)
-    with pytest.warns(UserWarning, match="changes its inputs in place"):
-        out = model(x.clone())
-    out.sum().backward()
-    reference(x.clone()).sum().backward()
-    assert twobp.pending().jobs == 0
+@pytest.mark.parametrize("inplace_relu", [False, True], ids=["mul_", "relu_"])
+def test_the_recompute_rule_keeps_a_forward_that_changes_its_input_in_place_on_plain_autograd(inplace_relu):
+    """The flush replayed the forward on the saved input, which held the changed values (x.mul_(2):
+    twice plain's weight gradient, silently, and the input doubled again). The first call runs on
+    copies of the inputs: such a forward goes to plain autograd (one warning), the caller's input
+    changed once, as plain changes it; an in-place ReLU (which the replay happened to survive)
+    too, no longer refused."""
+    twobp.register(ChangesItsInput, twobp.ops.recompute)
+    model = twobp.patch(ChangesItsInput(inplace_relu))
+    reference = twobp.unpatch(copy.deepcopy(model))
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        ours, theirs = x.clone(), x.clone()
+        model(ours).sum().backward()
+        assert twobp.pending().jobs == 0, "deferred: the flush would replay on the changed input"
+        reference(theirs).sum().backward()
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
     assert_grads_match(model, reference)
+
+
+def test_the_recompute_rule_refuses_a_forward_that_starts_changing_its_input_in_place():
+    """A module whose first calls left their inputs alone runs later calls on the inputs
+    themselves: one that changes them then cannot be undone, and is refused."""
+    twobp.register(ChangesItsInput, twobp.ops.recompute)
+    model = twobp.patch(ChangesItsInput(from_call=1))
+    model(torch.randn(3, 4)).sum().backward()
+    twobp.flush_weight_grads()
+    with pytest.raises(RuntimeError, match="twobp: ChangesItsInput's forward changed its input in place"):
+        model(torch.randn(3, 4))
+    model(torch.randn(3, 4)).sum().backward()
+    assert twobp.pending().jobs == 0, "plain autograd from then on"
+    assert model.weight.grad is not None

@@ -189,6 +189,9 @@ _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recom
 #: keep plain autograd.
 _unreplayable: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
+#: Modules whose forward, run on copies of its inputs once, left them unchanged.
+_leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
@@ -207,22 +210,30 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
-    versions = [t._version for t in inputs]
-    output = _plain_forward(module, inputs, substitutes)
-    if [t._version for t in inputs] != versions:
+    # A module's first call runs on copies of its inputs: a forward that changes them in place
+    # (x.relu_()) would be replayed at the flush on the changed values, and is sent to plain
+    # autograd with the inputs untouched. Later calls run on the inputs themselves, and one that
+    # changes them then is refused (it cannot be undone).
+    checked = module in _leaves_inputs
+    run_on = inputs if checked else tuple(t.clone() for t in inputs)
+    versions = [t._version for t in run_on]
+    output = _plain_forward(module, run_on, substitutes)
+    changes_inputs = [t._version for t in run_on] != versions
+    if changes_inputs and checked:
         _unreplayable[module] = _CHANGES_INPUTS
         raise RuntimeError(
-            f"twobp: {type(module).__name__}'s forward changed its input in place: the recompute rule "
-            "replays the forward on its input at the flush, which would hold the changed values (and "
-            "change them again), so its weight gradients would be wrong. This call is refused (its "
-            "input is changed already, as plain's forward changes it); the module keeps plain autograd "
-            "from its next call on. Exclude it from patch() (exclude=[...]) to train it as before."
+            f"twobp: {type(module).__name__}'s forward changed its input in place, which its earlier "
+            "calls did not: the recompute rule replays the forward on its input at the flush, which "
+            "would hold the changed values, so its weight gradients would be wrong. This call is "
+            "refused (its input is changed already); the module keeps plain autograd from its next "
+            "call on. Exclude it from patch() (exclude=[...]) to train it as before."
         )
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
     why = (
-        _RANDOM if random
+        _CHANGES_INPUTS if changes_inputs
+        else _RANDOM if random
         else _STATEFUL if state.changed_by_forward(module)
-        else _unfit_outputs(output, [*tensors, *substitutes.values(), *state.buffers().values()])
+        else _unfit_outputs(output, [*tensors, *run_on, *substitutes.values(), *state.buffers().values()])
     )  # fmt: skip
     if why is not None:
         _unreplayable[module] = why
@@ -233,6 +244,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         state.restore(module, values)
         return plain_forward(module, _unreplayable[module], *inputs)
     del values
+    _leaves_inputs.add(module)
     outputs = _as_tensors(output)
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
