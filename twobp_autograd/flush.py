@@ -557,6 +557,8 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
             saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device), strict=True)]
             grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device), strict=True)]
         except RuntimeError as error:
+            if isinstance(error, torch.OutOfMemoryError):
+                raise
             raise RuntimeError(
                 f"twobp: the tensors the weight-gradient kernel '{_kernel_name(first)}' takes could not be "
                 "joined on dim 0 across micro-batches: every saved tensor and output gradient of a kernel "
@@ -588,7 +590,7 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
             f"twobp: the weight-gradient kernel '{_kernel_name(job)}' returned {_described(grads)} for "
             f"{len(params)} parameters of shapes {[None if p is None else tuple(p.shape) for p in params]}: a "
             "kernel returns a list or tuple of one gradient per parameter, shaped like it (None where it is "
-            "not needed)."
+            "not needed); or a parameter's shape changed since the backward (a .data assignment)."
         )
     return grads
 

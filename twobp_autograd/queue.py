@@ -227,12 +227,15 @@ class WeightGradQueue:
             for index, (jobs, flight) in enumerate(runs):
                 try:
                     self._run(jobs, flight, early=True)
-                except BaseException:
+                except BaseException as error:
+                    # The runs not made go back after the failed one's jobs (which _run put back
+                    # first, unless partly delivered): oldest first, as they were.
                     later = runs[index + 1 :]
+                    not_run = [job for later_jobs, _ in later for job in later_jobs]
                     with self._lock:
-                        for not_run, _ in later:
-                            self._jobs[:0] = not_run
-                            self._count(not_run, +1)
+                        at = 0 if isinstance(error, PartlyDelivered) else len(jobs)
+                        self._jobs[at:at] = not_run
+                        self._count(not_run, +1)
                     for _, not_run_flight in later:
                         self._land(not_run_flight)
                     raise
