@@ -356,3 +356,21 @@ def test_a_weight_tied_across_a_ranks_stages_waits_for_the_last_of_their_backwar
     for ours, theirs in ((first, reference[0]), (second, reference[2])):
         for name_, p in ours.named_parameters():
             torch.testing.assert_close(p.grad, dict(theirs.named_parameters())[name_].grad, msg=name_)
+
+
+def test_a_gradient_sync_whose_flush_takes_no_params_is_refused_when_the_runtime_is_built(
+    one_rank_group: None,
+) -> None:
+    class OldSync:
+        def flush(self, queue, tags):  # the two-argument form
+            queue.flush(tags)
+
+        def finish(self) -> None: ...
+
+        def reset(self) -> None: ...
+
+    with pytest.raises(TypeError, match=r"twobp: OldSync.flush takes \(queue, tags\)"):
+        PipelineRuntime(
+            nn.Linear(4, 4), schedule("gpipe", 1, 2, True)[0], num_micro_batches=2, loss_fn=F.mse_loss,
+            group=dist.group.WORLD, grad_sync=OldSync(),
+        )  # fmt: skip

@@ -1360,6 +1360,26 @@ def test_saved_tensors_that_cannot_be_joined_are_told_to_run_apart():
     queue.clear()
 
 
+def test_running_out_of_memory_while_joining_is_raised_as_it_is(monkeypatch):
+    """Only a join failure is told to pass concatenate=False; an out-of-memory error stays one."""
+    from twobp_autograd import flush as flush_module
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+
+    model = twobp.patch(nn.Linear(4, 4))
+    queue = twobp.WeightGradQueue("concat")
+    with twobp.use_queue(queue):
+        for _ in range(2):
+            model(torch.randn(3, 4)).sum().backward()
+    monkeypatch.setattr(flush_module.torch, "cat", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        queue.flush()
+    monkeypatch.undo()
+    assert queue.pending().jobs == 2
+    queue.clear()
+
+
 def test_params_or_saved_given_as_a_tensor_alone_are_refused():
     """Iterated, a tensor is its rows: params=module.weight deferred nothing (None where plain
     has a gradient), saved=x handed the kernel the first row only."""
