@@ -326,11 +326,14 @@ def test_a_parameter_unfrozen_after_the_synchroniser_was_built_is_warned_about(t
         assert any("not averaged" in w for w in result["warnings"]), result
 
 
-def test_a_weight_tied_across_a_ranks_stages_waits_for_the_last_of_their_backwards(one_rank_group: None) -> None:
-    """One rank holds both stages, which share a bias; capped at 0, nothing is queued for it
-    between backwards. zbv's actions with the second stage's last W moved before the first
-    stage's last backward: that flush took the shared bias as final, reduced it then, and the
-    first stage's last contribution was lost when the mean was written back."""
+@pytest.mark.parametrize("cap", [0, None], ids=["capped", "uncapped"])
+def test_a_weight_tied_across_a_ranks_stages_waits_for_the_last_of_their_backwards(
+    one_rank_group: None, cap: int | None
+) -> None:
+    """One rank holds both stages, which share a bias. zbv's actions with the second stage's
+    last W moved before the first stage's last backward: that flush took the shared bias as
+    final (capped at 0, nothing was queued for it; uncapped, the flush delivered it), reduced it
+    then, and the first stage's last contribution was lost when the mean was written back."""
     name = "zbv"
     torch.manual_seed(0)
     first, second = nn.Linear(4, 4), nn.Linear(4, 4)
@@ -347,7 +350,7 @@ def test_a_weight_tied_across_a_ranks_stages_waits_for_the_last_of_their_backwar
         stages, actions, num_micro_batches=m, loss_fn=F.mse_loss, twobp=True,
         group=dist.group.WORLD, timeout=30.0, placement=placement(name, 1),
         grad_sync=GradientSynchroniser(nn.ModuleList(stages.values()), bucket_bytes=4),  # one per bucket
-        queue={index: twobp.WeightGradQueue(max_pending_bytes=0) for index in stages},
+        queue={index: twobp.WeightGradQueue(max_pending_bytes=cap) for index in stages},
     )  # fmt: skip
     x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
     runtime.step(x, y)

@@ -172,7 +172,7 @@ class GradientSynchroniser:
                 continue
             if not self._ready[i] and id(p) not in delivered and id(p) not in later:
                 self._mark_ready(i)
-        self._final = delivered - later
+        self._final = delivered - later if may_be_final is None else (delivered - later) & may_be_final
         self._armed = True
         try:
             bucketed = dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4))
