@@ -1447,3 +1447,25 @@ def test_the_recompute_rule_refuses_a_forward_that_starts_changing_its_input_in_
     model(torch.randn(3, 4)).sum().backward()
     assert twobp.pending().jobs == 0, "plain autograd from then on"
     assert model.weight.grad is not None
+
+
+def test_the_recompute_rule_keeps_inputs_made_under_inference_mode_on_plain_autograd():
+    """A frozen encoder's features made under inference_mode: plain trains the module's own
+    parameters on them; the rule failed reading their version counter (it has none)."""
+    class AddsBias(nn.Module):  # saves nothing of its input, so plain accepts an inference tensor
+        def __init__(self) -> None:
+            super().__init__()
+            self.bias = nn.Parameter(torch.randn(4))
+
+        def forward(self, x):
+            return x + self.bias
+
+    twobp.register(AddsBias, twobp.ops.recompute)
+    model = twobp.patch(AddsBias())
+    reference = twobp.unpatch(copy.deepcopy(model))
+    with torch.inference_mode():
+        features = torch.randn(3, 4)
+    model(features).sum().backward()
+    reference(features).sum().backward()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(model, reference)

@@ -199,6 +199,8 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
+    elif any(t.is_inference() for t in inputs):
+        reason = "inputs made under torch.inference_mode (no version counter to check the replay's input by)"
     else:
         reason = _unreplayable.get(module) or unsupported_tensors(*inputs, *params.values())
     if reason is not None:
