@@ -103,7 +103,7 @@ class _GroupReductions:
     def _reduce(self, group: Any) -> None:
         self._next += 1
         if id(group) in self._held or fsdp_hooks.in_backward(group):
-            return  # its own post-backward, still to come, takes the gradients
+            return  # held back for the flush every rank runs, or its own post-backward is still to come
         if torch._C._current_graph_task_id() >= 0:
             _reduce_when_this_backward_ends(group)  # a capped queue's early flush, maybe one of many
             return

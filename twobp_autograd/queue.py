@@ -475,7 +475,7 @@ def _waits_for_the_flush(job: WeightGradJob) -> bool:
     """Whether the job holds gradients an early flush held back, or a parameter of it has a
     post-accumulate-grad hook that must see its whole gradient once per flush (see
     :meth:`WeightGradQueue._enforce_cap`)."""
-    return job.group == _HELD_BACK or any(param is not None and has_user_hooks(param) for param in job.params)
+    return job.group is _HELD_BACK or any(param is not None and has_user_hooks(param) for param in job.params)
 
 
 def _warn_cap_kept_for_hooks_once() -> None:
