@@ -1439,7 +1439,7 @@ def test_the_recompute_rule_refuses_a_forward_that_starts_changing_its_input_in_
     """A module whose first calls left their inputs alone runs later calls on the inputs
     themselves: one that changes them then cannot be undone, and is refused."""
     twobp.register(ChangesItsInput, twobp.ops.recompute)
-    model = twobp.patch(ChangesItsInput(from_call=1))
+    model = twobp.patch(ChangesItsInput(from_call=2))  # the first call runs its forward twice (a trial)
     model(torch.randn(3, 4)).sum().backward()
     twobp.flush_weight_grads()
     with pytest.raises(RuntimeError, match="twobp: ChangesItsInput's forward changed its input in place"):
@@ -1468,4 +1468,19 @@ def test_the_recompute_rule_keeps_inputs_made_under_inference_mode_on_plain_auto
     model(features).sum().backward()
     reference(features).sum().backward()
     assert twobp.pending().jobs == 0
+    assert_grads_match(model, reference)
+
+
+def test_an_input_changing_recompute_module_inside_a_non_reentrant_checkpoint_trains_as_plain():
+    """Its first call ran the forward on recorded copies and then on plain autograd, so the
+    checkpoint counted more saved tensors in the forward than in its recomputation
+    (CheckpointError). The trial now records nothing."""
+    twobp.register(ChangesItsInput, twobp.ops.recompute)
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), ChangesItsInput()))
+    reference = twobp.unpatch(copy.deepcopy(model))
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        for net in (model, reference):
+            torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False).pow(2).sum().backward()
+        twobp.flush_weight_grads()
     assert_grads_match(model, reference)

@@ -30,6 +30,7 @@ from tests.utils import Scale, TokenStack, close_to_reference
 from twobp_autograd import fsdp_hooks
 from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.flush import watch_flushes
+from twobp_autograd.registry import rules_restored_after
 
 WORLD = 2
 MICRO_BATCHES = 3
@@ -368,8 +369,24 @@ def _capped_with_other_lengths(rank: int) -> dict:
 CAPPED_WHEN = ("in_backward", "after_backward", "tagged", "sync_last")
 
 
+def _recompute_rule_under_fsdp(rank: int) -> dict:
+    """A module registered with the recompute rule inside sharded blocks: the flush replayed its
+    forward on parameters whose unsharded storage FSDP2 had freed (a segfault). It keeps plain
+    autograd there."""
+    grads = {}
+    with rules_restored_after():
+        twobp.register(Scale, twobp.ops.recompute)
+        for patched in (False, True):
+            model = _build(Setting(), patched)
+            _train_step(model, Setting(), rank)
+            twobp.flush_weight_grads()
+            grads[patched] = _full_grads(model)
+    return {"ours": grads[True], "plain": grads[False]}
+
+
 def _scenario(rank: int) -> dict:
     results = {setting.id: _run_setting(setting, rank) for setting in SETTINGS}
+    results["recompute_rule"] = _recompute_rule_under_fsdp(rank)
     results["misuse"] = _misuse(rank)
     results["shapes_by_rank"] = _shapes_by_rank(rank)
     results["capped_with_other_lengths"] = _capped_with_other_lengths(rank)
@@ -489,6 +506,14 @@ def test_a_capped_queue_whose_ranks_hold_other_amounts_of_work_reduces_on_all_ra
 ) -> None:
     result = ranks[rank]["capped_with_other_lengths"][when]
     assert result["left"] == 0, "work left queued after flushing every tag"
+    _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_a_module_under_the_recompute_rule_inside_sharded_blocks_keeps_plain_autograd(
+    ranks: list[dict], rank: int
+) -> None:
+    result = ranks[rank]["recompute_rule"]
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 

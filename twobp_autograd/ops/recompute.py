@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import get_device_states, set_device_states
 
+from .. import fsdp_hooks
 from ..deferral import defer_weight_grads, detached
 from .fallback import plain_forward, unsupported_tensors
 
@@ -189,6 +190,27 @@ _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recom
 #: keep plain autograd.
 _unreplayable: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
 
+_SHARDED = (
+    "parameters sharded by FSDP2 (fully_shard frees their unsharded storage after backward; the "
+    "flush's recomputation would read it)"
+)
+
+#: module -> (its parameters' ids, whether FSDP2 shards them), asked on every call once FSDP2 is used.
+_fsdp_verdicts: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[int, ...], bool]] = weakref.WeakKeyDictionary()
+
+
+def _sharded_by_fsdp(module: nn.Module, params: Mapping[str, Tensor]) -> bool:
+    if not fsdp_hooks.fsdp_in_use():
+        return False
+    key = tuple(id(p) for p in params.values())
+    known = _fsdp_verdicts.get(module)
+    if known is not None and known[0] == key:
+        return known[1]
+    sharded = bool(fsdp_hooks.sharded_params_of(list(params.values())))
+    _fsdp_verdicts[module] = (key, sharded)
+    return sharded
+
+
 #: Modules whose forward, run on copies of its inputs once, left them unchanged.
 _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -203,6 +225,8 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         reason = "inputs made under torch.inference_mode (no version counter to check the replay's input by)"
     else:
         reason = _unreplayable.get(module) or unsupported_tensors(*inputs, *params.values())
+        if reason is None and _sharded_by_fsdp(module, params):
+            reason = _SHARDED
     if reason is not None:
         return plain_forward(module, reason, *inputs, **kwargs)
     tensors = (*inputs, *params.values())
@@ -212,30 +236,33 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
-    # A module's first call runs on copies of its inputs: a forward that changes them in place
-    # (x.relu_()) would be replayed at the flush on the changed values, and is sent to plain
-    # autograd with the inputs untouched. Later calls run on the inputs themselves, and one that
-    # changes them then is refused (it cannot be undone).
-    checked = module in _leaves_inputs
-    run_on = inputs if checked else tuple(t.clone() for t in inputs)
-    versions = [t._version for t in run_on]
-    output = _plain_forward(module, run_on, substitutes)
-    changes_inputs = [t._version for t in run_on] != versions
-    if changes_inputs and checked:
+    if module not in _leaves_inputs and _changes_its_inputs(module, inputs, substitutes):
+        # Its replay at the flush would see the changed values: plain autograd, from the same
+        # random state and buffers as the trial found them.
+        torch.set_rng_state(cpu_state)
+        set_device_states(devices, device_states)
+        state.restore(module, values)
+        _unreplayable[module] = _CHANGES_INPUTS
+        return plain_forward(module, _CHANGES_INPUTS, *inputs)
+    torch.set_rng_state(cpu_state)
+    set_device_states(devices, device_states)
+    state.restore(module, values)
+    versions = [t._version for t in inputs]
+    output = _plain_forward(module, inputs, substitutes)
+    if [t._version for t in inputs] != versions:
         _unreplayable[module] = _CHANGES_INPUTS
         raise RuntimeError(
-            f"twobp: {type(module).__name__}'s forward changed its input in place, which its earlier "
-            "calls did not: the recompute rule replays the forward on its input at the flush, which "
+            f"twobp: {type(module).__name__}'s forward changed its input in place, which its first "
+            "call did not: the recompute rule replays the forward on its input at the flush, which "
             "would hold the changed values, so its weight gradients would be wrong. This call is "
             "refused (its input is changed already); the module keeps plain autograd from its next "
             "call on. Exclude it from patch() (exclude=[...]) to train it as before."
         )
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
     why = (
-        _CHANGES_INPUTS if changes_inputs
-        else _RANDOM if random
+        _RANDOM if random
         else _STATEFUL if state.changed_by_forward(module)
-        else _unfit_outputs(output, [*tensors, *run_on, *substitutes.values(), *state.buffers().values()])
+        else _unfit_outputs(output, [*tensors, *substitutes.values(), *state.buffers().values()])
     )  # fmt: skip
     if why is not None:
         _unreplayable[module] = why
@@ -255,6 +282,17 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     group = (recompute_weight_grad, module, state.key())
     tapped = defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=group, saves_reached=several)
     return _shaped_as(output, tapped)
+
+
+def _changes_its_inputs(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]) -> bool:
+    """A module's first call runs once more, on copies of its inputs and without recording a
+    graph (nothing saved, so an activation checkpoint around it counts what plain saves): does
+    its forward change them in place (``x.mul_(2)``, an in-place ReLU)?"""
+    copies = tuple(t.detach().clone() for t in inputs)
+    versions = [t._version for t in copies]
+    with torch.no_grad():
+        _plain_forward(module, copies, substitutes)
+    return [t._version for t in copies] != versions
 
 
 def _random_numbers_drawn(cpu_state: Tensor, device_states: list[Tensor], tensors: Sequence[Tensor]) -> bool:
