@@ -105,7 +105,7 @@ class _GroupReductions:
         if id(group) in self._held or fsdp_hooks.in_backward(group):
             return  # held back for the flush every rank runs, or its own post-backward is still to come
         if torch._C._current_graph_task_id() >= 0:
-            _reduce_when_this_backward_ends(group)  # a capped queue's early flush, maybe one of many
+            _reduce_when_this_backward_ends(group)  # a flush run inside a backward (a hook's), maybe one of many
             return
         fsdp_hooks.reduce_group(group)
         self._reduced.append(group)
@@ -115,7 +115,8 @@ _after_backward: dict[int, dict[int, Any]] = {}  # graph task -> groups to reduc
 
 
 def _reduce_when_this_backward_ends(group: Any) -> None:
-    """Early flushes inside one backward reduce each group they touched once, at its end (after
+    """Flushes run inside one backward (from a hook; a capped queue's early flush holds its
+    sharded gradients back instead) reduce each group they touched once, at its end (after
     FSDP2's own end-of-backward callback), instead of once per flush."""
     task = torch._C._current_graph_task_id()
     groups = _after_backward.get(task)

@@ -236,17 +236,19 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
-    if module not in _leaves_inputs and _changes_its_inputs(module, inputs, substitutes):
-        # Its replay at the flush would see the changed values: plain autograd, from the same
-        # random state and buffers as the trial found them.
+
+    def rewind() -> None:
+        """Random state and buffers back to where this call found them."""
         torch.set_rng_state(cpu_state)
         set_device_states(devices, device_states)
         state.restore(module, values)
-        _unreplayable[module] = _CHANGES_INPUTS
-        return plain_forward(module, _CHANGES_INPUTS, *inputs)
-    torch.set_rng_state(cpu_state)
-    set_device_states(devices, device_states)
-    state.restore(module, values)
+
+    if module not in _leaves_inputs:
+        changes_inputs = _changes_its_inputs(module, inputs, substitutes)
+        rewind()  # the trial's draws and buffer changes
+        if changes_inputs:  # its replay at the flush would see the changed values
+            _unreplayable[module] = _CHANGES_INPUTS
+            return plain_forward(module, _CHANGES_INPUTS, *inputs)
     versions = [t._version for t in inputs]
     output = _plain_forward(module, inputs, substitutes)
     if [t._version for t in inputs] != versions:
@@ -268,11 +270,9 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         _unreplayable[module] = why
         # Run again on plain autograd from the same random state and buffers, so that the
         # output is plain's and generators and buffers end where one plain forward leaves them.
-        torch.set_rng_state(cpu_state)
-        set_device_states(devices, device_states)
-        state.restore(module, values)
+        rewind()
         return plain_forward(module, _unreplayable[module], *inputs)
-    del values
+    values.clear()  # the buffers' copies are not needed past here
     _leaves_inputs.add(module)
     outputs = _as_tensors(output)
     several = len(outputs) > 1
