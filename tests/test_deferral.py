@@ -1162,6 +1162,40 @@ def test_a_parameter_no_backward_reaches_stays_none_under_the_recompute_rule(str
     assert (patched.shift.grad is None) == (reached == "first-only")
 
 
+class ScaledByATemperature(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(2))
+
+    def forward(self, x, temperature):
+        return x * self.weight / temperature
+
+
+@pytest.mark.parametrize(
+    "inputs",
+    [
+        lambda: (torch.randn(3, 2), torch.rand(1) + 0.5),  # a side input without a batch dim
+        lambda: (torch.randn(2), torch.rand(2) + 0.5),  # an unbatched call
+        lambda: (torch.randn(1, 2), torch.rand(1) + 0.5),  # a batch of one beside a 1-D side input
+    ],
+    ids=["side-input", "unbatched", "batch-of-one"],
+)
+def test_the_recompute_rule_joins_only_calls_whose_inputs_hold_a_batch_on_dim_0(inputs):
+    """Joined on dim 0, a (1,) temperature broadcast over the features instead of the rows (9.4
+    off with two features) or the flush failed with PyTorch's shape error. Such calls replay one
+    micro-batch at a time."""
+    twobp.register(ScaledByATemperature, twobp.ops.recompute)
+    patched, reference = patched_and_reference(ScaledByATemperature())
+    queue = twobp.WeightGradQueue("concat")
+    for _ in range(3):
+        args = inputs()
+        with twobp.use_queue(queue):
+            patched(*args).pow(3).sum().backward()
+        reference(*args).pow(3).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference)
+
+
 def test_a_rule_of_ones_own_with_an_unreached_output_warns(monkeypatch):
     """A rule of one's own whose kernel is not told which outputs were reached takes zeros for
     the others: a parameter only they reach gets zeros where plain leaves None. Said, not silent."""

@@ -750,3 +750,68 @@ def test_sums_never_write_into_a_gradient_another_job_still_needs(strategy):
     (reference(xs[0]) + reference(xs[1]) + reference(xs[2])).pow(2).sum().backward()
     queue.flush()
     assert_grads_match(patched, reference)
+
+
+class _Interrupt(KeyboardInterrupt):
+    """Ctrl-C, as a test raises it (a subclass, so that pytest does not take it for its own)."""
+
+
+@pytest.mark.parametrize("where", ["in-a-hook", "between-buckets"])
+def test_an_interrupt_after_part_of_a_flush_reached_grad_drops_the_rest(where, monkeypatch):
+    """Ctrl-C (any BaseException) after some gradients were handed over: the flush's jobs went
+    back in the queue, and the retry added the delivered ones twice (exactly 2x plain). It ends
+    as PartlyDelivered does: the interrupt goes on, the rest of the work is dropped."""
+    from twobp_autograd import flush as flush_module
+
+    queue = twobp.WeightGradQueue(delivery_bucket_bytes=1 if where == "between-buckets" else None)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)))
+    if where == "in-a-hook":
+
+        def interrupt(param):
+            if not twobp.has_queued_work(param):
+                raise _Interrupt
+
+        patched[2].weight.register_post_accumulate_grad_hook(interrupt)
+    else:
+        run_group, calls = flush_module._run_group, []
+
+        def interrupted_second_group(group, options):
+            calls.append(group)
+            if len(calls) == 2:  # after the first layer's bucket was handed over
+                raise _Interrupt
+            return run_group(group, options)
+
+        monkeypatch.setattr(flush_module, "_run_group", interrupted_second_group)
+    x = torch.randn(8, 4)
+    with twobp.use_queue(queue):
+        patched(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    with pytest.raises(_Interrupt):
+        queue.flush()
+    assert queue.pending() == (0, 0)
+    queue.flush()  # a retry adds nothing
+    delivered = 0
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        if p.grad is not None:  # each gradient there is whole, none twice
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=name)
+            delivered += 1
+    assert delivered == (2 if where == "between-buckets" else 4)  # the first bucket; all before the hook
+
+
+def test_zero_grad_of_part_of_a_layers_parameters_keeps_a_capped_queues_bytes_exact():
+    """zero_grad over BatchNorm's weight only (its finished gradients are one job): the dropped
+    gradient stayed counted, 256 bytes more each step, until every backward flushed early."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 64), nn.BatchNorm1d(64), nn.Linear(64, 2)))
+    queue = twobp.WeightGradQueue(max_pending_bytes=5_000)
+    x = torch.randn(8, 4)
+    for _ in range(30):
+        with twobp.use_queue(queue):
+            model(x).sum().backward()
+        assert len(queue) == 3  # no early flush
+        torch.optim.SGD([model[1].weight], lr=0.1).zero_grad()
+        assert queue.pending().bytes == sum(
+            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for j in queue._jobs for t in j.tensors()}.values()
+        )
+        queue.flush()
+        assert queue.pending() == (0, 0)
+        model.zero_grad()

@@ -34,6 +34,7 @@ __all__ = [
     "DeliveryWatch",
     "FlushWatcher",
     "PartlyDelivered",
+    "partly_delivered",
     "watch_flushes",
     "summed_over_backward_calls",
     "undelivered",
@@ -64,6 +65,14 @@ class FlushOptions:
 class PartlyDelivered(RuntimeError):
     """A flush failed while or after handing its gradients over: part of them may be in
     ``.grad``, the rest of its work is dropped (queued again, it would be added twice on a retry)."""
+
+
+_PARTLY_DELIVERED = "_twobp_partly_delivered"
+
+
+def partly_delivered(error: BaseException) -> bool:
+    """Whether ``error`` ended a flush after part of its gradients reached ``.grad``."""
+    return isinstance(error, PartlyDelivered) or getattr(error, _PARTLY_DELIVERED, False)
 
 
 class DeliveryWatch(Protocol):
@@ -175,7 +184,12 @@ def run_jobs(
         # From here a failure (a hook raising) may leave part of the gradients in .grad.
         handed_over = handed_over or bool(ready)
         (hooked.deliver if hooked is not None else _deliver)(ready, watches)
-    except Exception as error:
+    except BaseException as error:
+        if handed_over and not isinstance(error, Exception):
+            # KeyboardInterrupt, SystemExit: keep the exception as it is, but say that part of
+            # the work is in .grad, so that the caller drops the rest instead of queueing it again.
+            setattr(error, _PARTLY_DELIVERED, True)
+            raise
         if handed_over:
             raise PartlyDelivered(
                 "twobp: a flush failed while handing its gradients over (a hook raised, or after a "

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import flush as flush_module
-from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, PartlyDelivered, has_user_hooks, run_jobs
+from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, has_user_hooks, partly_delivered, run_jobs
 from .job import WeightGradJob, finished_grads
 from .offload import HostOffload
 from .warn_once import warn_once
@@ -233,7 +233,7 @@ class WeightGradQueue:
                     later = runs[index + 1 :]
                     not_run = [job for later_jobs, _ in later for job in later_jobs]
                     with self._lock:
-                        at = 0 if isinstance(error, PartlyDelivered) else len(jobs)
+                        at = 0 if partly_delivered(error) else len(jobs)
                         self._jobs[at:at] = not_run
                         self._count(not_run, +1)
                     for _, not_run_flight in later:
@@ -319,9 +319,16 @@ class WeightGradQueue:
             kept: list[WeightGradJob] = []
             gone: list[WeightGradJob] = []
             for job in self._jobs:
-                (kept if job.drop_params(dropped) else gone).append(job)
+                touched = any(p is not None and id(p) in dropped for p in job.params)
+                if touched:
+                    self._count([job], -1)  # drop_params may replace its saved tensors
+                if job.drop_params(dropped):
+                    kept.append(job)
+                    if touched:
+                        self._count([job], +1)
+                else:
+                    gone.append(job)
             self._jobs = kept
-            self._count(gone, -1)
         return list(had_work.values())
 
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
@@ -366,9 +373,9 @@ class WeightGradQueue:
             held = run_jobs(jobs, self.flush_options, early=early)
             if held:
                 self._queue_held(held, jobs)
-        except PartlyDelivered:
-            raise
-        except BaseException:
+        except BaseException as error:
+            if partly_delivered(error):
+                raise
             with self._lock:
                 self._jobs[:0] = jobs
                 self._count(jobs, +1)

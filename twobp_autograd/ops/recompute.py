@@ -277,11 +277,29 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     outputs = _as_tensors(output)
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
+    joinable = _batched_alike(inputs)
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
-    group = (recompute_weight_grad, module, state.key())
-    tapped = defer_weight_grads(outputs, tuple(params.values()), inputs, kernel, group=group, saves_reached=several)
+    group = (recompute_weight_grad, module, state.key(), joinable)
+    tapped = defer_weight_grads(
+        outputs,
+        tuple(params.values()),
+        inputs,
+        kernel,
+        concatenate=None if joinable else False,
+        group=group,
+        saves_reached=several,
+    )
     return _shaped_as(output, tapped)
+
+
+def _batched_alike(inputs: Sequence[Tensor]) -> bool:
+    """Whether the flush may join this call's inputs with other calls' on dim 0: each holds a
+    batch there, as far as shapes can tell (two dims or more, one size of dim 0). A side input
+    without a batch dim (a temperature of shape (1,)) or an unbatched 1-D call, joined, would be
+    broadcast or normalised across micro-batches: such calls are replayed one at a time."""
+    first = inputs[0].shape[0]
+    return all(t.dim() > 1 and t.shape[0] == first for t in inputs)
 
 
 def _changes_its_inputs(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]) -> bool:
