@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.utils.prune
 from torch import nn
 
 import twobp_autograd as twobp
@@ -1049,6 +1050,39 @@ def test_recompute_rule_refuses_a_parameter_changed_between_forward_and_backward
     with pytest.raises(RuntimeError, match=r"twobp: buffer\(s\) or parameter\(s\) \['weight'\] of a Gate"):
         twobp.flush_weight_grads()
     twobp.discard_weight_grads()
+
+
+def _prune_and_remove(model: nn.Module) -> None:
+    torch.nn.utils.prune.l1_unstructured(model[1], "weight", amount=0.5)
+    torch.nn.utils.prune.remove(model[1], "weight")
+
+
+def _halve_through_a_vector(model: nn.Module) -> None:
+    vector = torch.nn.utils.parameters_to_vector(model.parameters())
+    torch.nn.utils.vector_to_parameters(vector * 0.5, model.parameters())
+
+
+@pytest.mark.parametrize(
+    "change", [_prune_and_remove, _halve_through_a_vector], ids=["prune-remove", "vector-to-parameters"]
+)
+@pytest.mark.parametrize("when", ["between-micro-batches", "before-the-flush"])
+def test_recompute_rule_replays_the_values_its_forward_saw_after_a_parameters_data_is_swapped(change, when):
+    """``prune.remove`` and ``vector_to_parameters`` set ``param.data`` (no version change):
+    the flush replayed the forward with the new values (0.03-0.18 off). It replays the tensors
+    the forward computed with, as plain autograd's backward used them."""
+    twobp.register(Gate, twobp.ops.recompute)
+    model = nn.Sequential(nn.Linear(6, 6), Gate(6, torch.tanh), nn.Linear(6, 2)).double()
+    patched, reference = patched_and_reference(model)
+    xs = [torch.randn(4, 6, dtype=torch.float64) for _ in range(2)]
+    for net in (patched, reference):
+        net(xs[0]).square().sum().backward()
+        if when == "between-micro-batches":
+            change(net)
+        net(xs[1]).square().sum().backward()
+        if when == "before-the-flush":
+            change(net)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
 
 
 class Router(nn.Module):

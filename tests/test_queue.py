@@ -809,9 +809,9 @@ def test_zero_grad_of_part_of_a_layers_parameters_keeps_a_capped_queues_bytes_ex
             model(x).sum().backward()
         assert len(queue) == 3  # no early flush
         torch.optim.SGD([model[1].weight], lr=0.1).zero_grad()
-        assert queue.pending().bytes == sum(
-            {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for j in queue._jobs for t in j.tensors()}.values()
-        )
+        held = [t.untyped_storage() for job in queue._jobs for t in job.tensors()]
+        storages = {storage.data_ptr(): storage.nbytes() for storage in held}
+        assert queue.pending().bytes == sum(storages.values())
         queue.flush()
         assert queue.pending() == (0, 0)
         model.zero_grad()

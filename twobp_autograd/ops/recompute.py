@@ -95,7 +95,13 @@ def recompute_weight_grad(
     params = state.params.items()
     inputs, reached = (saved[:-1], saved[-1].any(0).tolist()) if reached_saved else (saved, None)
     with torch.enable_grad(), state.training_flags_restored(module):
-        leaves = {n: p.detach().requires_grad_(need) for (n, p), need in zip(params, needs, strict=True)}
+        # The values the forward computed with (``state.values``): a parameter whose storage was
+        # swapped since (``p.data = t``: prune.remove, vector_to_parameters, model.half()) is
+        # replayed as the forward saw it, as plain autograd's saved tensors are.
+        leaves = {
+            n: v.detach().requires_grad_(need)
+            for (n, _), v, need in zip(params, state.values, needs, strict=True)
+        }
         outputs = _as_tensors(_plain_forward(module, [t.detach() for t in inputs], {**leaves, **state.buffers()}))
         # Outputs the parameters do not reach (a router's integer indices) have no gradient.
         differentiable = [
@@ -116,7 +122,7 @@ class _ForwardState:
     replay it: the training flags of the module's submodules and its buffers (with their
     versions, so that a change in place after the forward is seen)."""
 
-    __slots__ = ("flags", "named_buffers", "versions", "params", "param_versions")
+    __slots__ = ("flags", "named_buffers", "versions", "params", "param_versions", "values")
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
         self.flags = tuple([m.training for m in module.modules()])
@@ -124,10 +130,14 @@ class _ForwardState:
         self.versions = tuple([b._version for _, b in self.named_buffers])
         self.params = params
         self.param_versions = tuple([p._version for p in params.values()])
+        # Aliases of what the forward computed with (same storage and version counter): they keep
+        # those values if a parameter's ``.data`` is swapped before the flush.
+        self.values = tuple([p.detach() for p in params.values()])
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
-        return (self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions)
+        storages = tuple([v.data_ptr() if type(v) is Tensor else None for v in self.values])
+        return (self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages)
 
     def changed_in_place(self) -> list[str]:
         return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
