@@ -87,7 +87,10 @@ class WeightGradJob:
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place between backward "
-                "and flush_weight_grads(). Flush before modifying it; a flush leaves the work queued "
+                "and flush_weight_grads() (a parameter is, by load_state_dict, reset_parameters(), "
+                "registering a parametrization, a conversion under swap_module_params_on_conversion, or "
+                "the forward of an nn.Embedding with max_norm whose weight a patched layer shares). "
+                "Flush before modifying it; a flush leaves the work queued "
                 "until twobp.discard_weight_grads() (or queue.clear() for a queue of your own) drops "
                 "it (work got from queue.take() stays the caller's)."
             )

@@ -154,6 +154,22 @@ def test_unsupported_options_set_after_patch_keep_plain_autograd(option):
     torch.testing.assert_close(model.weight, reference.weight)
 
 
+def test_a_layer_tied_to_a_max_norm_embedding_is_refused_naming_the_cause():
+    """The embedding (plain autograd) renormalises the shared weight in place in each forward:
+    the tied head's work queued before is refused, and the error says which forward did it."""
+    embed, head = nn.Embedding(NUM, DIM, max_norm=1.0), nn.Linear(DIM, NUM, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        twobp.patch(model)
+        for _ in range(2):
+            model(torch.randint(0, NUM, (2, 5))).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="modified in place.*nn.Embedding with max_norm"):
+        twobp.flush_weight_grads()
+    twobp.discard_weight_grads()
+
+
 @pytest.mark.parametrize("mode", ["eval", "no_grad", "frozen", "unpatched"])
 def test_plain_path_queues_nothing(mode):
     model = nn.Embedding(NUM, DIM)
