@@ -5,6 +5,7 @@ vmapped backward, the recompute rule)."""
 
 import contextlib
 import copy
+import warnings
 
 import pytest
 import torch
@@ -1081,6 +1082,39 @@ def test_recompute_rule_replays_the_values_its_forward_saw_after_a_parameters_da
         net(xs[1]).square().sum().backward()
         if when == "before-the-flush":
             change(net)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+class RoutedScale(nn.Module):
+    """A Mixtral-like block in miniature: its router's logits also leave through a forward hook
+    (Hugging Face captures them so for the router's auxiliary loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(4, 2)
+        self.scale = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x * self.scale * self.router(x).softmax(-1)[..., :1]
+
+
+def test_recompute_rule_keeps_plain_autograd_for_a_module_whose_submodules_have_forward_hooks():
+    """The router's logits taken out by a hook were made with detached parameters: the auxiliary
+    loss never reached the router's weight (about 50% off), and the trial run added stray
+    logits to the captured list. Such a module keeps plain autograd, with one warning."""
+    twobp.register(RoutedScale, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), RoutedScale()))
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    for model in (patched, reference):
+        captured: list[torch.Tensor] = []
+        model[1].router.register_forward_hook(lambda module, args, output, captured=captured: captured.append(output))
+        for x in xs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                output = model(x)
+            (output.pow(2).sum() + captured[-1].pow(2).sum()).backward()
+        assert len(captured) == 2
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
 

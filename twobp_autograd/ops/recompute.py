@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils.checkpoint import get_device_states, set_device_states
 
@@ -225,6 +226,22 @@ def _sharded_by_fsdp(module: nn.Module, params: Mapping[str, Tensor]) -> bool:
 _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
+_HOOKED_SUBMODULES = (
+    "forward hooks on its submodules (what a hook takes out, such as Hugging Face's captured router "
+    "logits, would carry no graph to the parameters, and the hook would fire again at the replay)"
+)
+
+
+def _has_hooked_submodules(module: nn.Module) -> bool:
+    """Forward hooks that fire inside the module's forward: global ones, or its submodules'
+    (its own run around the rule, on the tapped output, and never at the replay)."""
+    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+        return True
+    if not module._modules:
+        return False
+    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
+
+
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
@@ -235,6 +252,8 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         reason = "inputs made under torch.inference_mode (no version counter to check the replay's input by)"
     else:
         reason = _unreplayable.get(module) or unsupported_tensors(*inputs, *params.values())
+        if reason is None and _has_hooked_submodules(module):
+            reason = _HOOKED_SUBMODULES
         if reason is None and _sharded_by_fsdp(module, params):
             reason = _SHARDED
     if reason is not None:
