@@ -1119,6 +1119,55 @@ def test_recompute_rule_keeps_plain_autograd_for_a_module_whose_submodules_have_
     assert_grads_match(patched, reference)
 
 
+class TanhOfLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.randn(8))
+
+    def forward(self, x):
+        return torch.tanh(self.linear(x)) * self.scale
+
+
+@pytest.mark.parametrize("strategy", ["concat", "loop"])
+@pytest.mark.parametrize("autocast", ["every-call", "some-calls"])
+def test_recompute_rule_replays_a_forward_in_the_autocast_it_ran_in(strategy, autocast):
+    """Forward under bf16 autocast, backward outside (the usual recipe): the flush replayed the
+    block outside autocast and failed on a bf16 input meeting an fp32 weight ("mat1 and mat2 must
+    have the same dtype"); calls with and without autocast were joined into one replay."""
+    twobp.register(TanhOfLinear, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(8, 8), TanhOfLinear(), nn.Linear(8, 2)))
+    queue = twobp.WeightGradQueue(strategy)
+    for call in range(3):
+        x = torch.randn(4, 8)
+        enabled = autocast == "every-call" or call != 1
+        for model in (patched, reference):
+            with twobp.use_queue(queue), torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+                output = model(x)
+            output.float().pow(2).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference, dtype=torch.bfloat16)  # the products ran in bf16
+
+
+def test_recompute_rule_keeps_plain_autograd_for_a_module_whose_submodules_have_backward_hooks():
+    """A full backward hook on a child fired again at the flush, on the replay's joined gradient
+    (or once more per micro-batch), after its calls in backward."""
+    twobp.register(TanhOfLinear, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(8, 8), TanhOfLinear()))
+    xs = [torch.randn(4, 8) for _ in range(3)]
+    for model in (patched, reference):
+        shapes: list[tuple[int, ...]] = []
+        record = lambda m, grad_in, grad_out, shapes=shapes: shapes.append(grad_out[0].shape)  # noqa: E731
+        model[1].linear.register_full_backward_hook(record)
+        for x in xs:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model(x).pow(2).sum().backward()
+        twobp.flush_weight_grads()
+        assert shapes == [(4, 8)] * 3
+    assert_grads_match(patched, reference)
+
+
 class Router(nn.Module):
     """A mixture-of-experts router: gate weights and the chosen experts' (integer) indices."""
 

@@ -25,6 +25,7 @@ views of one tensor), keeps plain autograd: the tap re-parents each output in pl
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
@@ -95,7 +96,7 @@ def recompute_weight_grad(
     state.check_unchanged(module)
     params = state.params.items()
     inputs, reached = (saved[:-1], saved[-1].any(0).tolist()) if reached_saved else (saved, None)
-    with torch.enable_grad(), state.training_flags_restored(module):
+    with torch.enable_grad(), state.as_its_forward_ran(module):
         # The values the forward computed with (``state.values``): a parameter whose storage was
         # swapped since (``p.data = t``: prune.remove, vector_to_parameters, model.half()) is
         # replayed as the forward saw it, as plain autograd's saved tensors are.
@@ -123,7 +124,7 @@ class _ForwardState:
     replay it: the training flags of the module's submodules and its buffers (with their
     versions, so that a change in place after the forward is seen)."""
 
-    __slots__ = ("flags", "named_buffers", "versions", "params", "param_versions", "values")
+    __slots__ = ("flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast")
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
         self.flags = tuple([m.training for m in module.modules()])
@@ -134,11 +135,13 @@ class _ForwardState:
         # Aliases of what the forward computed with (same storage and version counter): they keep
         # those values if a parameter's ``.data`` is swapped before the flush.
         self.values = tuple([p.detach() for p in params.values()])
+        # The autocast the forward ran under (the flush runs under its backward's, or none).
+        self.autocast = _autocast_now()
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
         storages = tuple([v.data_ptr() if type(v) is Tensor else None for v in self.values])
-        return (self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages)
+        return (self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast)
 
     def changed_in_place(self) -> list[str]:
         return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
@@ -179,7 +182,16 @@ class _ForwardState:
             )
 
     @contextmanager
-    def training_flags_restored(self, module: nn.Module) -> Iterator[None]:
+    def as_its_forward_ran(self, module: nn.Module) -> Iterator[None]:
+        """The training flags and the autocast state the forward ran with."""
+        with contextlib.ExitStack() as stack:
+            for device, enabled, dtype in self.autocast:
+                stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            with self._flags_restored(module):
+                yield
+
+    @contextmanager
+    def _flags_restored(self, module: nn.Module) -> Iterator[None]:
         submodules = list(module.modules())
         now = [m.training for m in submodules]
         for submodule, flag in zip(submodules, self.flags, strict=False):
@@ -189,6 +201,13 @@ class _ForwardState:
         finally:
             for submodule, flag in zip(submodules, now, strict=True):
                 submodule.training = flag
+
+
+_AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
+def _autocast_now() -> tuple[tuple[str, bool, torch.dtype], ...]:
+    return tuple([(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in _AUTOCAST_DEVICES])
 
 
 _RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
@@ -227,19 +246,29 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 _HOOKED_SUBMODULES = (
-    "forward hooks on its submodules (what a hook takes out, such as Hugging Face's captured router "
-    "logits, would carry no graph to the parameters, and the hook would fire again at the replay)"
+    "forward or backward hooks on its submodules (what a forward hook takes out, such as Hugging Face's "
+    "captured router logits, would carry no graph to the parameters, and the hooks would fire again at the replay)"
 )
 
 
 def _has_hooked_submodules(module: nn.Module) -> bool:
     """Forward hooks that fire inside the module's forward: global ones, or its submodules'
     (its own run around the rule, on the tapped output, and never at the replay)."""
-    if module_hooks._global_forward_hooks or module_hooks._global_forward_pre_hooks:
+    if (
+        module_hooks._global_forward_hooks
+        or module_hooks._global_forward_pre_hooks
+        or (module._modules and (module_hooks._global_backward_hooks or module_hooks._global_backward_pre_hooks))
+    ):
         return True
     if not module._modules:
         return False
-    return any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
+    # Backward hooks too: the replay calls the submodules again, and their hooks would fire
+    # once more at the flush, on the replay's (joined) gradients.
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        for m in module.modules()
+        if m is not module
+    )
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
