@@ -317,17 +317,14 @@ class WeightGradQueue:
             self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
             had_work = {id(p): p for job in self._jobs for p in job.params if p is not None and id(p) in dropped}
             kept: list[WeightGradJob] = []
-            gone: list[WeightGradJob] = []
             for job in self._jobs:
-                touched = any(p is not None and id(p) in dropped for p in job.params)
-                if touched:
-                    self._count([job], -1)  # drop_params may replace its saved tensors
+                if not any(p is not None and id(p) in dropped for p in job.params):
+                    kept.append(job)
+                    continue
+                self._count([job], -1)  # counted again as it is left: it may have freed some tensors
                 if job.drop_params(dropped):
                     kept.append(job)
-                    if touched:
-                        self._count([job], +1)
-                else:
-                    gone.append(job)
+                    self._count([job], +1)
             self._jobs = kept
         return list(had_work.values())
 

@@ -252,8 +252,8 @@ _HOOKED_SUBMODULES = (
 
 
 def _has_hooked_submodules(module: nn.Module) -> bool:
-    """Forward hooks that fire inside the module's forward: global ones, or its submodules'
-    (its own run around the rule, on the tapped output, and never at the replay)."""
+    """Module hooks that fire inside the module's forward or its replay: global ones, or its
+    submodules' (its own run around the rule, on the tapped output, and never at the replay)."""
     if (
         module_hooks._global_forward_hooks
         or module_hooks._global_forward_pre_hooks
