@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import os
 import time
 import warnings
@@ -307,6 +308,13 @@ class _Prefix(nn.Module):
         return self.prefix.expand(x.shape[0], 4)
 
 
+def _mean_over_labelled(output: Tensor, labels: Tensor) -> Tensor:
+    """Cross-entropy averaged over the labels that are not -100, written out as sum / count."""
+    labelled = labels != -100
+    losses = F.cross_entropy(output, labels.clamp(min=0), reduction="none")
+    return (losses * labelled).sum() / labelled.sum()
+
+
 def _batches_and_losses(rank: int) -> dict:
     """One process's full-batch loss, whatever the batch and loss: a batch that does not divide
     into the micro-batches (their means were averaged alike: 0.27 off), a reduction="sum" loss
@@ -331,6 +339,25 @@ def _batches_and_losses(rank: int) -> dict:
                 runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)
                 loss_fn(reference(x), wrap(y)).backward()
                 results[f"{case}-{name}-{twobp_on}"] = _mismatches(model[rank], reference[rank])
+    # A micro-batch without an item to average over (every label ignored, a prompt-only sample):
+    # its 0 / 0 mean made the step's loss NaN, and a mean written out as sum / count every .grad.
+    for name in ("gpipe", "1f1b-2"):
+        for twobp_on in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 3)).double()
+            reference = copy.deepcopy(model)
+            runtime = PipelineRuntime(
+                model[rank], schedule(name, WORLD, 4, twobp_on)[rank], num_micro_batches=4, loss_fn=_mean_over_labelled,
+                twobp=twobp_on, timeout=RUNTIME_TIMEOUT, loss_items=lambda y: int((y != -100).sum()),
+            )  # fmt: skip
+            x, y = torch.randn(8, 4, dtype=torch.float64), torch.tensor([0, 1, -100, -100, 2, -100, 1, 0])
+            report = runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+            expected = _mean_over_labelled(reference(x), y)
+            expected.backward()
+            found = _mismatches(model[rank], reference[rank])
+            if isinstance(report, StepReport) and not math.isclose(report.loss, expected.item(), rel_tol=1e-9):
+                found.append(f"loss {report.loss} against {expected.item()}")
+            results[f"no-items-{name}-{twobp_on}"] = found
     with torch.no_grad():
         try:
             runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)

@@ -368,8 +368,15 @@ class PipelineRuntime:
         destination = action.sends(self.rank, self._num_stages)
         if destination is None:  # the last stage: its output goes into the loss
             target = tree_map(lambda t: t.to(self.device), step.targets[k])
-            loss = self.loss_fn(out, target) / step.loss_divisors[k]  # type: ignore[misc]
-            step.losses.append(loss.detach())
+            if step.loss_divisors[k] == float("inf"):
+                # No item to average over: the loss function's mean is 0 / 0, NaN in value and in
+                # backward, whatever it is divided by. It weighs nothing: zero, and a zero gradient
+                # back through the stages (finite even where the output is not).
+                loss = out.sum() * 0.0
+                step.losses.append(torch.zeros((), device=loss.device))
+            else:
+                loss = self.loss_fn(out, target) / step.loss_divisors[k]  # type: ignore[misc]
+                step.losses.append(loss.detach())
             step.held[stage.index, k] = (x, loss)
         else:
             if self._is_local(destination):
