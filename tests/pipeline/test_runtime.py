@@ -253,6 +253,53 @@ def _failure(rank: int, culprit: nn.Module, culprit_rank: int) -> dict:
     return {"error": None, "elapsed": time.perf_counter() - start, "too_few": too_few}
 
 
+def _late_failure(rank: int) -> dict:
+    """Rank 0 fails in its step's last flush (a hook raising, say out of memory), after its last
+    message, and stays alive: rank 1 waited for its metrics in ``gather_object`` up to the process
+    group's own timeout, past the runtime's, then failed with gloo's error."""
+    torch.manual_seed(0)
+    stage = nn.Linear(4, 4)
+    runtime = PipelineRuntime(
+        stage, schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=lambda o, t: o.sum(),
+        timeout=FAILURE_TIMEOUT,
+    )  # fmt: skip
+    inputs, targets = torch.randn(4, 4), torch.zeros(4)
+    runtime.step(inputs, targets)
+    start = time.perf_counter()
+    if rank == 0:
+
+        def fail(param: Tensor) -> None:
+            raise RuntimeError("out of memory (simulated)")
+
+        stage.weight.register_post_accumulate_grad_hook(fail)
+        try:
+            runtime.step(inputs, targets)
+        except RuntimeError as error:
+            time.sleep(FAILURE_TIMEOUT + 4)
+            return {"error": str(error), "elapsed": time.perf_counter() - start}
+        return {"error": None}
+    try:
+        runtime.step(inputs, targets)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}", "elapsed": time.perf_counter() - start}
+    return {"error": None}
+
+
+def _loss_per_sample(rank: int) -> dict:
+    """A loss_fn left unreduced: torch's "grad can be implicitly created only for scalar outputs"
+    named neither the loss nor the fix."""
+    stage = nn.Linear(4, 4)
+    runtime = PipelineRuntime(
+        stage, schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2,
+        loss_fn=lambda o, t: F.mse_loss(o, t, reduction="none").sum(1), timeout=FAILURE_TIMEOUT,
+    )  # fmt: skip
+    try:
+        runtime.step(torch.randn(4, 4), torch.zeros(4, 4))
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {error}"}
+    return {"error": None}
+
+
 class _NextToken(nn.Module):
     """A first stage that hands token ids on: an integer activation, which gets no gradient back."""
 
@@ -308,6 +355,15 @@ class _Prefix(nn.Module):
         return self.prefix.expand(x.shape[0], 4)
 
 
+class _FromBytes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.double() / 255 * self.scale
+
+
 def _mean_over_labelled(output: Tensor, labels: Tensor) -> Tensor:
     """Cross-entropy averaged over the labels that are not -100, written out as sum / count."""
     labelled = labels != -100
@@ -358,6 +414,19 @@ def _batches_and_losses(rank: int) -> dict:
             if isinstance(report, StepReport) and not math.isclose(report.loss, expected.item(), rel_tol=1e-9):
                 found.append(f"loss {report.loss} against {expected.item()}")
             results[f"no-items-{name}-{twobp_on}"] = found
+    # Bytes in (images as uint8): only the step's shape header crosses, and it refused the dtype.
+    torch.manual_seed(0)
+    model = nn.Sequential(_FromBytes(), nn.Linear(4, 2)).double()
+    reference = copy.deepcopy(model)
+    runtime = PipelineRuntime(
+        model[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,
+        timeout=RUNTIME_TIMEOUT,
+    )  # fmt: skip
+    x, y = torch.randint(0, 256, (4, 4), dtype=torch.uint8), torch.randn(4, 2, dtype=torch.float64)
+    runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+    for half in range(2):
+        (_mse(reference(x[2 * half : 2 * half + 2]), y[2 * half : 2 * half + 2]) / 2).backward()
+    results["uint8-inputs"] = _mismatches(model[rank], reference[rank])
     with torch.no_grad():
         try:
             runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)
@@ -383,6 +452,8 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "killed": (functools.partial(_failure, culprit=_DieOnArm(), culprit_rank=1), WORLD),
     "stalled": (functools.partial(_failure, culprit=_StallOnArm(), culprit_rank=1), WORLD),
     "shape_mismatch": (functools.partial(_failure, culprit=_ShrinkOnArm(), culprit_rank=0), WORLD),
+    "late_failure": (_late_failure, WORLD),
+    "loss_per_sample": (_loss_per_sample, WORLD),
     "integer_activations": (_integer_activations, WORLD),
     "in_place_first_op": (_in_place_first_op, WORLD),
     "batches_and_losses": (_batches_and_losses, WORLD),
@@ -464,6 +535,20 @@ def test_a_hung_rank_makes_the_others_time_out(tmp_path) -> None:
     assert survivor is not None and survivor["error"] is not None, survivor
     assert "rank 1" in survivor["error"] and f"timeout {FAILURE_TIMEOUT:g} s" in survivor["error"]
     assert FAILURE_TIMEOUT - 1 < survivor["elapsed"] < FAILURE_TIMEOUT + 10
+
+
+def test_a_rank_failing_after_its_last_message_ends_the_others_within_the_timeout(tmp_path) -> None:
+    culprit, survivor = launch("late_failure", str(tmp_path), deadline=90.0)
+    assert culprit is not None and "out of memory (simulated)" in culprit["error"], culprit
+    assert survivor is not None and survivor["error"] is not None, survivor
+    assert "PipelineError" in survivor["error"] and "metrics" in survivor["error"], survivor
+    assert survivor["elapsed"] < FAILURE_TIMEOUT + 3, survivor
+
+
+def test_a_loss_left_unreduced_is_refused_naming_the_fix(tmp_path) -> None:
+    first, last = launch("loss_per_sample", str(tmp_path), deadline=90.0)
+    assert last is not None and "ValueError: rank 1: loss_fn returned a tensor of shape (2,)" in last["error"], last
+    assert first is not None and first["error"].startswith("PipelineError: rank 0"), first
 
 
 def test_a_shape_mismatch_ends_every_rank_with_an_error(tmp_path) -> None:

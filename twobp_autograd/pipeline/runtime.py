@@ -25,6 +25,7 @@ from __future__ import annotations
 import datetime
 import inspect
 import os
+import pickle
 import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,7 +47,10 @@ from .schedules import validate_rank
 __all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed"]
 
 _MAX_DIMS = 8
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool)
+_DTYPES = (
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
+    torch.uint8, torch.int8, torch.int16,
+)  # fmt: skip
 # gloo matches messages by tag; NCCL by order, which the schedules keep equal per pair of
 # stages. Between two ranks that hold several stages each, ``zbv`` interleaves its pairs'
 # messages in different orders on the two sides: it runs on gloo (tags), not yet on NCCL.
@@ -289,11 +293,27 @@ class PipelineRuntime:
             loss=float(torch.stack(step.losses).sum()) if self.last else None,
             peak_pending_bytes=step.memory.peak_pending_bytes,
         )
-        if not gather:
+        return self._gathered(metrics) if gather else metrics
+
+    def _gathered(self, metrics: RankMetrics) -> StepReport | RankMetrics:
+        """Every rank's metrics on rank 0 (a report), each wait bounded by ``timeout``: a rank
+        that failed after its last message would hold ``gather_object`` up to the process
+        group's own timeout (30 minutes by default)."""
+        if self.rank != 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(metrics)), dtype=torch.uint8)
+            for tensor in (torch.tensor([payload.numel()]), payload):
+                work = dist.isend(tensor.to(self._comm_device), group_dst=0, group=self.group, tag=_METRICS_TAG)
+                self._wait(work, "sending this step's metrics to rank 0", timer=None)
             return metrics
-        gathered: list[RankMetrics] | None = [None] * self.world_size if self.rank == 0 else None  # type: ignore[list-item]
-        dist.gather_object(metrics, gathered, group_dst=0, group=self.group)
-        return StepReport(gathered) if gathered is not None else metrics
+        gathered = [metrics]
+        for peer in range(1, self.world_size):
+            what = f"receiving rank {peer}'s metrics of this step"
+            size = torch.empty(1, dtype=torch.int64, device=self._comm_device)
+            self._wait(dist.irecv(size, group_src=peer, group=self.group, tag=_METRICS_TAG), what, timer=None)
+            payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self._comm_device)
+            self._wait(dist.irecv(payload, group_src=peer, group=self.group, tag=_METRICS_TAG), what, timer=None)
+            gathered.append(pickle.loads(payload.cpu().numpy().tobytes()))
+        return StepReport(gathered)
 
     def _run_schedule(self, step: _Step) -> None:
         for position, action in enumerate(self.actions):
@@ -376,6 +396,12 @@ class PipelineRuntime:
                 step.losses.append(torch.zeros((), device=loss.device))
             else:
                 loss = self.loss_fn(out, target) / step.loss_divisors[k]  # type: ignore[misc]
+                if loss.dim() != 0:
+                    raise ValueError(
+                        f"rank {self.rank}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
+                        "return one number per micro-batch (reduce it, by mean or sum, and pass that "
+                        "as loss_reduction)"
+                    )
                 step.losses.append(loss.detach())
             step.held[stage.index, k] = (x, loss)
         else:
@@ -541,6 +567,10 @@ class PipelineRuntime:
             ) from error
         if timer is not None:
             timer.waited(start)
+
+
+#: The tag of the step's metrics, sent to rank 0 after every action's messages (tagged from 0 up).
+_METRICS_TAG = 1 << 30
 
 
 def _stages_of(
