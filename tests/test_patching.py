@@ -578,3 +578,12 @@ def test_shallow_copies_get_calls_of_their_own():
     original(x).sum().backward()
     assert twobp.pending().jobs == 1
     twobp.discard_weight_grads()
+
+
+def test_patch_again_with_exclude_reports_modules_it_leaves_patched():
+    """patch(model, exclude=[...]) after patch(model): the excluded LayerNorm kept deferring while
+    the report listed it nowhere. Patching adds, it does not unpatch: reported and warned."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)))
+    with pytest.warns(UserWarning, match="1: left out by include/exclude but patched by an earlier patch"):
+        report = twobp.patch(model, exclude=[nn.LayerNorm], report=True)
+    assert report.patched == ["0", "2"] and "twobp.unpatch(module)" in report.skipped["1"]

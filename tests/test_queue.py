@@ -538,12 +538,45 @@ def test_threads_training_their_own_models_on_the_default_queue_match_plain():
     assert not failures, failures[:3]
 
 
-def test_bad_arguments():
-    with pytest.raises(ValueError, match="strategy"):
-        twobp.WeightGradQueue("fastest")
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (dict(strategy="fastest"), "strategy"),
+        (dict(max_concat_bytes=-5), "max_concat_bytes"),
+        (dict(delivery_bucket_bytes=0), "delivery_bucket_bytes"),
+        (dict(weight_grad_streams=2.5), "weight_grad_streams"),
+        (dict(max_pending_bytes=-1), "max_pending_bytes"),
+        (dict(max_pending_bytes=1.5), "max_pending_bytes"),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "-".join(map(str, value.values())),
+)
+def test_bad_queue_options_are_refused_naming_the_option(options, named):
+    """-5, 0 and 2.5 were taken as they came (a float number of streams failed in range() at the
+    first CUDA flush)."""
+    with pytest.raises(ValueError, match=f"twobp: {named} must be"):
+        twobp.WeightGradQueue(**options)
+
+
+def test_use_queue_takes_a_queue():
     with pytest.raises(TypeError, match="WeightGradQueue"):
         with twobp.use_queue("queue"):
             pass
+
+
+@pytest.mark.parametrize("tags", ["mb0", b"mb0", 0], ids=["str", "bytes", "int"])
+def test_flush_and_take_refuse_a_single_tag_not_in_a_list(tags):
+    """flush("mb0") flushed the tags 'm', 'b' and '0': nothing; a clear() after it then dropped
+    that micro-batch's work, every .grad left None. flush(0) failed in set()."""
+    queue = twobp.WeightGradQueue()
+    layer = twobp.patch(nn.Linear(4, 4))
+    with twobp.use_queue(queue), queue.tagged("mb0"):
+        layer(torch.randn(2, 4)).sum().backward()
+    for method in (queue.flush, queue.take):
+        with pytest.raises(TypeError, match=r"twobp: flush\(tags=...\) and take\(tags=...\) take a list of tags"):
+            method(tags)
+    assert len(queue) == 1
+    queue.flush(["mb0"])
+    assert layer.weight.grad is not None and len(queue) == 0
 
 
 def test_byte_accounting_follows_tags_shared_tensors_and_clear():

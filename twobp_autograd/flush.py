@@ -57,9 +57,16 @@ class FlushOptions:
 
     def __post_init__(self) -> None:
         if self.strategy not in ("concat", "loop", "auto"):
-            raise ValueError(f"strategy must be 'concat', 'loop' or 'auto', not {self.strategy!r}")
-        if self.weight_grad_streams < 1:
-            raise ValueError(f"weight_grad_streams must be >= 1, not {self.weight_grad_streams}")
+            raise ValueError(f"twobp: strategy must be 'concat', 'loop' or 'auto', not {self.strategy!r}")
+        _check_count("max_concat_bytes", self.max_concat_bytes, least=0)
+        if self.delivery_bucket_bytes is not None:
+            _check_count("delivery_bucket_bytes", self.delivery_bucket_bytes, least=1)
+        _check_count("weight_grad_streams", self.weight_grad_streams, least=1)
+
+
+def _check_count(name: str, value: object, *, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"twobp: {name} must be an int >= {least}, not {value!r}")
 
 
 class PartlyDelivered(RuntimeError):

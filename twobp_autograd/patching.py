@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import sys
+import warnings
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -213,6 +214,12 @@ def _is_patched(module: nn.Module) -> bool:
     return isinstance(module.__dict__.get(_CALL), DeferredForwardCall)
 
 
+_PATCHED_BEFORE = (  # compared by identity
+    "left out by include/exclude but patched by an earlier patch(), so it still defers: "
+    "twobp.unpatch(module) makes it plain"
+)
+
+
 def patch(
     model: nn.Module,
     *,
@@ -234,9 +241,9 @@ def patch(
     _install_guards()
     result = PatchReport(model)
     for name, module in model.named_modules():
-        if include is not None and not _selected(name, module, include):
-            continue
-        if _selected(name, module, exclude):
+        if (include is not None and not _selected(name, module, include)) or _selected(name, module, exclude):
+            if _is_patched(module):
+                result.skipped[name] = _PATCHED_BEFORE
             continue
         if _is_patched(module):
             rule = rule_for(module)
@@ -274,6 +281,9 @@ def patch(
         module.forward = call
         module.__dict__[_CALL] = call
         result.patched.append(name)
+    still = [name or "<root>" for name, why in result.skipped.items() if why is _PATCHED_BEFORE]
+    if still:
+        warnings.warn(f"twobp: {', '.join(still)}: {_PATCHED_BEFORE}", stacklevel=2)
     if not result.patched:
         _warn_nothing_covered(model, result)
     return result if report else model

@@ -116,11 +116,11 @@ class WeightGradQueue:
     ) -> None:
         if offload_to_host and not torch.cuda.is_available():
             raise ValueError(
-                "offload_to_host parks CUDA tensors in pinned host memory, but CUDA is not "
+                "twobp: offload_to_host parks CUDA tensors in pinned host memory, but CUDA is not "
                 "available; on the CPU the pending work already lives in host memory."
             )
-        if max_pending_bytes is not None and max_pending_bytes < 0:
-            raise ValueError(f"max_pending_bytes must be >= 0 or None, not {max_pending_bytes}")
+        if max_pending_bytes is not None and (not isinstance(max_pending_bytes, int) or max_pending_bytes < 0):
+            raise ValueError(f"twobp: max_pending_bytes must be an int >= 0 or None, not {max_pending_bytes!r}")
         self.flush_options = FlushOptions(strategy, max_concat_bytes, delivery_bucket_bytes, weight_grad_streams)
         self.max_pending_bytes = max_pending_bytes
         self._offload = HostOffload() if offload_to_host else None
@@ -337,6 +337,7 @@ class WeightGradQueue:
             return self._take_locked(tags)
 
     def _take_locked(self, tags: Sequence[Hashable] | None) -> list[WeightGradJob]:
+        tags = _tag_list(tags)
         if tags is None:
             self._wait_for_flights_elsewhere(_ANY_WORK)
             taken, self._jobs = self._jobs, []
@@ -451,6 +452,23 @@ class WeightGradQueue:
                 "each thread its own queue with twobp.use_queue(). If that backward raised, "
                 "twobp.discard_weight_grads() (or queue.clear()) drops its partial work."
             )
+
+
+def _tag_list(tags: Sequence[Hashable] | None) -> Sequence[Hashable] | None:
+    """``tags`` as flush and take read them: an iterable of tags. A string (or bytes) is refused
+    rather than read as one-letter tags, and so is a single tag that is not iterable."""
+    if tags is None:
+        return tags
+    if not isinstance(tags, (str, bytes)):
+        try:
+            return list(tags)
+        except TypeError:
+            pass
+    kind = "a string" if isinstance(tags, (str, bytes)) else f"a {type(tags).__name__}"
+    raise TypeError(
+        f"twobp: flush(tags=...) and take(tags=...) take a list of tags, not {kind} ({tags!r}): "
+        f"pass [{tags!r}] to flush that one tag"
+    )
 
 
 def takes_partial_gradients(hook: _Hook) -> _Hook:
