@@ -269,6 +269,27 @@ def test_synchronising_another_queue_than_the_forwards_used_is_refused(one_rank_
     assert_grads_match(model, reference)
 
 
+def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_group: None) -> None:
+    """The flush failed (a saved input refilled in place) after a plain layer's bucket was
+    launched: the next step's finish() waited on that reduction and wrote the failed step's
+    gradient back (0.13 off on 2 ranks, then every parameter). A failed flush forgets its step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    synchroniser = GradientSynchroniser(twobp.patch(model, exclude=["2"]), bucket_bytes=64)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    x.add_(1.0)  # a loader refilling its buffer before the step ends
+    with pytest.raises(RuntimeError, match="twobp: a tensor that a queued weight-gradient job needs"):
+        synchroniser.synchronise()
+    model.zero_grad()
+    x = torch.randn(4, 4, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    synchroniser.synchronise()
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(model, reference, dtype=torch.float64)
+
+
 def test_a_sparse_gradient_is_refused_naming_the_fix(one_rank_group: None) -> None:
     model = twobp.patch(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
     synchroniser = GradientSynchroniser(model)

@@ -408,6 +408,39 @@ def test_flush_while_another_thread_is_in_backward_is_refused():
     assert model[0].weight.grad is not None and model[1].weight.grad is not None
 
 
+def test_a_backward_that_raised_and_was_zeroed_does_not_block_another_threads_flush():
+    """A tensor hook raised mid-backward (its end-of-task callback never ran); the step was
+    dropped with zero_grad. The next step's flush from a worker thread was refused: "a backward
+    pass that feeds this queue is still running on another thread"."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    optimizer = torch.optim.SGD(patched.parameters(), lr=0.1)
+
+    def failing(grad):
+        raise ValueError("a hook failed")
+
+    hidden = patched[1](patched[0](torch.randn(5, 3)))
+    hidden.register_hook(failing)
+    with pytest.raises(ValueError, match="a hook failed"):
+        patched[2](hidden).sum().backward()  # patched[2] queued its work first
+    optimizer.zero_grad()
+    x = torch.randn(5, 3)
+    patched(x).sum().backward()
+    reference(x).sum().backward()
+    errors: list[BaseException] = []
+
+    def flush() -> None:
+        try:
+            twobp.flush_weight_grads()
+        except BaseException as error:
+            errors.append(error)
+
+    worker = threading.Thread(target=flush)
+    worker.start()
+    worker.join()
+    assert not errors, errors
+    assert_grads_match(patched, reference)
+
+
 @pytest.mark.parametrize("action", ["flush", "step", "zero_grad", "clip", "tagged-flush", "clip-with-norm-read"])
 def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, action):
     """Two threads on the default queue: the first one's flush takes the second's work too.

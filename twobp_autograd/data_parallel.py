@@ -178,6 +178,11 @@ class GradientSynchroniser:
             bucketed = dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4))
             with queue.running(jobs):
                 run_jobs(jobs, bucketed)
+        except BaseException:
+            # The step is lost (its work dropped): forget its readiness and launched buckets, so
+            # that the next step does not write a reduction of this one's gradients back.
+            self.reset()
+            raise
         finally:
             self._armed = False
             self._final = set()

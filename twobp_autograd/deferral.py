@@ -332,8 +332,8 @@ def _refuse_create_graph() -> None:
             "computed outside it), so second-order terms through the weights would be missing "
             "(torch.autograd.functional's jvp, hvp, vhp and hessian use it inside; for a "
             "Jacobian-vector product use torch.func.jvp or torch.autograd.forward_ad). Run this "
-            "step on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]) "
-            "for the modules involved)."
+            "step on the unpatched modules: twobp.unpatch(model), or twobp.unpatch(module) for "
+            "those involved (patch(model, exclude=[...]) leaves them out when patching)."
         )
 
 

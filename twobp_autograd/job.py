@@ -90,9 +90,10 @@ class WeightGradJob:
                 "and flush_weight_grads() (a parameter is, by load_state_dict, reset_parameters(), "
                 "registering a parametrization, a conversion under swap_module_params_on_conversion, or "
                 "the forward of an nn.Embedding with max_norm whose weight a patched layer shares). "
-                "Flush before modifying it; a flush leaves the work queued "
-                "until twobp.discard_weight_grads() (or queue.clear() for a queue of your own) drops "
-                "it (work got from queue.take() stays the caller's)."
+                "Flush before modifying it. This flush leaves the work queued (work got from "
+                "queue.take() stays the caller's): to drop the step, optimizer.zero_grad() drops its "
+                "parameters' queued work with their .grad (twobp.discard_weight_grads() drops only the "
+                "queued work)."
             )
 
     def tensors(self) -> tuple[Tensor, ...]:

@@ -312,6 +312,7 @@ class WeightGradQueue:
         that had work (plain backward would have given each a ``.grad``)."""
         dropped = {id(p) for p in params}
         with self._lock:
+            self._forget_ended_backwards_of_this_thread()
             # Gradients another thread's flush is computing for them must land first, so that
             # the zero_grad after this drops them too.
             self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
@@ -432,6 +433,14 @@ class WeightGradQueue:
             return False
         me = threading.get_ident()
         return any(flight.thread != me and concerns(flight) for flight in self._flights)
+
+    def _forget_ended_backwards_of_this_thread(self) -> None:
+        """Outside a backward, none this thread recorded runs (on a CPU backward runs on its
+        caller): one that raised never ran its end-of-task callback. Under the lock."""
+        if self._running_backwards and torch._C._current_graph_task_id() < 0:
+            me = threading.get_ident()
+            for task in [task for task, thread in self._running_backwards.items() if thread == me]:
+                del self._running_backwards[task]
 
     def _check_no_backward_elsewhere(self) -> None:
         if not self._running_backwards:  # unlocked: a backward starting just after is the same race either way
@@ -555,9 +564,11 @@ def flush_weight_grads(queue: WeightGradQueue | None = None) -> None:
 
 def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
     """Drop all queued weight-gradient work (default: the current queue's) without computing
-    it: after a failed step, to start the next one clean. The dropped micro-batches contribute
-    nothing to ``.grad``. Refused where the current queue holds nothing but others do (forwards
-    under ``use_queue``): the work meant to be dropped would reach ``.grad`` at their flush."""
+    it. The dropped work never reaches ``.grad``; what the step put there already (plain
+    layers' gradients, a capped queue's early flushes) stays, so a failed step is dropped by
+    ``optimizer.zero_grad()`` (which also drops its parameters' queued work). Refused where the
+    current queue holds nothing but others do (forwards under ``use_queue``): the work meant to
+    be dropped would reach ``.grad`` at their flush."""
     if queue is None:
         queue = current_queue()
         others = [q for q in queues_with_work() if q is not queue]
