@@ -5,6 +5,7 @@ import copy
 import gc
 import math
 import random
+import sys
 import threading
 import warnings
 
@@ -852,8 +853,10 @@ def test_an_interrupt_after_part_of_a_flush_reached_grad_drops_the_rest(where, m
     with twobp.use_queue(queue):
         patched(x).square().sum().backward()
     reference(x).square().sum().backward()
-    with pytest.raises(_Interrupt):
+    with pytest.raises(_Interrupt) as interrupted:
         queue.flush()
+    if sys.version_info >= (3, 11):  # notes on exceptions
+        assert "twobp: the flush was interrupted" in "".join(interrupted.value.__notes__)
     assert queue.pending() == (0, 0)
     queue.flush()  # a retry adds nothing
     delivered = 0

@@ -196,6 +196,11 @@ def run_jobs(
             # KeyboardInterrupt, SystemExit: keep the exception as it is, but say that part of
             # the work is in .grad, so that the caller drops the rest instead of queueing it again.
             setattr(error, _PARTLY_DELIVERED, True)
+            if hasattr(error, "add_note"):  # Python 3.11 and later
+                error.add_note(
+                    "twobp: the flush was interrupted after part of its gradients reached .grad; the "
+                    "rest is dropped. optimizer.zero_grad() and run the step again."
+                )
             raise
         if handed_over:
             raise PartlyDelivered(
