@@ -9,6 +9,8 @@ synchroniser that reduced nothing (or summed instead of averaging) would not mat
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -288,6 +290,20 @@ def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_gro
     synchroniser.synchronise()
     reference(x).pow(2).sum().backward()
     assert_grads_match(model, reference, dtype=torch.float64)
+
+
+def test_a_dropped_synchroniser_and_its_model_are_freed(one_rank_group: None) -> None:
+    """Its hooks on the parameters held it, and it the parameters: PyTorch's collector does not
+    look into post-accumulate-grad hooks, so every model a sweep built stayed alive with its
+    gradients (the whole model per trial)."""
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    synchroniser = GradientSynchroniser(model)
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    synchroniser.synchronise()
+    alive = [weakref.ref(model), weakref.ref(synchroniser)]
+    del model, synchroniser
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None]
 
 
 def test_a_sparse_gradient_is_refused_naming_the_fix(one_rank_group: None) -> None:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import warnings
+import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
@@ -45,9 +47,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
-from .flush import run_jobs
+from .flush import OWN_HOOK_MARK, run_jobs
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
-from .warn_once import warn_once
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
 
@@ -127,13 +128,19 @@ class GradientSynchroniser:
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._build_buckets(list(reversed(range(len(self.params)))))
         self._order_agreed = False
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_accumulated) for p in self.params]
+        self._warned_of_unknown = False
+        # Weak: PyTorch's garbage collector does not look into a parameter's post-accumulate-grad
+        # hooks, so a hook holding this synchroniser (which holds the parameters) would be a cycle
+        # never collected, keeping the whole model alive after the caller dropped it.
+        on_accumulated = _weak_hook(self._on_accumulated)
+        self._hooks = [p.register_post_accumulate_grad_hook(on_accumulated) for p in self.params]
         if sync_initial_state:
             with torch.no_grad():
                 broadcast_tensors([*module.parameters(), *module.buffers()], group=group)
         self._buffers_due = True
         if broadcast_buffers and any(True for _ in module.buffers()):
-            self._hooks.append(module.register_forward_pre_hook(self._broadcast_buffers))
+            self._hooks.append(module.register_forward_pre_hook(_weak_hook(self._broadcast_buffers)))
+        weakref.finalize(self, _remove_handles, list(self._hooks))
         self.reset()
 
     # -- the step -------------------------------------------------------------------------
@@ -222,9 +229,11 @@ class GradientSynchroniser:
         """A parameter that trains now but did not when this synchroniser was built (unfrozen,
         added, or in a replaced module) is not averaged: the ranks' copies drift apart."""
         unknown = [p for p in self.module.parameters() if p.grad is not None and id(p) not in self._index]
-        if unknown:
-            warn_once(
-                ("GradientSynchroniser missing parameters", id(self)),
+        if unknown and not self._warned_of_unknown:
+            # Once per synchroniser (not keyed by id(self) in warn_once's process-wide set: a new
+            # synchroniser at a recycled address would stay silent).
+            self._warned_of_unknown = True
+            warnings.warn(
                 f"twobp: {len(unknown)} parameter(s) of the module got gradients but were not trainable "
                 "parameters of it when this GradientSynchroniser was built (unfrozen, added or replaced "
                 "since): they are not averaged, so the ranks' copies drift apart. Build a new "
@@ -364,6 +373,25 @@ class GradientSynchroniser:
             self._buffers_due = False
             with torch.no_grad():
                 broadcast_tensors(list(module.buffers()), group=self.group, wait=self._wait)
+
+
+def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
+    """A hook calling ``method`` while its object lives (marked as ``method`` is)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    if getattr(method, OWN_HOOK_MARK, False):
+        setattr(hook, OWN_HOOK_MARK, True)
+    return hook
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def broadcast_tensors(
