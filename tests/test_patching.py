@@ -1,6 +1,7 @@
 """README contract points 2 and 3: patching changes nothing a user can see but the timing of
 weight gradients, and every path where no weight gradient can be wanted stays plain."""
 
+import contextlib
 import copy
 import io
 import warnings
@@ -587,3 +588,28 @@ def test_patch_again_with_exclude_reports_modules_it_leaves_patched():
     with pytest.warns(UserWarning, match="1: left out by include/exclude but patched by an earlier patch"):
         report = twobp.patch(model, exclude=[nn.LayerNorm], report=True)
     assert report.patched == ["0", "2"] and "twobp.unpatch(module)" in report.skipped["1"]
+
+
+@pytest.mark.parametrize("how", ["context", "set_default_device"])
+def test_a_default_device_keeps_modules_deferred(how):
+    """torch.set_default_device / with torch.device(...) push a torch-function mode: every patched
+    call took it for a tensor subclass and kept plain autograd (nothing deferred, a warning
+    blaming subclasses). Only the factory functions' device changes."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.MultiheadAttention(4, 2, batch_first=True))
+    patched, reference = patched_and_reference(nn.Sequential(model[0], model[1]))
+    attention, attention_reference = patched_and_reference(model[2])
+    x = torch.randn(2, 3, 4)
+    with contextlib.ExitStack() as stack:
+        if how == "context":
+            stack.enter_context(torch.device("cpu"))
+        else:
+            torch.set_default_device("cpu")
+            stack.callback(torch.set_default_device, None)
+        hidden = patched(x)
+        attention(hidden, hidden, hidden, need_weights=False)[0].sum().backward()
+        assert twobp.pending().jobs == 4  # the Linear, the LayerNorm, attention's two projections
+    twobp.flush_weight_grads()
+    hidden = reference(x)
+    attention_reference(hidden, hidden, hidden, need_weights=False)[0].sum().backward()
+    assert_grads_match(patched, reference)
+    assert_grads_match(attention, attention_reference)

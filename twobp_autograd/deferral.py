@@ -307,7 +307,7 @@ class _WeightGradTap(torch.autograd.Function):
             _warn_unreached_output_once()
         given = _zeros_where_none(ctx, grad_outputs)
         if spec.saves_reached:
-            reached = torch.tensor([g is not None for g in grad_outputs])
+            reached = torch.tensor([g is not None for g in grad_outputs], device=saved[0].device)
             saved = (*saved, reached.expand(saved[0].shape[0], len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)

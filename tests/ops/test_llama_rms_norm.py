@@ -6,6 +6,7 @@ picks, and classes that only look alike kept on plain autograd. The norm setting
 from __future__ import annotations
 
 import copy
+import importlib
 import types
 
 import pytest
@@ -156,3 +157,15 @@ def test_defer_norms_finds_the_rms_norms_of_any_model() -> None:
     assert twobp.pending().jobs == 6
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+def test_a_first_call_under_a_meta_default_device_is_judged_on_the_cpu(monkeypatch) -> None:
+    """A shape estimate on a meta-built model made the process's first call: the check built
+    its reference and inputs on meta, where torch.equal has no kernel (NotImplementedError)."""
+    monkeypatch.setattr(importlib.import_module("twobp_autograd.ops.llama_rms_norm"), "_verdicts", {})
+    with torch.device("meta"):
+        norm = twobp.patch(LlamaRMSNorm(8))
+        output = norm(torch.randn(2, 3, 8, requires_grad=True))
+        output.sum().backward()
+    assert output.device.type == "meta" and twobp.pending().jobs == 1
+    twobp.discard_weight_grads()

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import Tensor, nn
-from torch.overrides import has_torch_function_variadic
+from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
+from torch.utils._device import DeviceContext
 
 from ..warn_once import warn_once
 
@@ -27,9 +29,24 @@ def unsupported_tensors(*tensors: Tensor | None) -> str | None:
     for t in tensors:  # runs on every patched call: one pass, no allocations
         if t is not None and (t.is_nested or t.is_complex()):
             return "nested tensors" if t.is_nested else "complex tensors"
-    if has_torch_function_variadic(*tensors):
+    if has_torch_function_variadic(*tensors) and (_overriding_subclass(tensors) or not _only_device_modes()):
         return "tensor subclasses that override __torch_function__"
     return None
+
+
+def _only_device_modes() -> bool:
+    """Whether every active torch-function mode is a default device (``torch.set_default_device``,
+    ``with torch.device(...)``): those only fill in factory functions' ``device``, which the
+    deferred forwards never leave to them."""
+    return all(isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
+
+
+def _overriding_subclass(tensors: tuple[Tensor | None, ...]) -> bool:
+    plain = (Tensor.__torch_function__, torch._C._disabled_torch_function_impl)
+    return any(
+        t is not None and type(t) is not Tensor and getattr(type(t), "__torch_function__", None) not in plain
+        for t in tensors
+    )
 
 
 def plain_forward(module: nn.Module, reason: str, *args: Any, **kwargs: Any) -> Any:
