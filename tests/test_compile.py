@@ -156,3 +156,50 @@ def test_a_compiled_function_running_backward_matches_autograd():
         torch.compile(step, backend="aot_eager")(model, x)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no-grad", "frozen-original"])
+def test_a_compiled_shallow_copy_computes_with_its_own_parameters(grad):
+    """copy.copy of a patched layer given parameters of its own, first called inside a compiled
+    model on a path Dynamo traces whole (no_grad; its original frozen): the copy's call looked
+    for its caller's frame only outside compile, so it computed with the original's parameters
+    (0.93 off; the copy's parameters got no gradient). Copies get their own call when made."""
+    import copy
+
+    torch._dynamo.reset()
+    original = twobp.patch(nn.Linear(4, 4)).requires_grad_(False)
+    clone = copy.copy(original)
+    clone._parameters = {name: nn.Parameter(p.detach() * 2 + 0.1) for name, p in original._parameters.items()}
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), clone)
+    reference = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    reference.load_state_dict(model.state_dict())
+    x = torch.randn(3, 4)
+    with torch.set_grad_enabled(grad):
+        output = torch.compile(model, backend="aot_eager")(x)
+        expected = reference(x)
+    torch.testing.assert_close(output, expected)
+    if grad:
+        output.pow(2).sum().backward()
+        expected.pow(2).sum().backward()
+        twobp.flush_weight_grads()
+        assert_grads_match(model, reference)
+
+
+def test_a_compiled_norm_under_autocast_traces_without_dynamos_cache_warning():
+    """Dynamo warned every user compiling a patched norm under autocast that it traced past an
+    lru_cache ("Silent incorrectness is only a potential risk"): the cache is skipped there."""
+    import warnings
+
+    torch._dynamo.reset()
+    model = twobp.patch(nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8)))
+
+    def step(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return model(x).float().sum()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.compile(step, backend="aot_eager")(torch.randn(4, 6)).backward()
+    twobp.flush_weight_grads()
+    assert not [w for w in caught if "lru_cache" in str(w.message)]
+    assert model[1].weight.grad is not None

@@ -292,6 +292,20 @@ def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_gro
     assert_grads_match(model, reference, dtype=torch.float64)
 
 
+def test_bucket_bytes_written_as_a_float_works(one_rank_group: None) -> None:
+    """bucket_bytes=25e6 (as DDP users write bucket_cap_mb) made every flush fail on its float
+    delivery bucket, after the work was taken: every .grad None."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    synchroniser = GradientSynchroniser(twobp.patch(model), bucket_bytes=25e6)
+    x = torch.randn(5, 3)
+    model(x).pow(2).sum().backward()
+    synchroniser.synchronise()
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(model, reference)
+
+
 def test_a_dropped_synchroniser_and_its_model_are_freed(one_rank_group: None) -> None:
     """Its hooks on the parameters held it, and it the parameters: PyTorch's collector does not
     look into post-accumulate-grad hooks, so every model a sweep built stayed alive with its

@@ -9,6 +9,7 @@ import sys
 import threading
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -589,6 +590,18 @@ def test_bad_queue_options_are_refused_naming_the_option(options, named):
     first CUDA flush)."""
     with pytest.raises(ValueError, match=f"twobp: {named} must be"):
         twobp.WeightGradQueue(**options)
+
+
+def test_byte_counts_may_be_numpy_integers_or_whole_floats():
+    """25e6 and numpy's integers (what a config file or argparse gives) were refused for a day."""
+    queue = twobp.WeightGradQueue(max_pending_bytes=np.int64(1 << 20), max_concat_bytes=1e9, delivery_bucket_bytes=25e6)
+    layer = twobp.patch(nn.Linear(4, 4))
+    with twobp.use_queue(queue):
+        layer(torch.randn(2, 4)).sum().backward()
+    queue.flush()
+    assert layer.weight.grad is not None
+    with pytest.raises(ValueError, match="twobp: weight_grad_streams must be an int"):
+        twobp.WeightGradQueue(weight_grad_streams=2.0)
 
 
 def test_use_queue_takes_a_queue():

@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
-from .flush import OWN_HOOK_MARK, run_jobs
+from .flush import OWN_HOOK_MARK, check_count, run_jobs
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 
 __all__ = ["GradientSynchroniser", "broadcast_tensors"]
@@ -98,8 +98,7 @@ class GradientSynchroniser:
         sync_initial_state: bool = True,
         timeout: float | None = None,
     ) -> None:
-        if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
+        check_count("bucket_bytes", bucket_bytes, least=1, whole_floats=True)
         if fsdp_hooks.fsdp_in_use():
             from torch.distributed.fsdp import FSDPModule
 
@@ -120,7 +119,7 @@ class GradientSynchroniser:
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
-        self.bucket_bytes = bucket_bytes
+        self.bucket_bytes = int(bucket_bytes)  # 25e6 as often as 25 << 20
         self.queue = queue
         self.timeout = timeout
         # Deduplicated: a tied weight is one parameter, reduced once.

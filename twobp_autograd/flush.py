@@ -13,6 +13,7 @@ how to run them: one entry point, :func:`run_jobs`, so a new option is added onc
 from __future__ import annotations
 
 import contextlib
+import numbers
 import sys
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
@@ -58,14 +59,17 @@ class FlushOptions:
     def __post_init__(self) -> None:
         if self.strategy not in ("concat", "loop", "auto"):
             raise ValueError(f"twobp: strategy must be 'concat', 'loop' or 'auto', not {self.strategy!r}")
-        _check_count("max_concat_bytes", self.max_concat_bytes, least=0)
+        check_count("max_concat_bytes", self.max_concat_bytes, least=0, whole_floats=True)
         if self.delivery_bucket_bytes is not None:
-            _check_count("delivery_bucket_bytes", self.delivery_bucket_bytes, least=1)
-        _check_count("weight_grad_streams", self.weight_grad_streams, least=1)
+            check_count("delivery_bucket_bytes", self.delivery_bucket_bytes, least=1, whole_floats=True)
+        check_count("weight_grad_streams", self.weight_grad_streams, least=1)
 
 
-def _check_count(name: str, value: object, *, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+def check_count(name: str, value: object, *, least: int, whole_floats: bool = False) -> None:
+    """A ``twobp:`` ValueError unless ``value`` is an integer (numpy's too; with ``whole_floats``
+    a whole float, as byte counts are often written: ``25e6``) of at least ``least``."""
+    whole = whole_floats and isinstance(value, float) and value.is_integer()
+    if not whole and (isinstance(value, bool) or not isinstance(value, numbers.Integral)) or value < least:  # type: ignore[operator]
         raise ValueError(f"twobp: {name} must be an int >= {least}, not {value!r}")
 
 

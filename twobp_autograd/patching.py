@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import sys
 import warnings
 import weakref
@@ -193,6 +194,29 @@ def _install_guards() -> None:
     in this process (each installs once)."""
     install_grad_guards()
     refuse_ddp_over_patched_models(_is_patched, _patched_modules)
+    _adopt_shallow_copies_when_made()
+
+
+def _adopt_shallow_copies_when_made() -> None:
+    """``copy.copy`` of a patched module (``nn.Module.__setstate__`` on the copied ``__dict__``)
+    gives the copy a call of its own at once: a copy's first call traced by ``torch.compile``
+    cannot look for its caller's frame, and computed with the original's parameters."""
+    setstate = nn.Module.__setstate__
+    if getattr(setstate, _ADOPTS, False):
+        return
+
+    @functools.wraps(setstate)
+    def adopting(self: nn.Module, state: dict[str, Any]) -> None:
+        setstate(self, state)
+        call = self.__dict__.get(_CALL)
+        if isinstance(call, DeferredForwardCall) and call.module is not self:
+            _adopt(self, call)
+
+    setattr(adopting, _ADOPTS, True)
+    nn.Module.__setstate__ = adopting  # type: ignore[method-assign]
+
+
+_ADOPTS = "twobp_adopts_shallow_copies"
 
 
 _INSTANCE_FORWARD = (

@@ -31,7 +31,15 @@ import torch
 from torch import Tensor
 
 from . import flush as flush_module
-from .flush import OWN_HOOK_MARK, FlushOptions, FlushStrategy, has_user_hooks, partly_delivered, run_jobs
+from .flush import (
+    OWN_HOOK_MARK,
+    FlushOptions,
+    FlushStrategy,
+    check_count,
+    has_user_hooks,
+    partly_delivered,
+    run_jobs,
+)
 from .job import WeightGradJob, finished_grads
 from .offload import HostOffload
 from .warn_once import warn_once
@@ -119,8 +127,8 @@ class WeightGradQueue:
                 "twobp: offload_to_host parks CUDA tensors in pinned host memory, but CUDA is not "
                 "available; on the CPU the pending work already lives in host memory."
             )
-        if max_pending_bytes is not None and (not isinstance(max_pending_bytes, int) or max_pending_bytes < 0):
-            raise ValueError(f"twobp: max_pending_bytes must be an int >= 0 or None, not {max_pending_bytes!r}")
+        if max_pending_bytes is not None:
+            check_count("max_pending_bytes", max_pending_bytes, least=0, whole_floats=True)
         self.flush_options = FlushOptions(strategy, max_concat_bytes, delivery_bucket_bytes, weight_grad_streams)
         self.max_pending_bytes = max_pending_bytes
         self._offload = HostOffload() if offload_to_host else None

@@ -380,6 +380,7 @@ def _batches_and_losses(rank: int) -> dict:
         "uneven-mean": (6, "mean", lambda out, y: _mse(out, y), lambda y: y),
         "sum": (8, "sum", lambda out, y: F.mse_loss(out, y, reduction="sum"), lambda y: y),
         "dict-targets": (7, "mean", lambda out, y: _mse(out, y["value"]), lambda y: {"value": y}),
+        "loss-of-shape-1": (8, "mean", lambda out, y: _mse(out, y).reshape(1), lambda y: y),
     }
     for case, (batch, reduction, loss_fn, wrap) in cases.items():
         for name in ("gpipe", "1f1b-2"):

@@ -50,7 +50,9 @@ def as_autocast_casts(op: str, input: Tensor, *params: Tensor | None) -> tuple[T
     device_type = input.device.type
     if not torch.is_autocast_enabled(device_type):
         return input, list(params)
-    target = autocast_target(op, device_type, torch.get_autocast_dtype(device_type))
+    # Dynamo traces past a cache and warns every user that it does: call the function itself there.
+    find = autocast_target.__wrapped__ if torch.compiler.is_compiling() else autocast_target
+    target = find(op, device_type, torch.get_autocast_dtype(device_type))
     if target is None:
         return input, list(params)
 

@@ -396,7 +396,9 @@ class PipelineRuntime:
                 step.losses.append(torch.zeros((), device=loss.device))
             else:
                 loss = self.loss_fn(out, target) / step.loss_divisors[k]  # type: ignore[misc]
-                if loss.dim() != 0:
+                if loss.numel() == 1:  # backward() takes any one-number loss, (1,) included
+                    loss = loss.reshape(())
+                else:
                     raise ValueError(
                         f"rank {self.rank}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
                         "return one number per micro-batch (reduce it, by mean or sum, and pass that "
