@@ -1168,6 +1168,56 @@ def test_recompute_rule_keeps_plain_autograd_for_a_module_whose_submodules_have_
     assert_grads_match(patched, reference)
 
 
+class CheckpointsInside(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(t * self.weight), x, use_reentrant=False)
+
+
+def test_recompute_rule_keeps_plain_autograd_for_a_checkpoint_inside_the_forward():
+    """The checkpoint's recomputation in backward read the real parameters, not the forward's
+    detached stand-ins, and unpacked other tensors than the forward saved: the Linear before it
+    got silently wrong gradients (0.51 off). Such calls keep plain autograd, one warning."""
+    twobp.register(CheckpointsInside, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), CheckpointsInside()))
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        patched(x).sum().backward()
+    twobp.flush_weight_grads()
+    reference(x).sum().backward()
+    assert_grads_match(patched, reference)
+
+
+class WithAnAuxiliaryLoss(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        scaled = x * self.weight
+        return scaled, torch.stack([scaled.pow(2).mean()])
+
+
+def test_recompute_rule_joins_no_call_with_an_output_without_a_batch_dim():
+    """An auxiliary loss of shape (1,) beside the batched output: its gradients were joined
+    into (2,) against the replay's (1,), and the flush failed with PyTorch's size error."""
+    twobp.register(WithAnAuxiliaryLoss, twobp.ops.recompute)
+    patched, reference = patched_and_reference(WithAnAuxiliaryLoss())
+    queue = twobp.WeightGradQueue("concat")
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        for model in (patched, reference):
+            with twobp.use_queue(queue):
+                output, auxiliary = model(x)
+            (output.sum() + auxiliary.sum()).backward()
+    queue.flush()
+    assert_grads_match(patched, reference)
+
+
 class Router(nn.Module):
     """A mixture-of-experts router: gate weights and the chosen experts' (integer) indices."""
 

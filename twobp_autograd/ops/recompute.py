@@ -308,7 +308,15 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
     versions = [t._version for t in inputs]
-    output = _plain_forward(module, inputs, substitutes)
+    try:
+        with _no_saved_tensors_hooks_pushed():
+            output = _plain_forward(module, inputs, substitutes)
+    except RuntimeError as error:
+        if str(error) != _SAVES_THROUGH_HOOKS:
+            raise
+        _unreplayable[module] = _SAVES_THROUGH_HOOKS
+        rewind()
+        return plain_forward(module, _SAVES_THROUGH_HOOKS, *inputs)
     if [t._version for t in inputs] != versions:
         _unreplayable[module] = _CHANGES_INPUTS
         raise RuntimeError(
@@ -335,7 +343,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     outputs = _as_tensors(output)
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
-    joinable = _batched_alike(inputs)
+    joinable = _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key(), joinable)
@@ -351,13 +359,30 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     return _shaped_as(output, tapped)
 
 
-def _batched_alike(inputs: Sequence[Tensor]) -> bool:
-    """Whether the flush may join this call's inputs with other calls' on dim 0: each holds a
-    batch there, as far as shapes can tell (two dims or more, one size of dim 0). A side input
-    without a batch dim (a temperature of shape (1,)) or an unbatched 1-D call, joined, would be
-    broadcast or normalised across micro-batches: such calls are replayed one at a time."""
-    first = inputs[0].shape[0]
-    return all(t.dim() > 1 and t.shape[0] == first for t in inputs)
+_SAVES_THROUGH_HOOKS = (
+    "saved-tensor hooks pushed inside its forward (a non-reentrant activation checkpoint): its "
+    "recomputation in backward would read the parameters, not the forward's detached stand-ins, and "
+    "unpack other tensors than the forward saved"
+)
+
+
+def _no_saved_tensors_hooks_pushed() -> contextlib.AbstractContextManager[None]:
+    """Pushing saved-tensor hooks inside raises (:data:`_SAVES_THROUGH_HOOKS`). Where hooks are
+    active already (``save_on_cpu`` around the model, a checkpoint around this module), disabling
+    would refuse their own packing too: such a call is not checked (README)."""
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        return contextlib.nullcontext()
+    return torch.autograd.graph.disable_saved_tensors_hooks(_SAVES_THROUGH_HOOKS)
+
+
+def _batched_alike(tensors: Sequence[Tensor]) -> bool:
+    """Whether the flush may join this call's inputs (and output gradients) with other calls' on
+    dim 0: each holds a batch there, as far as shapes can tell (two dims or more, one size of
+    dim 0). A side input or output without a batch dim (a temperature or an auxiliary loss of
+    shape (1,)) or an unbatched 1-D call, joined, would be broadcast or normalised across
+    micro-batches, or fail: such calls are replayed one at a time."""
+    first = tensors[0].shape[0]
+    return all(t.dim() > 1 and t.shape[0] == first for t in tensors)
 
 
 def _changes_its_inputs(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]) -> bool:
