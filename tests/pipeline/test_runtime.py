@@ -17,6 +17,7 @@ import os
 import time
 import warnings
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -371,6 +372,25 @@ def _mean_over_labelled(output: Tensor, labels: Tensor) -> Tensor:
     return (losses * labelled).sum() / labelled.sum()
 
 
+def _pipelined_step(
+    rank: int, name: str, twobp_on: bool, x: Tensor, y: Any, loss_fn: Callable, out_features: int = 2, **options: Any
+) -> tuple[list[str], tuple[float, float] | None]:
+    """One step of a 2-stage pipeline against one process on the whole batch: this rank's
+    gradient mismatches, and on rank 0 (its report) the step's loss and one process's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, out_features)).double()
+    reference = copy.deepcopy(model)
+    runtime = PipelineRuntime(
+        model[rank], schedule(name, WORLD, 4, twobp_on)[rank], num_micro_batches=4, loss_fn=loss_fn,
+        twobp=twobp_on, timeout=RUNTIME_TIMEOUT, **options,
+    )  # fmt: skip
+    report = runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+    expected = loss_fn(reference(x), y)
+    expected.backward()
+    loss = (report.loss, expected.item()) if isinstance(report, StepReport) else None
+    return _mismatches(model[rank], reference[rank]), loss
+
+
 def _batches_and_losses(rank: int) -> dict:
     """One process's full-batch loss, whatever the batch and loss: a batch that does not divide
     into the micro-batches (their means were averaged alike: 0.27 off), a reduction="sum" loss
@@ -383,37 +403,24 @@ def _batches_and_losses(rank: int) -> dict:
         "loss-of-shape-1": (8, "mean", lambda out, y: _mse(out, y).reshape(1), lambda y: y),
     }
     for case, (batch, reduction, loss_fn, wrap) in cases.items():
+        torch.manual_seed(1)  # the same batch on both ranks
+        x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randn(batch, 2, dtype=torch.float64)
         for name in ("gpipe", "1f1b-2"):
             for twobp_on in (False, True):
-                torch.manual_seed(0)
-                model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 2)).double()
-                reference = copy.deepcopy(model)
-                runtime = PipelineRuntime(
-                    model[rank], schedule(name, WORLD, 4, twobp_on)[rank], num_micro_batches=4, loss_fn=loss_fn,
-                    twobp=twobp_on, timeout=RUNTIME_TIMEOUT, loss_reduction=reduction,
-                )  # fmt: skip
-                x, y = torch.randn(batch, 4, dtype=torch.float64), torch.randn(batch, 2, dtype=torch.float64)
-                runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)
-                loss_fn(reference(x), wrap(y)).backward()
-                results[f"{case}-{name}-{twobp_on}"] = _mismatches(model[rank], reference[rank])
+                found, _ = _pipelined_step(rank, name, twobp_on, x, wrap(y), loss_fn, loss_reduction=reduction)
+                results[f"{case}-{name}-{twobp_on}"] = found
     # A micro-batch without an item to average over (every label ignored, a prompt-only sample):
     # its 0 / 0 mean made the step's loss NaN, and a mean written out as sum / count every .grad.
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 4, dtype=torch.float64), torch.tensor([0, 1, -100, -100, 2, -100, 1, 0])
     for name in ("gpipe", "1f1b-2"):
         for twobp_on in (False, True):
-            torch.manual_seed(0)
-            model = nn.Sequential(nn.Sequential(nn.Linear(4, 4), nn.Tanh()), nn.Linear(4, 3)).double()
-            reference = copy.deepcopy(model)
-            runtime = PipelineRuntime(
-                model[rank], schedule(name, WORLD, 4, twobp_on)[rank], num_micro_batches=4, loss_fn=_mean_over_labelled,
-                twobp=twobp_on, timeout=RUNTIME_TIMEOUT, loss_items=lambda y: int((y != -100).sum()),
+            found, loss = _pipelined_step(
+                rank, name, twobp_on, x, y, _mean_over_labelled, out_features=3,
+                loss_items=lambda y: int((y != -100).sum()),
             )  # fmt: skip
-            x, y = torch.randn(8, 4, dtype=torch.float64), torch.tensor([0, 1, -100, -100, 2, -100, 1, 0])
-            report = runtime.step(x if rank == 0 else None, y if rank == 1 else None)
-            expected = _mean_over_labelled(reference(x), y)
-            expected.backward()
-            found = _mismatches(model[rank], reference[rank])
-            if isinstance(report, StepReport) and not math.isclose(report.loss, expected.item(), rel_tol=1e-9):
-                found.append(f"loss {report.loss} against {expected.item()}")
+            if loss is not None and not math.isclose(loss[0], loss[1], rel_tol=1e-9):
+                found.append(f"loss {loss[0]} against {loss[1]}")
             results[f"no-items-{name}-{twobp_on}"] = found
     # Bytes in (images as uint8): only the step's shape header crosses, and it refused the dtype.
     torch.manual_seed(0)
@@ -430,7 +437,7 @@ def _batches_and_losses(rank: int) -> dict:
     results["uint8-inputs"] = _mismatches(model[rank], reference[rank])
     with torch.no_grad():
         try:
-            runtime.step(x if rank == 0 else None, wrap(y) if rank == 1 else None)
+            runtime.step(x if rank == 0 else None, y if rank == 1 else None)
             results["no_grad"] = None
         except RuntimeError as error:
             results["no_grad"] = str(error)
