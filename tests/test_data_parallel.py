@@ -292,6 +292,53 @@ def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_gro
     assert_grads_match(model, reference, dtype=torch.float64)
 
 
+@pytest.mark.parametrize("bucket_bytes", [4, 100_000], ids=["bucket-per-parameter", "one-bucket"])
+def test_a_hook_registered_after_the_synchroniser_edits_what_is_reduced(one_rank_group: None, bucket_bytes) -> None:
+    """A post-accumulate-grad hook clamping each gradient, registered after the synchroniser:
+    the synchroniser's hook ran first at the flush, launched its bucket with the unclamped
+    gradient and wrote that mean over the clamp (0.58 off). DDP reduces what the hooks leave."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    synchroniser = GradientSynchroniser(twobp.patch(model), bucket_bytes=bucket_bytes)
+
+    def clamp(param: Tensor) -> None:
+        if param.grad is not None and not twobp.has_queued_work(param):
+            param.grad.clamp_(-0.05, 0.05)
+
+    for net in (model, reference):
+        for p in net.parameters():
+            p.register_post_accumulate_grad_hook(clamp)
+    x = torch.randn(5, 3)
+    model(x).pow(2).sum().backward()
+    synchroniser.synchronise()
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(model, reference)
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False])
+def test_rank_local_buffers_are_left_alone_without_broadcast_buffers(
+    one_rank_group: None, monkeypatch, broadcast_buffers
+) -> None:
+    """As DDP: broadcast_buffers=False leaves each rank's buffers as they are from the start
+    (they were overwritten with rank 0's when the synchroniser was built)."""
+    from twobp_autograd import data_parallel
+
+    broadcast: list[int] = []
+    real = data_parallel.broadcast_tensors
+
+    def recorded(tensors, **options):
+        tensors = list(tensors)
+        broadcast.extend(map(id, tensors))
+        return real(tensors, **options)
+
+    monkeypatch.setattr(data_parallel, "broadcast_tensors", recorded)
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)))
+    GradientSynchroniser(model, broadcast_buffers=broadcast_buffers)
+    assert all(id(p) in broadcast for p in model.parameters())
+    assert all((id(b) in broadcast) == broadcast_buffers for b in model.buffers())
+
+
 def test_bucket_bytes_written_as_a_float_works(one_rank_group: None) -> None:
     """bucket_bytes=25e6 (as DDP users write bucket_cap_mb) made every flush fail on its float
     delivery bucket, after the work was taken: every .grad None."""

@@ -135,7 +135,8 @@ class GradientSynchroniser:
         self._hooks = [p.register_post_accumulate_grad_hook(on_accumulated) for p in self.params]
         if sync_initial_state:
             with torch.no_grad():
-                broadcast_tensors([*module.parameters(), *module.buffers()], group=group)
+                # As DDP: broadcast_buffers=False leaves rank-local buffers as they are.
+                broadcast_tensors([*module.parameters(), *(module.buffers() if broadcast_buffers else ())], group=group)
         self._buffers_due = True
         if broadcast_buffers and any(True for _ in module.buffers()):
             self._hooks.append(module.register_forward_pre_hook(_weak_hook(self._broadcast_buffers)))
@@ -180,6 +181,7 @@ class GradientSynchroniser:
                 self._mark_ready(i)
         self._final = delivered - later if may_be_final is None else (delivered - later) & may_be_final
         self._armed = True
+        self._hook_last()
         try:
             bucketed = dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4))
             with queue.running(jobs):
@@ -192,6 +194,16 @@ class GradientSynchroniser:
         finally:
             self._armed = False
             self._final = set()
+
+    def _hook_last(self) -> None:
+        """Move this synchroniser's hook after the others on each parameter: a hook registered
+        later (per-parameter clipping, noise) edits .grad in place, and DDP reduces what it left;
+        launched from a hook that ran first, the bucket took the unedited gradient and its mean
+        was written over the edit."""
+        for p, handle in zip(self.params, self._hooks, strict=False):
+            hooks = p._post_accumulate_grad_hooks
+            if hooks and handle.id in hooks and next(reversed(hooks)) != handle.id:
+                hooks[handle.id] = hooks.pop(handle.id)
 
     def finish(self) -> None:
         """Launch what is left (parameters without a gradient take part as zeros), wait for
