@@ -781,6 +781,17 @@ def test_anomaly_mode_catches_a_nan_that_only_a_deferred_weight_gradient_has():
     twobp.discard_weight_grads()
 
 
+def test_anomaly_mode_checks_only_the_work_of_backwards_run_under_it():
+    """A NaN weight gradient from a backward run without anomaly mode (plain leaves it in .grad)
+    beside another layer's backward run under it: the flush checked every group and raised."""
+    first, second = twobp.patch(nn.Linear(2, 2)), twobp.patch(nn.Linear(2, 2))
+    (first(torch.tensor([[float("inf"), 1.0]])) * 0).sum().backward()
+    with torch.autograd.detect_anomaly(check_nan=True):
+        second(torch.randn(3, 2)).sum().backward()
+    twobp.flush_weight_grads()
+    assert first.weight.grad.isnan().any() and second.weight.grad.isfinite().all()
+
+
 @pytest.mark.parametrize("check_nan", [True, False])
 def test_anomaly_mode(check_nan):
     patched, reference = patched_and_reference(convnet())

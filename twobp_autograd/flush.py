@@ -158,7 +158,9 @@ def run_jobs(
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
     watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
-    check_nan = (torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()) or any(j.check_nan for j in jobs)
+    # Per group, as plain autograd checks the nodes of backwards run under anomaly mode only (or
+    # every group, where the flush itself runs under it).
+    check_all = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
     running = _RunningFlush(jobs, _HookedDelivery.of(groups))
     hooked = running.hooked
     _running.append(running)
@@ -178,7 +180,7 @@ def run_jobs(
                 )
             for index, group in enumerate(groups):
                 grads = _run_group(group, options) if launched is None else launched.take(index)
-                if check_nan:
+                if check_all or any(job.check_nan for job in group):
                     _refuse_nan(group[0], grads)
                 readied = len(ready)
                 ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
