@@ -613,3 +613,30 @@ def test_a_default_device_keeps_modules_deferred(how):
     attention_reference(hidden, hidden, hidden, need_weights=False)[0].sum().backward()
     assert_grads_match(patched, reference)
     assert_grads_match(attention, attention_reference)
+
+
+class _ScaledConv(nn.Conv2d):
+    """Keeps Conv2d's forward, overrides what it calls."""
+
+    def _conv_forward(self, input, weight, bias):
+        return 2 * super()._conv_forward(input, weight, bias)
+
+
+def test_a_class_swapped_to_a_subclass_overriding_what_its_forward_calls_keeps_plain_autograd():
+    """``module.__class__ = ScaledConv`` after patch: the forward is Conv2d's, so the swap went
+    unseen and the conv rule computed the convolution itself, bypassing ``_conv_forward`` (output
+    0.54 off, every gradient off); patch() again kept it. One warning, plain autograd; patch()
+    again leaves it unpatched (not registered)."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Conv2d(3, 2, 3)))
+    for model in (patched, reference):
+        model[0].__class__ = _ScaledConv
+    x = torch.randn(2, 2, 8, 8)
+    with pytest.warns(UserWarning, match="class or its forward changed since patch"):
+        output = patched(x)
+    torch.testing.assert_close(output, reference(x))
+    output.pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(patched, reference)
+    report = twobp.patch(patched, report=True)
+    assert "0" not in report.patched and "not registered" in report.skipped["0"]

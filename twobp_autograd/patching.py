@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.modules import module as module_hooks
+from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
@@ -55,12 +56,15 @@ class DeferredForwardCall:
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
         # something else (a parametrization's subclass keeps the forward).
         self.class_forward = type(module).forward
+        # The class the rule was chosen for, and the classes since seen to compute as it does.
+        self.classes_of_the_rule = {type(module)}
         _calls.add(self)
 
     def __getstate__(self) -> dict[str, Any]:
         # The class's forward is found again where the copy is made (a function defined in a
         # script's __main__, or a lambda, would not pickle).
-        return {key: value for key, value in self.__dict__.items() if key != "class_forward"}
+        unpicklable = ("class_forward", "classes_of_the_rule")
+        return {key: value for key, value in self.__dict__.items() if key not in unpicklable}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A patched model deep-copied, or loaded in a process that never called ``patch``
@@ -70,8 +74,23 @@ class DeferredForwardCall:
         rule = rule_for(self.module)
         standing = rule.class_forward if rule is not None else None
         self.class_forward = standing if standing is not None else type(self.module).forward
+        self.classes_of_the_rule = {type(self.module)}
         _calls.add(self)
         _install_guards()
+
+    def computes_as_its_rule(self, module: nn.Module) -> bool:
+        """Whether ``module``'s class, if swapped since ``patch``, still computes what the rule
+        does: FSDP2's generated subclass and a parametrization's only add hooks or a property; a
+        subclass overriding what the inherited forward calls (a Conv2d's ``_conv_forward``) does
+        not, and a rule that computes the op itself would bypass it."""
+        cls = type(module)
+        if cls in self.classes_of_the_rule:
+            return True
+        bases = self.classes_of_the_rule
+        same = module_class(module) in bases or (is_parametrized(module) and set(cls.__bases__) <= bases)
+        if same:
+            self.classes_of_the_rule.add(cls)
+        return same
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
@@ -96,7 +115,9 @@ class DeferredForwardCall:
             if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
                 _warn_non_full_backward_hook_once(module)
                 return type(module).forward(module, *args, **kwargs)
-            if type(module).forward is not self.class_forward:
+            if type(module).forward is not self.class_forward or (
+                type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module)
+            ):
                 _warn_class_changed_once(module)
                 return type(module).forward(module, *args, **kwargs)
             return self.deferred(module, *args, **kwargs)
@@ -108,6 +129,7 @@ def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
     ``nn.Module.__call__``, then finds it too)."""
     own = DeferredForwardCall(copy, shared.deferred)
     own.class_forward = shared.class_forward
+    own.classes_of_the_rule = set(shared.classes_of_the_rule)
     if copy.__dict__.get("forward") is shared:
         copy.__dict__["forward"] = own
     copy.__dict__[_CALL] = own
@@ -275,7 +297,7 @@ def patch(
             unchanged = type(module).forward is call.class_forward and "forward" in module.__dict__
             if call.module is not module:  # a shallow copy not called yet: a call of its own
                 _adopt(module, call)
-            if unchanged and (rule is None or rule.stands_for(module)):
+            if unchanged and call.computes_as_its_rule(module) and (rule is None or rule.stands_for(module)):
                 # Patched before (its class may have changed since: a parametrization's subclass).
                 result.patched.append(name)
                 continue
