@@ -1179,11 +1179,16 @@ def test_recompute_rule_keeps_plain_autograd_for_a_module_whose_submodules_have_
     assert_grads_match(patched, reference)
 
 
-class CheckpointsInside(nn.Module):
+class Scale(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.randn(4))
 
+    def forward(self, x):
+        return x * self.weight
+
+
+class CheckpointsInside(Scale):
     def forward(self, x):
         return torch.utils.checkpoint.checkpoint(lambda t: torch.tanh(t * self.weight), x, use_reentrant=False)
 
@@ -1203,11 +1208,7 @@ def test_recompute_rule_keeps_plain_autograd_for_a_checkpoint_inside_the_forward
     assert_grads_match(patched, reference)
 
 
-class WithAnAuxiliaryLoss(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4))
-
+class WithAnAuxiliaryLoss(Scale):
     def forward(self, x):
         scaled = x * self.weight
         return scaled, torch.stack([scaled.pow(2).mean()])
@@ -1460,15 +1461,6 @@ def test_parameters_frozen_between_forward_and_backward(layer, frozen, unfrozen_
     assert all((p.grad is None) != unfrozen_before_backward for p in params)  # plain's verdict (reference ran last)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
-
-
-class Scale(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(4))
-
-    def forward(self, x):
-        return x * self.weight
 
 
 def test_a_rule_of_ones_own_that_misuses_the_tap_is_told_so():

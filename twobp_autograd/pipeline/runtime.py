@@ -393,7 +393,7 @@ class PipelineRuntime:
                 # backward, whatever it is divided by. It weighs nothing: zero, and a zero gradient
                 # back through the stages (finite even where the output is not).
                 loss = out.sum() * 0.0
-                step.losses.append(torch.zeros((), device=loss.device))
+                step.losses.append(loss.new_zeros(()))  # in the loss's dtype, as the others
             else:
                 loss = self.loss_fn(out, target) / step.loss_divisors[k]  # type: ignore[misc]
                 if loss.numel() == 1:  # backward() takes any one-number loss, (1,) included
