@@ -34,8 +34,9 @@ nvidia-smi -L
 $python -c "import torch, transformers, torchvision; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name())"
 
-step tests 150 $python -m pytest -q -p no:cacheprovider tests/test_cuda_models.py tests/test_streams.py \
-    tests/ops/test_conv.py tests/ops/test_attention.py tests/ops/test_norm.py tests/test_offload.py
+step tests 150 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_models.py tests/test_streams.py \
+    tests/ops/test_conv.py tests/ops/test_attention.py tests/ops/test_norm.py tests/test_offload.py \
+    tests/test_queue.py tests/test_random_training_steps.py
 step cuda_precision 60 $python benchmarks/cuda_precision.py
 step cuda_precision_nhwc 60 $python benchmarks/cuda_precision.py --memory-format channels_last
 step per_call 120 $python benchmarks/per_call.py --device cuda --out "$out/per_call.json"

@@ -443,6 +443,59 @@ def test_a_backward_that_raised_and_was_zeroed_does_not_block_another_threads_fl
     assert_grads_match(patched, reference)
 
 
+def _raise_in_backward(grad: torch.Tensor) -> None:
+    raise ValueError("a hook failed")
+
+
+def test_a_backward_that_raised_on_another_thread_does_not_block_the_flush():
+    """A worker thread's backward raised after a patched layer had queued its work (its
+    end-of-task callback never ran) and the worker left. On CUDA every backward runs on
+    autograd's device thread, so this is any raised backward there: the trainer's flush was
+    refused ("still running on another thread") until a discard. It now runs the queued work,
+    as plain autograd leaves the gradients a raised backward had already accumulated."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(5, 3)
+    errors: list[BaseException] = []
+
+    def train(model: nn.Module) -> None:
+        hidden = model[1](model[0](x))
+        hidden.register_hook(_raise_in_backward)  # after model[2]'s backward
+        try:
+            model[2](hidden).sum().backward()
+        except ValueError as error:
+            errors.append(error)
+
+    for model in (patched, reference):
+        worker = threading.Thread(target=train, args=(model,))
+        worker.start()
+        worker.join()
+    assert len(errors) == 2
+    twobp.flush_weight_grads()
+    assert patched[2].weight.grad is not None and patched[0].weight.grad is None
+    assert_grads_match(patched, reference)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_backward_that_raised_on_cuda_does_not_block_the_next_flush():
+    """On CUDA a backward runs on autograd's device thread, which frees its graph task a moment
+    after the caller has seen the exception: the flush right after must not take that backward
+    for one still running (many rounds, to meet the race)."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    patched.cuda(), reference.cuda()
+    for _ in range(200):
+        x = torch.randn(5, 3, device="cuda")
+        for model in (patched, reference):
+            hidden = model[1](model[0](x))
+            hidden.register_hook(_raise_in_backward)
+            with pytest.raises(ValueError, match="a hook failed"):
+                model[2](hidden).sum().backward()
+        twobp.flush_weight_grads()
+        patched(x).sum().backward()
+        reference(x).sum().backward()
+        twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 @pytest.mark.parametrize("action", ["flush", "step", "zero_grad", "clip", "tagged-flush", "clip-with-norm-read"])
 def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, action):
     """Two threads on the default queue: the first one's flush takes the second's work too.

@@ -202,10 +202,10 @@ def _backward(model: nn.Module, loss: Tensor, action: str, set_to_none: bool) ->
         loss.backward()
 
 
-def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet]) -> None:
+def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet], device: str = "cpu") -> None:
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    model = family(rng).double()
+    model = family(rng).double().to(device)
     if getattr(model, "channels_last", False):
         model = model.to(memory_format=torch.channels_last)
     reference = copy.deepcopy(model)
@@ -221,7 +221,7 @@ def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet])
             if action == "eval-mode" and "checkpointed" in model.kinds:
                 action = "backward"  # forwarded in eval, recomputed in train: a limit (README)
             story.append(action)
-            x = model.sample(rng, rng.choice([1, 2, 3]))
+            x = model.sample(rng, rng.choice([1, 2, 3])).to(device)
             set_to_none = rng.random() < 0.5
             target = current_queue() if action == "default-queue" else queue
             for net in (model, reference):
@@ -240,7 +240,7 @@ def _train_and_compare(seed: int, family: type[RandomNet] | type[RandomConvNet])
                 queue.flush(tags=[(step, micro_batch)])
         queue.flush()
         twobp.flush_weight_grads()
-        where = f"{family.__name__} seed {seed}, layers {model.kinds}, actions {story}"
+        where = f"{family.__name__} seed {seed} on {device}, layers {model.kinds}, actions {story}"
         try:
             # fp64 rounding noise is relative to the gradients summed, not to the one that comes
             # out: a gradient zero in exact arithmetic (attention's key bias, a bias before a
@@ -274,3 +274,21 @@ def test_random_image_models_match_plain_autograd(seed: int) -> None:
     """Convolutions of every kind, BatchNorm (its running statistics as well) and GroupNorm,
     channels_last models and inputs."""
     _train_and_compare(seed, RandomConvNet)
+
+
+#: On CUDA every backward runs on autograd's device thread, not the caller's: the queue's
+#: bookkeeping of running backwards, hooks and zero_grad meet that thread there.
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.filterwarnings("ignore:Using padding=.same. with even kernel")
+@pytest.mark.parametrize("seed", range(40))
+def test_random_training_sequences_on_cuda_match_plain_autograd(seed: int) -> None:
+    _train_and_compare(seed, RandomNet, "cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("seed", range(25))
+def test_random_image_models_on_cuda_match_plain_autograd(seed: int) -> None:
+    _train_and_compare(seed, RandomConvNet, "cuda")

@@ -19,7 +19,6 @@ another thread's flush had taken would find the queue empty and step on partial 
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import threading
 import warnings
@@ -86,6 +85,29 @@ class _Flight(NamedTuple):
         return any(job.tag in tags for job in self.jobs)
 
 
+#: How long a flush waits for a backward that raised on another thread to be forgotten before
+#: it calls that backward still running (the engine frees the graph task microseconds later).
+_RAISED_BACKWARD_GRACE_S = 0.05
+
+
+class _BackwardEnd:
+    """Queued on autograd's engine by the first job of a backward: it tells the queue that the
+    backward has ended, when the engine calls it at the end, or when the graph task is freed
+    without calling it (a backward that raised: on the caller's thread on a CPU, on the
+    device's thread on CUDA, whichever drops the task last)."""
+
+    __slots__ = ("queue", "task")
+
+    def __init__(self, queue: WeightGradQueue, task: int) -> None:
+        self.queue, self.task = queue, task
+
+    def __call__(self) -> None:
+        self.queue._backward_finished(self.task)
+
+    def __del__(self) -> None:
+        self.queue._backward_finished(self.task)
+
+
 class WeightGradQueue:
     """Weight-gradient work queued by backward-p1, run by :meth:`flush`.
 
@@ -135,10 +157,13 @@ class WeightGradQueue:
         self._jobs: list[WeightGradJob] = []
         self._held: dict[tuple[int, torch.device], list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
-        self._lock = threading.Lock()
+        # Reentrant: a backward's end is noted from its graph task's destruction, which can come
+        # on any thread at any moment autograd frees it (_BackwardEnd).
+        self._lock = threading.RLock()
         self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
         self._flight_landed = threading.Condition(self._lock)
-        self._running_backwards: dict[int, int] = {}  # graph task id -> thread ident
+        self._running_backwards: set[int] = set()  # graph task ids
+        self._backward_ended = threading.Condition(self._lock)
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
@@ -182,18 +207,16 @@ class WeightGradQueue:
             self._jobs.append(job)
             self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
-                self._running_backwards[task] = threading.get_ident()
-                torch.autograd.Variable._execution_engine.queue_callback(
-                    functools.partial(self._backward_finished, task)
-                )
+                self._running_backwards.add(task)
+                torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
         if not self._cap_deferred:
             self._enforce_cap()
 
     def _backward_finished(self, task: int) -> None:
-        """Run by autograd's engine when the backward ``task`` ends (on that backward's thread:
-        under the lock, as a flush on another thread may be reading the dict)."""
+        """The backward ``task`` has ended (see :class:`_BackwardEnd`)."""
         with self._lock:
-            self._running_backwards.pop(task, None)
+            self._running_backwards.discard(task)
+            self._backward_ended.notify_all()
 
     @contextlib.contextmanager
     def cap_enforced_after(self) -> Iterator[WeightGradQueue]:
@@ -320,7 +343,6 @@ class WeightGradQueue:
         that had work (plain backward would have given each a ``.grad``)."""
         dropped = {id(p) for p in params}
         with self._lock:
-            self._forget_ended_backwards_of_this_thread()
             # Gradients another thread's flush is computing for them must land first, so that
             # the zero_grad after this drops them too.
             self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
@@ -442,32 +464,22 @@ class WeightGradQueue:
         me = threading.get_ident()
         return any(flight.thread != me and concerns(flight) for flight in self._flights)
 
-    def _forget_ended_backwards_of_this_thread(self) -> None:
-        """Outside a backward, none this thread recorded runs (on a CPU backward runs on its
-        caller): one that raised never ran its end-of-task callback. Under the lock."""
-        if self._running_backwards and torch._C._current_graph_task_id() < 0:
-            me = threading.get_ident()
-            for task in [task for task, thread in self._running_backwards.items() if thread == me]:
-                del self._running_backwards[task]
-
     def _check_no_backward_elsewhere(self) -> None:
         if not self._running_backwards:  # unlocked: a backward starting just after is the same race either way
             return
-        me = threading.get_ident()
         current = torch._C._current_graph_task_id()
         with self._lock:
-            for task, thread in list(self._running_backwards.items()):
-                # Another backward of this thread has ended: CPU backward runs synchronously on
-                # its caller (one that raised never ran its end-of-task callback).
-                if task != current and thread == me:
-                    del self._running_backwards[task]
-            running_elsewhere = [t for t in self._running_backwards if t != current]
+            # A backward that raised on autograd's device thread (CUDA) is forgotten when that
+            # thread drops its graph task, a moment after the caller has seen the exception.
+            self._backward_ended.wait_for(
+                lambda: self._running_backwards <= {current}, timeout=_RAISED_BACKWARD_GRACE_S
+            )
+            running_elsewhere = self._running_backwards - {current}
         if running_elsewhere:
             raise RuntimeError(
                 "twobp: flush while a backward pass that feeds this queue is still running on "
                 "another thread. Wait for that backward (join the thread) before flushing, or give "
-                "each thread its own queue with twobp.use_queue(). If that backward raised, "
-                "twobp.discard_weight_grads() (or queue.clear()) drops its partial work."
+                "each thread its own queue with twobp.use_queue()."
             )
 
 
