@@ -48,6 +48,32 @@ def test_outputs_input_grads_and_buffers_match_autograd(setting: Setting, dtype:
     run_micro_batches(setting.module(dtype), setting, dtype=dtype)
 
 
+def _transposed_cubic_loss(output: torch.Tensor) -> torch.Tensor:
+    """The gradient reaches the layer transposed (not contiguous), as after a ``transpose``."""
+    return cubic_loss(output.transpose(0, -1).contiguous())
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+@pytest.mark.parametrize("setting", ALL, ids=setting_ids(ALL))
+def test_weight_grads_match_autograd_on_each_device_and_gradient_layout(
+    setting: Setting, layout: str, device: str
+) -> None:
+    """fp64, so any gap is a wrong result, not rounding. On CUDA GroupNorm's weight kernel read
+    a transposed output gradient as contiguous (every weight gradient off, silently)."""
+    shapes = itertools.cycle(setting.shapes)
+    check_against_autograd(
+        setting.module(torch.float64).to(device),
+        lambda: (setting.input(next(shapes), torch.float64).to(device),),
+        micro_batches=len(setting.shapes),
+        dtype=torch.float64,
+        loss=_transposed_cubic_loss if layout == "transposed" else cubic_loss,
+    )
+
+
 AUTOCAST = [BATCH_NORM[2], BATCH_NORM[3], LAYER_NORM[0], LAYER_NORM[2], GROUP_NORM[2], GROUP_NORM[3], RMS_NORM[0]]
 
 

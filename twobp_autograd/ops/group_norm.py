@@ -34,6 +34,10 @@ def group_norm_weight_grad(
 ) -> list[Tensor | None]:
     input, mean, rstd = saved  # (N, C, *), (N, groups), (N, groups)
     need_weight, need_bias = needs
+    # The native kernel reads both in the layout the forward gave the input (autograd makes the
+    # output gradient so too): on CUDA a transposed gradient was read as contiguous, garbage.
+    input = _as_native_op_takes(input)
+    grad = _as_native_op_takes(grad_outputs[0], like=input)
     channels, features = input.shape[1], math.prod(input.shape[2:])
     weight = input.new_ones(channels, dtype=weight_dtype)  # a DTensor where input is one
 
@@ -44,8 +48,16 @@ def group_norm_weight_grad(
             grad, input, mean, rstd, weight, batch, channels, features, num_groups, mask
         )[1:]
 
-    weight_grad, bias_grad = summed_over_row_chunks(native, (grad_outputs[0], input, mean, rstd), _SAMPLES_PER_CALL)
+    weight_grad, bias_grad = summed_over_row_chunks(native, (grad, input, mean, rstd), _SAMPLES_PER_CALL)
     return [weight_grad if need_weight else None, bias_grad if need_bias else None]
+
+
+def _as_native_op_takes(tensor: Tensor, like: Tensor | None = None) -> Tensor:
+    """What torch.group_norm and its derivative hand the native ops: on CPU in the input's
+    (``like``'s) layout, channels_last kept; contiguous on other devices."""
+    if tensor.device.type == "cpu":
+        return tensor.contiguous(memory_format=suggest_memory_format(tensor if like is None else like))
+    return tensor.contiguous()
 
 
 #: Samples per CPU kernel call (see .precision; each sample's own sums are not serial).
@@ -67,8 +79,7 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
     )
     x, (weight, bias) = as_autocast_casts("group_norm", input, *map(detached, params))
     batch, channels = x.shape[:2]
-    # What torch.group_norm hands the native op: CPU keeps channels_last, other devices do not.
-    x = x.contiguous(memory_format=suggest_memory_format(x)) if x.device.type == "cpu" else x.contiguous()
+    x = _as_native_op_takes(x)
     output, mean, rstd = torch.native_group_norm(
         x,
         None if weight is None else weight.contiguous(),
