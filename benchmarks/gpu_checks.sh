@@ -34,9 +34,11 @@ nvidia-smi -L
 $python -c "import torch, transformers, torchvision; print('torch', torch.__version__, 'transformers', \
 transformers.__version__, 'torchvision', torchvision.__version__, torch.cuda.get_device_name())"
 
-step tests 150 $python -m pytest -q -p no:cacheprovider -rfE tests/test_cuda_models.py tests/test_streams.py \
-    tests/ops/test_conv.py tests/ops/test_attention.py tests/ops/test_norm.py tests/test_offload.py \
-    tests/test_queue.py tests/test_random_training_steps.py
+# The CUDA cases only: the CPU ones run everywhere, and under older torch releases one of them
+# crashes inside plain autograd's own backward, taking the whole run with it.
+step tests 150 $python -m pytest -q -p no:cacheprovider -rfE tests/test_queue.py tests/test_random_training_steps.py \
+    tests/ops tests/test_cuda_models.py tests/test_streams.py tests/test_offload.py \
+    -k "cuda or test_cuda_models or test_streams or test_offload"
 step cuda_precision 60 $python benchmarks/cuda_precision.py
 step cuda_precision_nhwc 60 $python benchmarks/cuda_precision.py --memory-format channels_last
 step per_call 120 $python benchmarks/per_call.py --device cuda --out "$out/per_call.json"
