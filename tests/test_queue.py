@@ -475,6 +475,63 @@ def test_a_backward_that_raised_on_another_thread_does_not_block_the_flush():
     assert_grads_match(patched, reference)
 
 
+def test_a_flush_from_a_hook_inside_a_nested_backward_runs():
+    """A hook in a reentrant checkpoint's region flushes during the region's inner backward,
+    which the outer backward (same thread, its work queued) encloses: the enclosing backward is
+    not one "running on another thread"."""
+    from torch.utils.checkpoint import checkpoint
+
+    def flush_hook(grad: torch.Tensor) -> torch.Tensor:
+        twobp.flush_weight_grads()
+        return grad
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b, self.c = nn.Linear(3, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor, hook: bool = False) -> torch.Tensor:
+            def region(h: torch.Tensor) -> torch.Tensor:
+                h = torch.tanh(h)
+                if hook and h.requires_grad:
+                    h.register_hook(flush_hook)
+                return self.b(h)
+
+            return self.c(torch.relu(checkpoint(region, self.a(x), use_reentrant=True)))
+
+    patched, reference = patched_and_reference(Net())
+    x = torch.randn(5, 3, requires_grad=True)
+    reference(x).sum().backward()
+    patched(x, hook=True).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_a_discard_while_another_threads_backward_runs_keeps_refusing_the_flush():
+    """discard_weight_grads() drops what that backward queued so far; the backward still runs and
+    queues more, so a flush must still wait for it (it was let through)."""
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    reached, release = threading.Event(), threading.Event()
+
+    def train() -> None:
+        hidden = model[1](model[0](torch.randn(5, 3)))
+        hidden.register_hook(lambda g: (reached.set(), release.wait(30), None)[2])
+        model[2](hidden).sum().backward()  # model[2] queues, the hook blocks, model[0] queues
+
+    worker = threading.Thread(target=train)
+    worker.start()
+    try:
+        assert reached.wait(30)
+        twobp.discard_weight_grads()
+        with pytest.raises(RuntimeError, match="still running on another thread"):
+            twobp.flush_weight_grads()
+    finally:
+        release.set()
+        worker.join()
+    twobp.flush_weight_grads()
+    assert model[0].weight.grad is not None and model[2].weight.grad is None
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_a_backward_that_raised_on_cuda_does_not_block_the_next_flush():
     """On CUDA a backward runs on autograd's device thread, which frees its graph task a moment

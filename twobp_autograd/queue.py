@@ -162,7 +162,8 @@ class WeightGradQueue:
         self._lock = threading.RLock()
         self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
         self._flight_landed = threading.Condition(self._lock)
-        self._running_backwards: set[int] = set()  # graph task ids
+        # graph task id -> the thread it runs on where that is its caller's (CPU work), else None
+        self._running_backwards: dict[int, int | None] = {}
         self._backward_ended = threading.Condition(self._lock)
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
@@ -207,7 +208,7 @@ class WeightGradQueue:
             self._jobs.append(job)
             self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
-                self._running_backwards.add(task)
+                self._running_backwards[task] = threading.get_ident() if job.device.type == "cpu" else None
                 torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
         if not self._cap_deferred:
             self._enforce_cap()
@@ -215,7 +216,7 @@ class WeightGradQueue:
     def _backward_finished(self, task: int) -> None:
         """The backward ``task`` has ended (see :class:`_BackwardEnd`)."""
         with self._lock:
-            self._running_backwards.discard(task)
+            self._running_backwards.pop(task, None)
             self._backward_ended.notify_all()
 
     @contextlib.contextmanager
@@ -335,7 +336,8 @@ class WeightGradQueue:
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
-            self._running_backwards.clear()
+            # Running backwards stay recorded: one still running elsewhere keeps queuing work, and
+            # one that raised is forgotten when autograd frees its graph task (_BackwardEnd).
 
     def discard_work_for(self, params: Sequence[Tensor]) -> list[Tensor]:
         """Drop the queued work of ``params`` (what ``zero_grad`` does to a gradient plain
@@ -468,13 +470,21 @@ class WeightGradQueue:
         if not self._running_backwards:  # unlocked: a backward starting just after is the same race either way
             return
         current = torch._C._current_graph_task_id()
+        me = threading.get_ident()
+
+        def elsewhere() -> list[int]:
+            # A CPU backward runs on its caller: one of this thread's still running while this
+            # thread is inside a backward encloses it (a hook's backward, a reentrant checkpoint).
+            return [
+                task for task, thread in self._running_backwards.items()
+                if task != current and not (current >= 0 and thread == me and task < current)
+            ]
+
         with self._lock:
             # A backward that raised on autograd's device thread (CUDA) is forgotten when that
             # thread drops its graph task, a moment after the caller has seen the exception.
-            self._backward_ended.wait_for(
-                lambda: self._running_backwards <= {current}, timeout=_RAISED_BACKWARD_GRACE_S
-            )
-            running_elsewhere = self._running_backwards - {current}
+            self._backward_ended.wait_for(lambda: not elsewhere(), timeout=_RAISED_BACKWARD_GRACE_S)
+            running_elsewhere = elsewhere()
         if running_elsewhere:
             raise RuntimeError(
                 "twobp: flush while a backward pass that feeds this queue is still running on "
