@@ -1276,19 +1276,20 @@ class Shaped(nn.Module):
             "with-its-buffer": lambda: (y, self.mask),
             "with-its-parameter": lambda: (y, self.weight),
             "two-views-of-one": lambda: (y, y.view(-1)),
+            "with-a-view-of-a-fresh-tensor": lambda: ((x * self.weight).t(), y),  # an output.view(B, T, C)
         }[self.kind]()
 
 
 RETURNED_AS_THEY_ARE = ["1-tuple", "list"]
 PLAIN_AUTOGRAD = ["dict", "with-none", "with-int", "with-its-input", "with-a-view-of-its-input", "with-its-buffer",
-                  "with-its-parameter", "two-views-of-one"]  # fmt: skip
+                  "with-its-parameter", "two-views-of-one", "with-a-view-of-a-fresh-tensor"]  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", RETURNED_AS_THEY_ARE + PLAIN_AUTOGRAD)
 def test_recompute_rule_returns_outputs_as_the_forward_does_and_leaves_its_inputs_and_buffers_alone(kind, monkeypatch):
     """A 1-tuple came back as a bare tensor (indexing it then took a row, silently) and a list
     as a tuple; outputs the tap cannot re-parent in place (the module's own input or buffer, a
-    view of one, two views of one tensor) made the caller's input or the module's buffer a
+    view of one, two views of one tensor, a view among several outputs) made the caller's input or the module's buffer a
     non-leaf with a history, or failed; non-tensor outputs failed. Such calls keep plain autograd."""
     monkeypatch.setattr(warn_once, "given", set())  # each reason warns once per process
     twobp.register(Shaped, twobp.ops.recompute)

@@ -67,6 +67,9 @@ def _unfit_outputs(output: Any, own: Sequence[Tensor]) -> str | None:
     owned = {id(t if t._base is None else t._base) for t in own}
     if len(set(roots)) < len(roots) or owned.intersection(roots):
         return _ALIASES
+    if len(output) > 1 and any(t._is_view() for t in output):
+        # The tap re-parents its outputs in place, which autograd refuses for a view among several.
+        return _VIEW_AMONG_SEVERAL
     return None
 
 
@@ -214,6 +217,7 @@ _RANDOM = "dropout or other random draws in its forward (the flush's recomputati
 _STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
 _NOT_TENSORS = "outputs other than a tensor or a tuple or list of tensors"
 _ALIASES = "outputs that are its inputs, parameters or buffers, views of them, or views of one another"
+_VIEW_AMONG_SEVERAL = "several outputs, one of them a view (return a copy, or the tensor it views)"
 _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
 
 #: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
