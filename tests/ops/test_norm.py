@@ -74,6 +74,20 @@ def test_weight_grads_match_autograd_on_each_device_and_gradient_layout(
     )
 
 
+def test_group_norm_input_changed_in_place_before_backward_raises_as_in_plain() -> None:
+    """A transposed input (a view of a residual stream updated in place after the forward):
+    plain saves the view and its backward raises; the deferred GroupNorm had saved a contiguous
+    copy and ran on."""
+    for module in patched_and_reference(nn.GroupNorm(2, 4)):
+        base = torch.randn(4, 3, 5)
+        output = module(base.transpose(0, 1))
+        with torch.no_grad():
+            base.add_(1.0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            output.pow(2).sum().backward()
+    twobp.discard_weight_grads()
+
+
 AUTOCAST = [BATCH_NORM[2], BATCH_NORM[3], LAYER_NORM[0], LAYER_NORM[2], GROUP_NORM[2], GROUP_NORM[3], RMS_NORM[0]]
 
 

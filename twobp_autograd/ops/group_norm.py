@@ -79,9 +79,8 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
     )
     x, (weight, bias) = as_autocast_casts("group_norm", input, *map(detached, params))
     batch, channels = x.shape[:2]
-    x = _as_native_op_takes(x)
     output, mean, rstd = torch.native_group_norm(
-        x,
+        _as_native_op_takes(x),
         None if weight is None else weight.contiguous(),
         None if bias is None else bias.contiguous(),
         batch,
@@ -91,6 +90,8 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
         module.eps,
     )
     kernel, group = configured_kernel(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
-    # The statistics detached: differentiable graph outputs under torch.compile with dynamic
-    # shapes, they made inductor's backward fail to compile.
+    # The input saved as given (the kernel lays it out), as plain saves it: changed in place
+    # before backward, it makes backward raise as plain's does. The statistics detached:
+    # differentiable graph outputs under torch.compile with dynamic shapes, they made inductor's
+    # backward fail to compile.
     return defer_weight_grads(output, params, (x, mean.detach(), rstd.detach()), kernel, group=group)
