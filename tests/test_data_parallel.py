@@ -401,6 +401,26 @@ def _skipped_step(rank: int) -> dict:
 def test_a_rank_that_skips_a_step_ends_the_others_within_the_timeout(tmp_path) -> None:
     waiting, _ = run_scenario(_skipped_step, 2, str(tmp_path))
     assert waiting["error"] is not None and waiting["elapsed"] < 6.0, waiting
+    assert waiting["error"].startswith("twobp: GradientSynchroniser: a collective"), waiting
+
+
+def _replicas_training_other_parameters(rank: int) -> dict:
+    torch.manual_seed(0)
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    if rank == 1:
+        model[0].bias.requires_grad_(False)
+    try:
+        GradientSynchroniser(model, timeout=10.0)
+    except RuntimeError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
+def test_replicas_that_train_other_parameters_are_refused_at_construction(tmp_path) -> None:
+    """As DDP checks: replica 1 froze a bias replica 0 trains; the first bucket's all-reduce
+    met sizes that did not match, and gloo aborted both processes."""
+    for result in run_scenario(_replicas_training_other_parameters, 2, str(tmp_path)):
+        assert result["error"] and "do not train the same parameters" in result["error"], result
 
 
 def _unfrozen_after_building(rank: int) -> dict:

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -133,6 +135,7 @@ class GradientSynchroniser:
         # never collected, keeping the whole model alive after the caller dropped it.
         on_accumulated = _weak_hook(self._on_accumulated)
         self._hooks = [p.register_post_accumulate_grad_hook(on_accumulated) for p in self.params]
+        self._check_same_parameters(broadcast_buffers and sync_initial_state)
         if sync_initial_state:
             with torch.no_grad():
                 # As DDP: broadcast_buffers=False leaves rank-local buffers as they are.
@@ -142,6 +145,24 @@ class GradientSynchroniser:
             self._hooks.append(module.register_forward_pre_hook(_weak_hook(self._broadcast_buffers)))
         weakref.finalize(self, _remove_handles, list(self._hooks))
         self.reset()
+
+    def _check_same_parameters(self, buffers: bool) -> None:
+        """Every rank of the group must reduce the same parameters (as DDP checks at
+        construction): different shapes make gloo abort the process, or NCCL hang."""
+        shapes = [tuple(p.shape) for p in self.params]
+        everything = [tuple(t.shape) for t in (*self.module.parameters(), *(self.module.buffers() if buffers else ()))]
+        digest = int.from_bytes(hashlib.sha256(repr((shapes, everything)).encode()).digest()[:7], "little")
+        mine = torch.tensor([len(self.params), digest], dtype=torch.int64)
+        device = self.params[0].device if self.params and dist.get_backend(self.group) != "gloo" else None
+        both = torch.cat([mine, -mine]).to(device)
+        self._wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
+        if not torch.equal(both[:2], -both[2:]):
+            raise RuntimeError(
+                f"twobp: GradientSynchroniser: the ranks of the group do not train the same parameters "
+                f"(this rank: {len(self.params)} trainable, shapes {shapes[:4]}{'...' if len(shapes) > 4 else ''}). "
+                "Pass the data-parallel group (the replicas of this rank's pipeline stage, e.g. "
+                "mesh.get_group('dp')), and freeze the same parameters on every replica."
+            )
 
     # -- the step -------------------------------------------------------------------------
 
@@ -362,10 +383,18 @@ class GradientSynchroniser:
                     p.grad.copy_(mean)
 
     def _wait(self, work: object) -> None:
-        if self.timeout is None:
-            work.wait()  # type: ignore[attr-defined]
-        else:
-            work.wait(datetime.timedelta(seconds=self.timeout))  # type: ignore[attr-defined]
+        start = time.perf_counter()
+        try:
+            if self.timeout is None:
+                work.wait()  # type: ignore[attr-defined]
+            else:
+                work.wait(datetime.timedelta(seconds=self.timeout))  # type: ignore[attr-defined]
+        except Exception as error:
+            raise RuntimeError(
+                f"twobp: GradientSynchroniser: a collective over the data-parallel group failed after "
+                f"{time.perf_counter() - start:.1f} s (timeout {self.timeout} s): a rank of the group failed, "
+                f"died, skipped the step or trains other parameters: {error}"
+            ) from error
 
     def _agree_on_order(self) -> None:
         """From now on, launch buckets in the order gradients became final on the first rank."""

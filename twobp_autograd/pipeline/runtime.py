@@ -206,6 +206,10 @@ class PipelineRuntime:
         self.grad_sync = grad_sync
         if grad_sync is not None:
             _check_takes_params(grad_sync)
+            if getattr(grad_sync, "timeout", 0) is None:
+                # Else a replica that failed or hung holds this step's reduction past the runtime's
+                # timeout (up to the process group's, 30 minutes by default).
+                grad_sync.timeout = timeout  # type: ignore[attr-defined]
         self.apply_mode()
         for position, action in enumerate(self.actions):
             if action.kind.is_backward:
@@ -332,7 +336,13 @@ class PipelineRuntime:
         for work, _, what in step.sends:
             self._wait(work, what, step.timer)
         if self.grad_sync is not None:
-            self.grad_sync.finish()
+            try:
+                self.grad_sync.finish()
+            except RuntimeError as error:
+                raise PipelineError(
+                    f"rank {self.rank}: the data-parallel reduction of this step's gradients failed (a "
+                    f"replica of this stage probably failed, died or hung): {error}"
+                ) from error
 
     def _run(self, step: _Step, stage: _Stage, action: Action, *, position: int) -> None:
         kind = action.kind
