@@ -10,8 +10,8 @@ Kept apart from the sweep so the figures can be redrawn without measuring again:
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -399,10 +399,18 @@ def write_all(document: Mapping[str, Any], out: Path, readme: Path | None = None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    out = Path(argv[0]) if argv else Path(__file__).resolve().parent / "results"
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "results", nargs="?", type=Path, help="folder holding pipeline.json (default: benchmarks/results, "
+        "whose figures and tables also go into README.md)"
+    )  # fmt: skip
+    args = parser.parse_args(argv)
+    out = args.results if args.results is not None else Path(__file__).resolve().parent / "results"
+    if not (out / "pipeline.json").is_file():
+        parser.error(f"no pipeline.json in {out}")
     document = json.loads((out / "pipeline.json").read_text())
-    for path in write_all(document, out, readme=None if argv else README):  # the README shows the default results
+    # The README shows the default results only.
+    for path in write_all(document, out, readme=None if args.results is not None else README):
         print(f"wrote {path}")
     return 0
 

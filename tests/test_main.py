@@ -3,6 +3,7 @@ full demo is run by hand: it takes minutes)."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -99,6 +100,21 @@ def _run_demo(arguments: list[str]) -> str:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
+
+
+@pytest.mark.parametrize("micro_batches", [3, 4])
+def test_the_single_process_demo_steps_on_the_whole_batch_loss(micro_batches: int) -> None:
+    """A batch of 9 in 4 micro-batches: torch.chunk gave 3 chunks of 3, each loss divided by 4,
+    so the step and the reported loss took 3/4 of the batch loss; the pipeline demo's was right."""
+    from twobp_autograd.demo.single_process import ModelSide
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    x, y = torch.randn(9, 5), torch.randint(0, 3, (9,))
+    expected = torch.nn.functional.cross_entropy(model(x), y).item()
+    side = ModelSide("plain", model, argparse.Namespace(micro_batches=micro_batches, lr=0.0), twobp=False)
+    side.step(x, y)
+    assert side.losses == [pytest.approx(expected, rel=1e-6)]
 
 
 @pytest.mark.parametrize("stages", [2, 1], ids=["pipeline-2-stages", "single-process"])

@@ -66,10 +66,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
+    if args.micro_batches < 1 or args.epochs < 1:
+        parser.error("--micro-batches and --epochs must be at least 1")
     if args.batch_size < args.micro_batches:
         parser.error("--batch-size must be at least --micro-batches")
     if args.stages < 1 or (args.max_steps is not None and args.max_steps < 1):
         parser.error("--stages and --max-steps must be at least 1")
+    if args.timeline and not os.path.isdir(os.path.dirname(os.path.abspath(args.timeline))):
+        parser.error(f"--timeline: no directory {os.path.dirname(os.path.abspath(args.timeline))!r}")
     if args.stages > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks are the stages
         from ..pipeline.launch import run_as_ranks
         from .pipeline import rank_main

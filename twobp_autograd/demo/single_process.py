@@ -31,8 +31,11 @@ class ModelSide(Side):
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
-        for micro_x, micro_y in zip(x.chunk(self.micro_batches), y.chunk(self.micro_batches), strict=True):
-            loss = F.cross_entropy(self.model(micro_x), micro_y) / self.micro_batches
+        # tensor_split, as the pipeline runtime: exactly m micro-batches, each weighted by its share
+        for micro_x, micro_y in zip(
+            x.tensor_split(self.micro_batches), y.tensor_split(self.micro_batches), strict=True
+        ):
+            loss = F.cross_entropy(self.model(micro_x), micro_y) * (len(micro_y) / len(y))
             loss.backward()  # patched: backward-p1 only, the weight-gradient work is queued
             total += loss.item()
         if self.twobp:

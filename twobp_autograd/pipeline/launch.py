@@ -74,6 +74,8 @@ def run_as_ranks(rank_main: Callable[[Any], None], args: Any, nprocs: int) -> No
     if "RANK" in os.environ:
         rank_main(args)
         return
+    if nprocs < 1:
+        raise ValueError(f"twobp: run_as_ranks needs at least one rank, got nprocs={nprocs}")
     rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nprocs)}
     saved = {name: os.environ.get(name) for name in rendezvous}
     os.environ.update(rendezvous)  # the spawned ranks inherit it
