@@ -68,6 +68,42 @@ def test_a_grad_reader_before_the_flush_is_refused_and_changes_nothing(read: Cal
     twobp.flush_weight_grads()
 
 
+def _own_unscale_scaler() -> torch.amp.GradScaler:
+    """A GradScaler subclass defined after the guards, whose unscale_ does not call GradScaler's
+    (as FSDP's ShardedGradScaler, whose step calls its own): it read the scaled .grad unguarded."""
+
+    class OwnUnscale(torch.amp.GradScaler):
+        def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.grad.div_(self.get_scale())
+
+    return OwnUnscale("cpu", init_scale=4.0)
+
+
+def _sharded_scaler() -> torch.amp.GradScaler:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    return ShardedGradScaler("cpu", init_scale=4.0)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("make", [_own_unscale_scaler, _sharded_scaler], ids=["own-subclass", "ShardedGradScaler"])
+def test_a_scaler_subclass_with_its_own_unscale_is_refused_before_the_flush(
+    make: Callable[[], torch.amp.GradScaler],
+) -> None:
+    """ShardedGradScaler's unscale_ before the flush ran: the flush then added still-scaled
+    gradients and the step used them (parameters 20-50 off)."""
+    model = twobp.patch(_model())
+    scaler = make()
+    scaler.scale(model(torch.randn(4, 6)).pow(2).sum()).backward()
+    with pytest.raises(RuntimeError, match=r"twobp: GradScaler.unscale_"):
+        scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
+    assert model[0].weight.grad is None
+    twobp.discard_weight_grads()
+
+
 @pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())
 def test_a_grad_reader_after_the_flush_runs_as_on_plain_autograd(read: Callable[[nn.Module], object]) -> None:
     model = _model()

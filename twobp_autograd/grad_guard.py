@@ -279,17 +279,36 @@ def _refusing_while_queued(clip: Callable[..., Any], name: str, wait: bool = Tru
 
 
 def _guard_unscale() -> None:
+    """``GradScaler.unscale_`` and every subclass's own (FSDP's ``ShardedGradScaler`` overrides
+    it without calling it, and its ``step`` calls its own): those defined already, and those
+    defined later (through ``__init_subclass__``, so that guarding imports nothing)."""
     from torch.amp import GradScaler
 
-    original = GradScaler.unscale_
+    def guard(owner: type) -> None:
+        if "unscale_" in owner.__dict__:
+            owner.unscale_ = _refusing_unscale(owner.__dict__["unscale_"])  # type: ignore[attr-defined]
 
+    pending = [GradScaler]
+    while pending:
+        owner = pending.pop()
+        guard(owner)
+        pending.extend(owner.__subclasses__())
+
+    def guard_subclass(cls: type[GradScaler], **kwargs: Any) -> None:
+        super(GradScaler, cls).__init_subclass__(**kwargs)
+        guard(cls)
+
+    GradScaler.__init_subclass__ = classmethod(guard_subclass)  # type: ignore[assignment]
+
+
+def _refusing_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
-    def unscale_(self: GradScaler, optimizer: torch.optim.Optimizer) -> None:
+    def unscale_(self: Any, optimizer: torch.optim.Optimizer) -> None:
         if self.is_enabled():
             refuse_if_queued(_optimizer_params(optimizer), "GradScaler.unscale_ (or scaler.step())")
         original(self, optimizer)
 
-    GradScaler.unscale_ = unscale_  # type: ignore[method-assign]
+    return unscale_
 
 
 def _flush_before_pipeline_grad_scaling() -> None:
