@@ -52,7 +52,11 @@ from . import fsdp_hooks
 from .flush import OWN_HOOK_MARK, check_count, run_jobs
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 
-__all__ = ["GradientSynchroniser", "broadcast_tensors"]
+__all__ = ["GradientSynchroniser", "ReductionFailed", "broadcast_tensors"]
+
+class ReductionFailed(RuntimeError):
+    """A collective of the synchroniser failed or timed out: a peer failed, died or hung."""
+
 
 _FIRST_BUCKET_BYTES = 1 << 20  # small, so communication starts early (DDP does the same)
 
@@ -153,8 +157,7 @@ class GradientSynchroniser:
         everything = [tuple(t.shape) for t in (*self.module.parameters(), *(self.module.buffers() if buffers else ()))]
         digest = int.from_bytes(hashlib.sha256(repr((shapes, everything)).encode()).digest()[:7], "little")
         mine = torch.tensor([len(self.params), digest], dtype=torch.int64)
-        device = self.params[0].device if self.params and dist.get_backend(self.group) != "gloo" else None
-        both = torch.cat([mine, -mine]).to(device)
+        both = torch.cat([mine, -mine]).to(self._collective_device())
         self._wait(dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group, async_op=True))
         if not torch.equal(both[:2], -both[2:]):
             raise RuntimeError(
@@ -390,17 +393,28 @@ class GradientSynchroniser:
             else:
                 work.wait(datetime.timedelta(seconds=self.timeout))  # type: ignore[attr-defined]
         except Exception as error:
-            raise RuntimeError(
+            limit = "no timeout" if self.timeout is None else f"timeout {self.timeout:g} s"
+            raise ReductionFailed(
                 f"twobp: GradientSynchroniser: a collective over the data-parallel group failed after "
-                f"{time.perf_counter() - start:.1f} s (timeout {self.timeout} s): a rank of the group failed, "
-                f"died, skipped the step or trains other parameters: {error}"
+                f"{time.perf_counter() - start:.1f} s ({limit}): a rank of the group failed, died, "
+                f"skipped the step or trains other parameters: {error}"
             ) from error
+
+    def _collective_device(self) -> torch.device:
+        """Where this group's small collectives run: the host for gloo, the GPU for NCCL (a rank
+        with no trainable parameter, a frozen pipeline stage, has none to take it from)."""
+        backend = dist.get_backend(self.group)
+        if backend == "gloo":
+            return torch.device("cpu")
+        if self.params:
+            return self.params[0].device
+        return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     def _agree_on_order(self) -> None:
         """From now on, launch buckets in the order gradients became final on the first rank."""
         seen = set(self._observed)
         order = [*self._observed, *(i for i in reversed(range(len(self.params))) if i not in seen)]
-        device = self.params[0].device if self.params and dist.get_backend(self.group) != "gloo" else None
+        device = self._collective_device()
         shared = torch.tensor(order, dtype=torch.int64, device=device)
         self._wait(dist.broadcast(shared, group_src=0, group=self.group, async_op=True))
         self._build_buckets(shared.tolist())

@@ -157,8 +157,8 @@ class WeightGradQueue:
         self._jobs: list[WeightGradJob] = []
         self._held: dict[tuple[int, torch.device], list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
-        # Reentrant: a backward's end is noted from its graph task's destruction, which can come
-        # on any thread at any moment autograd frees it (_BackwardEnd).
+        # Reentrant, as a safeguard: a backward's end is noted when autograd frees its graph task
+        # (_BackwardEnd), on whichever thread drops it last.
         self._lock = threading.RLock()
         self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
         self._flight_landed = threading.Condition(self._lock)
@@ -485,6 +485,13 @@ class WeightGradQueue:
             # thread drops its graph task, a moment after the caller has seen the exception.
             self._backward_ended.wait_for(lambda: not elsewhere(), timeout=_RAISED_BACKWARD_GRACE_S)
             running_elsewhere = elsewhere()
+            on_device_threads = all(self._running_backwards[task] is None for task in running_elsewhere)
+        if running_elsewhere and current >= 0 and on_device_threads:
+            raise RuntimeError(
+                "twobp: flush from inside a backward (a hook, a reentrant checkpoint's nested backward) "
+                "while another backward that feeds this queue runs on autograd's device thread (CUDA), "
+                "maybe the one enclosing it: flush after the backward instead."
+            )
         if running_elsewhere:
             raise RuntimeError(
                 "twobp: flush while a backward pass that feeds this queue is still running on "

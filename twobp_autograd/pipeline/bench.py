@@ -80,9 +80,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(list(argv) if argv is not None else None)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be at least 1 and --warmup at least 0")
-    for flag in ("micro_batches", "batch_size", "width", "depth", "seq_len", "threads"):
+    for flag in ("micro_batches", "batch_size", "width", "depth", "seq_len", "image_size", "threads"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be at least 1")
+    if args.timeout <= 0:
+        parser.error("--timeout must be positive")
     if args.nproc < 1 or args.weight_grad_streams < 1:
         parser.error("--nproc and --weight-grad-streams must be at least 1")
     if args.offload and not torch.cuda.is_available():

@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .. import WeightGradQueue, patch, unpatch, use_queue
+from ..data_parallel import ReductionFailed
 from ..queue import PendingWork
 from ..warn_once import warn_once
 from .actions import Action, ActionKind, Message, Payload
@@ -338,7 +339,7 @@ class PipelineRuntime:
         if self.grad_sync is not None:
             try:
                 self.grad_sync.finish()
-            except RuntimeError as error:
+            except ReductionFailed as error:
                 raise PipelineError(
                     f"rank {self.rank}: the data-parallel reduction of this step's gradients failed (a "
                     f"replica of this stage probably failed, died or hung): {error}"
