@@ -262,6 +262,12 @@ def _attend_by_sdpa(module: nn.Module, x: Tensor) -> Tensor:
     return module(x, x, x, need_weights=False)[0]
 
 
+def _attend_across(module: nn.Module, x: Tensor) -> Tensor:
+    """Cross-attention: keys and values of their own length (5), from x's batch."""
+    memory = torch.linspace(-1.0, 1.0, x.shape[0] * 5 * x.shape[-1]).reshape(x.shape[0], 5, x.shape[-1])
+    return module(x, memory, memory)[0]
+
+
 #: Empty tensors other than a batch of 0: plain accepts some, refuses others.
 EMPTY_ELSEWHERE = [
     Empty("conv2d-empty-spatial", lambda: nn.Conv2d(3, 4, 3), (2, 3, 0, 0)),
@@ -279,6 +285,26 @@ EMPTY_ELSEWHERE = [
     Empty("embedding-no-features", lambda: nn.Embedding(NUM_EMBEDDINGS, 0), (2, 3)),
     Empty(
         "multihead-attention-empty-sequence", lambda: nn.MultiheadAttention(4, 2, batch_first=True), (2, 0, 4), _attend
+    ),
+    # Kernels told which outputs each backward reached: no rows must still read "reached"
+    # (plain gives zeros; None made a weight-decay step skip the parameters).
+    Empty(
+        "multihead-attention-cross-empty-batch",
+        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+        (0, 3, 4),
+        _attend_across,
+    ),
+    Empty(
+        "multihead-attention-cross-empty-query",
+        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
+        (2, 0, 4),
+        _attend_across,
+    ),
+    Empty(
+        "multihead-attention-bias-kv-empty-batch",
+        lambda: nn.MultiheadAttention(4, 2, batch_first=True, add_bias_kv=True),
+        (0, 3, 4),
+        _attend,
     ),
     Empty(
         "multihead-attention-sdpa-empty-batch",

@@ -1254,6 +1254,19 @@ def test_recompute_rule_on_a_module_with_an_output_without_gradient():
     assert_grads_match(patched, reference, torch.float64)
 
 
+def test_recompute_rule_on_an_empty_batch_gives_zeros_as_plain():
+    """A module with two outputs called on a batch of 0: plain gives its parameter a zero
+    gradient; the kernel read "no output reached" from the empty flags and left None."""
+    twobp.register(Shaped, twobp.ops.recompute)
+    patched, reference = patched_and_reference(Shaped("list"))
+    x = torch.randn(0, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        sum(out.sum() for out in model(x)).backward()
+    twobp.flush_weight_grads()
+    assert patched.weight.grad is not None
+    assert_grads_match(patched, reference, torch.float64)
+
+
 class Shaped(nn.Module):
     """Returns its product in a container of the kind asked for, with what else is asked for."""
 

@@ -308,7 +308,9 @@ class _WeightGradTap(torch.autograd.Function):
         given = _zeros_where_none(ctx, grad_outputs)
         if spec.saves_reached:
             reached = torch.tensor([g is not None for g in grad_outputs], device=saved[0].device)
-            saved = (*saved, reached.expand(saved[0].shape[0], len(grad_outputs)))
+            # At least one row: a micro-batch of no rows (a batch of 0, a query of length 0)
+            # still reached its outputs, and plain autograd gives its parameters zeros, not None.
+            saved = (*saved, reached.expand(max(saved[0].shape[0], 1), len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
 
@@ -465,7 +467,7 @@ def defer_weight_grads(
     changes before the flush are refused there), not in a partial, which nothing checks.
 
     ``saves_reached`` (with several outputs): the kernel's last saved tensor is then a bool
-    ``(batch, outputs)`` (batch: ``saved[0]``'s dim 0) saying which outputs each micro-batch's
+    ``(rows, outputs)`` (rows: ``saved[0]``'s dim 0, at least one) saying which outputs each micro-batch's
     backward reached (the others' output gradients are zeros), so that a parameter no backward
     reached through them can stay None, as in plain autograd."""
     if isinstance(params, Tensor) or isinstance(saved, Tensor):
