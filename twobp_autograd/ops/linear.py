@@ -29,24 +29,26 @@ __all__ = ["linear", "linear_forward", "linear_weight_grad"]
 
 
 def linear_weight_grad(
-    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool]
+    saved: Sequence[Tensor], grad_outputs: Sequence[Tensor], needs: Sequence[bool], *, transposed: bool = False
 ) -> list[Tensor | None]:
-    """Summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
+    """``g^T x`` (``x^T g`` for a weight stored ``(in, out)``, ``transposed``: Hugging Face's
+    ``Conv1D``), summed in fp32 for bf16/fp16 operands (see :mod:`.precision`)."""
     (grad,) = grad_outputs  # rows already, as the forward computed them
     need_weight, need_bias = needs
     accumulate = accumulation_dtype(grad.dtype)
     weight_grad = None
     if need_weight:
         (rows,) = saved  # saved only for a weight that needs a gradient
+        first, second = (rows, grad) if transposed else (grad, rows)
         if accumulate == grad.dtype:
-            weight_grad = grad.t().mm(rows)
+            weight_grad = first.t().mm(second)
         elif grad.is_cuda:  # reduced-precision GEMM, fp32 result
-            weight_grad = torch.mm(grad.t(), rows, out_dtype=accumulate)
+            weight_grad = torch.mm(first.t(), second, out_dtype=accumulate)
         else:
             # Outside autocast (a flush re-enters the backward's): it would run the fp32 product
             # in bf16 again, rounding the whole joined sum once.
             with torch.autocast("cpu", enabled=False):
-                weight_grad = grad.t().to(accumulate).mm(rows.to(accumulate))
+                weight_grad = first.t().to(accumulate).mm(second.to(accumulate))
     bias_grad = grad.sum(0, dtype=accumulate) if need_bias else None
     return [weight_grad, bias_grad]
 

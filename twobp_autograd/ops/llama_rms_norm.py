@@ -18,7 +18,6 @@ either side costs speed, never a gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import CodeType
 from typing import cast
 
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor, nn
 from ..deferral import defer_weight_grads, detached
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
+from .verdicts import Verdicts, judged_once, same_forward_code
 
 __all__ = ["llama_rms_norm", "computes_like_llama_rms_norm", "llama_rms_norm_weight_grad"]
 
@@ -70,23 +70,16 @@ def llama_rms_norm(module: nn.Module, hidden_states: Tensor) -> Tensor:
 def computes_like_llama_rms_norm(module_type: type) -> bool:
     """Whether ``module_type.forward`` is the installed ``LlamaRMSNorm.forward`` (same code) and
     that forward computes exactly :func:`llama_rms_norm`'s output (checked once)."""
-    judged = _verdicts.get(module_type)
-    if judged is not None and judged[0] is _code_of(module_type):
-        return judged[1]
-    return _judged(module_type)
+    return judged_once(module_type, _verdicts, _computes_like_llama)
 
 
-#: module type -> (the forward's code judged, computes_like_llama_rms_norm), asked on every call:
-#: a class whose forward (or its code) is replaced since, by a Gemma-style ``1 + weight``, is judged again.
-_verdicts: dict[type, tuple[CodeType | None, bool]] = {}
+#: A class whose forward (or its code) is replaced since, by a Gemma-style ``1 + weight``, is judged again.
+_verdicts: Verdicts = {}
 
 
-@torch.compiler.disable  # a first call traced by torch.compile: its fake tensors compare as nothing
-def _judged(module_type: type) -> bool:
+def _computes_like_llama(module_type: type) -> bool:
     reference = _llama_rms_norm_class()
-    verdict = reference is not None and _same_code(module_type, reference) and _llama_matches_this_rule(reference)
-    _verdicts[module_type] = (_code_of(module_type), verdict)
-    return verdict
+    return reference is not None and same_forward_code(module_type, reference) and _llama_matches_this_rule(reference)
 
 
 def _llama_rms_norm_class() -> type[nn.Module] | None:
@@ -95,17 +88,6 @@ def _llama_rms_norm_class() -> type[nn.Module] | None:
     except ImportError:
         return None
     return LlamaRMSNorm
-
-
-def _code_of(module_type: type) -> CodeType | None:
-    return getattr(getattr(module_type, "forward", None), "__code__", None)
-
-
-def _same_code(module_type: type, reference: type) -> bool:
-    code, expected = _code_of(module_type), _code_of(reference)
-    if code is None or expected is None:
-        return False
-    return (code.co_code, code.co_consts, code.co_names) == (expected.co_code, expected.co_consts, expected.co_names)
 
 
 def _llama_matches_this_rule(reference: type[nn.Module]) -> bool:
