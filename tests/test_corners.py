@@ -262,6 +262,10 @@ def _attend_by_sdpa(module: nn.Module, x: Tensor) -> Tensor:
     return module(x, x, x, need_weights=False)[0]
 
 
+def _batch_first_attention() -> nn.Module:
+    return nn.MultiheadAttention(4, 2, batch_first=True)
+
+
 def _attend_across(module: nn.Module, x: Tensor) -> Tensor:
     """Cross-attention: keys and values of their own length (5), from x's batch."""
     memory = torch.linspace(-1.0, 1.0, x.shape[0] * 5 * x.shape[-1]).reshape(x.shape[0], 5, x.shape[-1])
@@ -288,17 +292,9 @@ EMPTY_ELSEWHERE = [
     ),
     # Kernels told which outputs each backward reached: no rows must still read "reached"
     # (plain gives zeros; None made a weight-decay step skip the parameters).
-    Empty(
-        "multihead-attention-cross-empty-batch",
-        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
-        (0, 3, 4),
-        _attend_across,
-    ),
-    Empty(
-        "multihead-attention-cross-empty-query",
-        lambda: nn.MultiheadAttention(4, 2, batch_first=True),
-        (2, 0, 4),
-        _attend_across,
+    *(
+        Empty(f"multihead-attention-cross-{what}", _batch_first_attention, shape, _attend_across)
+        for what, shape in (("empty-batch", (0, 3, 4)), ("empty-query", (2, 0, 4)))
     ),
     Empty(
         "multihead-attention-bias-kv-empty-batch",
