@@ -391,3 +391,42 @@ def test_inside_a_transformer_decoder_layer(batch_first):
     assert model.inner.multihead_attn.in_proj_weight.grad is None
     twobp.flush_weight_grads()
     assert_grads_match(model, reference)
+
+
+class _DropConnect(nn.Module):
+    """A parametrization drawing a fresh mask at every read."""
+
+    def forward(self, weight: Tensor) -> Tensor:
+        return weight * (torch.rand_like(weight) > 0.3)
+
+
+@pytest.mark.filterwarnings("ignore:twobp. MultiheadAttention called with a parametrized weight")
+@pytest.mark.parametrize("which", ["spectral-norm-in-proj", "drop-connect-in-proj", "drop-connect-out-proj"])
+def test_a_parametrized_weight_read_as_often_as_plain_reads_it(which: str) -> None:
+    """Plain's forward reads in_proj_weight three times in training (its fast-path checks), and
+    a parametrization runs at each read: spectral_norm's power iteration moved its buffers on
+    three times, a random mask drew three times. The deferred forward read it once: outputs,
+    gradients (1e-4 to 2 off) and buffers apart, silently. Such a module keeps plain's forward."""
+    torch.manual_seed(0)
+    reference = nn.MultiheadAttention(8, 2, batch_first=True).double()
+    patched = twobp.patch(copy.deepcopy(reference))
+    for module in (patched, reference):
+        torch.manual_seed(2)  # spectral_norm starts its power iteration from random vectors
+        if which == "spectral-norm-in-proj":
+            nn.utils.parametrizations.spectral_norm(module, "in_proj_weight")
+        else:
+            target = module.out_proj if which == "drop-connect-out-proj" else module
+            name = "weight" if which == "drop-connect-out-proj" else "in_proj_weight"
+            nn.utils.parametrize.register_parametrization(target, name, _DropConnect())
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    outputs = []
+    for module in (patched, reference):
+        torch.manual_seed(1)
+        out = module(x, x, x)[0]
+        out.pow(2).sum().backward()
+        outputs.append(out)
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    assert_grads_match(patched, reference, torch.float64)
+    for (name, buffer), expected in zip(patched.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(buffer, expected, rtol=0, atol=0, msg=name)

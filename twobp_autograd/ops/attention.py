@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.utils.parametrize import is_parametrized
 
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
@@ -169,6 +170,12 @@ def multihead_attention(
     # the plain forward says so.) The parameters need no look: they meet the inputs in a GEMM,
     # which refuses mixed dtypes.
     reason = unsupported_tensors(query, key, value)
+    if reason is None and (is_parametrized(module) or is_parametrized(module.out_proj)):
+        # Plain's forward reads in_proj_weight and in_proj_bias more than once (its fast-path
+        # checks), and a parametrization runs at each read: a stateful (spectral_norm's power
+        # iteration) or random one then computes other values. Its weight is no leaf, so it would
+        # not be deferred anyway.
+        reason = "a parametrized weight (a parametrization runs at every read, as many as plain's)"
     if reason is not None:
         return plain_forward(
             module, reason, query, key, value,
