@@ -5,6 +5,7 @@ a whole GPT-2 deferred and equal, and classes with another forward kept on plain
 from __future__ import annotations
 
 import copy
+import importlib
 import warnings
 
 import pytest
@@ -115,3 +116,36 @@ def test_unregistered_it_stays_on_plain_autograd() -> None:
     twobp.registry.unregister(Conv1D)
     report = twobp.patch(nn.Sequential(Conv1D(3, 5)), report=True)
     assert "0" in report.skipped
+
+
+def test_the_first_call_leaves_the_random_stream_as_plain_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one-time check builds a Conv1D, whose __init__ draws from the global generator: it
+    shifted every later draw (GPT-2's dropout masks, 28 gradients apart from plain's)."""
+    monkeypatch.setattr(importlib.import_module("twobp_autograd.ops.hf_conv1d"), "_verdicts", {})
+    layer = twobp.patch(Conv1D(3, 5))
+    state = torch.random.get_rng_state()
+    layer(torch.ones(2, 5))
+    assert torch.equal(torch.random.get_rng_state(), state)
+    twobp.discard_weight_grads()
+
+
+def test_a_first_call_under_fake_tensors_is_judged_on_real_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shape estimate under FakeTensorMode: the check's torch.equal raised on fake tensors, on
+    every call (no verdict was kept)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(importlib.import_module("twobp_autograd.ops.hf_conv1d"), "_verdicts", {})
+    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+        layer = twobp.patch(Conv1D(3, 5))
+        out = layer(mode.from_tensor(torch.ones(2, 4, 5)))
+    assert out.shape == (2, 4, 3) and computes_like_hf_conv1d(Conv1D)
+    twobp.discard_weight_grads()
+
+
+def test_a_stale_nf_fails_as_in_plain() -> None:
+    """Conv1D shapes its output by nf: a weight replaced by one of another width fails there."""
+    patched, reference = patched_and_reference(Conv1D(3, 5))
+    for model in (patched, reference):
+        model.weight, model.bias = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.zeros(4))
+        with pytest.raises(RuntimeError, match="is invalid"):
+            model(torch.randn(2, 4, 5))

@@ -45,7 +45,7 @@ def hf_conv1d(module: nn.Module, x: Tensor) -> Tensor:
     saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
     kernel, group = configured_kernel(linear_weight_grad, transposed=True)
     output = defer_weight_grads(output, (weight, bias), saved, kernel, group=group)
-    return output.view(*x.size()[:-1], weight.shape[-1])
+    return output.view(*x.size()[:-1], cast(int, module.nf))  # as Conv1D.forward shapes it (a stale nf fails there)
 
 
 def computes_like_hf_conv1d(module_type: type) -> bool:

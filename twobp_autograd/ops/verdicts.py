@@ -11,6 +11,7 @@ from collections.abc import Callable
 from types import CodeType
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 __all__ = ["Verdicts", "judged_once", "same_forward_code"]
 
@@ -31,7 +32,11 @@ def judged_once(module_type: type, verdicts: Verdicts, judge: Callable[[type], b
 
 @torch.compiler.disable  # a first call traced by torch.compile: its fake tensors compare as nothing
 def _judge(judge: Callable[[type], bool], module_type: type) -> bool:
-    return judge(module_type)
+    # A judge builds the reference class (Conv1D's __init__ draws its weight from the global RNG)
+    # and compares real values: keep the caller's RNG stream as plain's, and leave any dispatch
+    # mode the first call runs under (FakeTensorMode, FlopCounterMode) out of the check.
+    with torch.random.fork_rng(devices=[]), _disable_current_modes():
+        return judge(module_type)
 
 
 def same_forward_code(module_type: type, reference: type) -> bool:
