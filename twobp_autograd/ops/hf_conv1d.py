@@ -1,8 +1,8 @@
 """Hugging Face's ``Conv1D`` (GPT-2's, GPT's: every projection of their attention and MLP): a
 linear layer whose weight is stored ``(in, out)``, computed as ``addmm(bias, rows, weight)``.
-This rule runs that very op with the parameters detached (autograd takes the input gradient
-through it, as in plain) and queues ``x^T g`` and ``sum(g)``, joined over all queued micro-batches
-like a Linear's.
+This rule runs that very op as a Linear's rule runs its own (one autograd node whose backward
+takes the input gradient by addmm's formula, or the op under autograd and a tap under autocast)
+and queues ``x^T g`` and ``sum(g)``, joined over all queued micro-batches like a Linear's.
 
 A class qualifies by its forward (see :mod:`.verdicts`): the installed ``Conv1D.forward``'s code,
 which must compute exactly this rule's output (checked once). Register it:
@@ -16,19 +16,11 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ..deferral import configured_kernel, defer_weight_grads, detached
 from .fallback import plain_forward, unsupported_tensors
-from .linear import linear_weight_grad
+from .linear import deferred_rows_product
 from .verdicts import Verdicts, judged_once, same_forward_code
 
 __all__ = ["hf_conv1d", "computes_like_hf_conv1d"]
-
-
-def _product(x: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor]:
-    """The rows and the 2-D product, as ``Conv1D.forward`` computes them (``view``: a
-    non-contiguous input fails as it does there)."""
-    rows = x.view(-1, x.size(-1))
-    return rows, torch.addmm(bias, rows, weight)  # type: ignore[arg-type]  # bias None fails as in Conv1D
 
 
 def hf_conv1d(module: nn.Module, x: Tensor) -> Tensor:
@@ -40,11 +32,8 @@ def hf_conv1d(module: nn.Module, x: Tensor) -> Tensor:
     reason = unsupported_tensors(x, weight, bias)
     if reason is not None:
         return plain_forward(module, reason, x)
-    rows, output = _product(x, detached(weight), detached(bias))
-    # Saved in the dtype the product ran in (autocast's), only for a weight that needs a gradient.
-    saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
-    kernel, group = configured_kernel(linear_weight_grad, transposed=True)
-    output = defer_weight_grads(output, (weight, bias), saved, kernel, group=group)
+    rows = x.view(-1, x.size(-1))  # as Conv1D.forward: a non-contiguous input fails as there
+    output = deferred_rows_product(rows, weight, bias, transposed=True)
     return output.view(*x.size()[:-1], cast(int, module.nf))  # as Conv1D.forward shapes it (a stale nf fails there)
 
 
@@ -80,5 +69,5 @@ def _conv1d_matches_this_rule(reference: type[nn.Module]) -> bool:
         bias.copy_(torch.randn(3, generator=generator))
         x = torch.randn(2, 5, 4, generator=generator)
         expected = layer(x)
-        ours = _product(x, weight, bias)[1].view(2, 5, 3)
+        ours = torch.addmm(bias, x.view(-1, 4), weight).view(2, 5, 3)  # what deferred_rows_product computes
         return expected.dtype == ours.dtype and torch.equal(expected, ours)

@@ -14,6 +14,7 @@ from torch.nn.modules.linear import NonDynamicallyQuantizableLinear
 
 from ..deferral import (
     ParamDeferral,
+    configured_kernel,
     defer_weight_grads,
     detached,
     param_from_input,
@@ -25,7 +26,7 @@ from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
-__all__ = ["linear", "linear_forward", "linear_weight_grad"]
+__all__ = ["linear", "linear_forward", "linear_weight_grad", "deferred_rows_product"]
 
 
 def linear_weight_grad(
@@ -58,27 +59,60 @@ class _DeferredLinear(torch.autograd.Function):
     """``F.linear`` on 2-D rows as one autograd node (the op and its tap in one): its backward
     computes the input gradient by autograd's own formula for ``mm``'s first operand and routes
     the parameters' work as the tap does. Taken only where that formula is all plain autograd
-    does: no autocast cast to replay, no forward-mode AD, dense strided tensors."""
+    does: no autocast cast to replay, no forward-mode AD, dense strided tensors. ``transposed``:
+    a weight stored ``(in, out)``, computed as ``addmm(bias, rows, weight)`` (Hugging Face's
+    ``Conv1D``)."""
 
     @staticmethod
-    def forward(ctx: Any, deferral: ParamDeferral, rows: Tensor, weight: Tensor, bias_input: Tensor) -> Tensor:
-        ctx.deferral = deferral
+    def forward(
+        ctx: Any, deferral: ParamDeferral, transposed: bool, rows: Tensor, weight: Tensor, bias_input: Tensor
+    ) -> Tensor:
+        ctx.deferral, ctx.transposed = deferral, transposed
         # Each only where addmm saves it: the weight for the input's gradient, the input for the
         # weight's. A first layer's weight may change in place before backward (an EMA of the
         # weights), and so may a frozen layer's input (a residual added in place), as in plain.
-        needs_input, needs_weight = ctx.needs_input_grad[1:3]
+        needs_input, needs_weight = ctx.needs_input_grad[2:4]
         ctx.save_for_backward(rows if needs_weight else None, weight if needs_input else None)
         ctx.column_major = rows.stride(0) == 1 and rows.stride(1) == rows.shape[0]
-        return F.linear(rows, weight, param_from_input(bias_input))
+        bias = param_from_input(bias_input)
+        if transposed:
+            return torch.addmm(bias, rows, weight)  # type: ignore[arg-type]  # with a bias only
+        return F.linear(rows, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
-        grad_rows = _rows_grad(grad, weight, ctx.column_major) if weight is not None else None
+        if weight is not None:
+            grad_rows = _rows_grad(grad, weight.t() if ctx.transposed else weight, ctx.column_major)
+        else:
+            grad_rows = None
         deferral: ParamDeferral = ctx.deferral
         saved = (rows,) if rows is not None else ()
-        param_grads = deferral.route(ctx, linear_weight_grad, linear_weight_grad, None, saved, (grad,))
-        return (None, grad_rows, *param_grads)
+        kernel, group = _TRANSPOSED_KERNEL if ctx.transposed else (linear_weight_grad, linear_weight_grad)
+        param_grads = deferral.route(ctx, kernel, group, None, saved, (grad,))
+        return (None, None, grad_rows, *param_grads)
+
+
+#: The weight kernel of a weight stored ``(in, out)``, and its group.
+_TRANSPOSED_KERNEL = configured_kernel(linear_weight_grad, transposed=True)
+
+
+def deferred_rows_product(rows: Tensor, weight: Tensor, bias: Tensor | None, *, transposed: bool = False) -> Tensor:
+    """``rows @ weight.t() + bias`` (``rows @ weight + bias`` where ``transposed``) on 2-D rows,
+    with the parameters' gradients deferred: one node where :func:`single_node_applies`, else the
+    op under autograd and a tap."""
+    if single_node_applies(rows, weight) and (bias is not None or not transposed):
+        deferral = ParamDeferral.at_forward((weight, bias))
+        return _DeferredLinear.apply(deferral, transposed, rows, weight, *param_inputs((bias,)))
+    if transposed:
+        output = torch.addmm(detached(bias), rows, detached(weight))  # type: ignore[arg-type]  # None fails as in Conv1D
+    else:
+        output = F.linear(rows, detached(weight), detached(bias))
+    # Saved in the dtype the product ran in (autocast's), as plain autograd would; only for a
+    # weight that needs a gradient, as plain saves it.
+    saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
+    kernel, group = _TRANSPOSED_KERNEL if transposed else (linear_weight_grad, linear_weight_grad)
+    return defer_weight_grads(output, (weight, bias), saved, kernel, group=group)
 
 
 def _rows_grad(grad: Tensor, weight: Tensor, column_major: bool) -> Tensor:
@@ -98,15 +132,7 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     if input.dim() == 0:
         return F.linear(input, weight, bias)  # plain's error (one feature would run on as a row)
     rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
-    if single_node_applies(rows, weight):
-        deferral = ParamDeferral.at_forward((weight, bias))
-        output = _DeferredLinear.apply(deferral, rows, weight, *param_inputs((bias,)))
-    else:
-        output = F.linear(rows, detached(weight), detached(bias))
-        # Saved in the dtype the product ran in (autocast's), as plain autograd would; only for
-        # a weight that needs a gradient, as plain saves it.
-        saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
-        output = defer_weight_grads(output, (weight, bias), saved, linear_weight_grad)
+    output = deferred_rows_product(rows, weight, bias)
     if input.dim() == 2:
         return output
     # Shaped as aten::linear returns it: with a bias a view of the 2-D product (addmm, then view),
