@@ -142,6 +142,25 @@ def test_compiled_autograd_takes_the_weight_gradients_in_backward():
     assert_grads_match(patched, reference, torch.float64)
 
 
+def test_compiled_autograd_over_batch_norm_with_a_new_batch_size_matches_autograd():
+    """The second batch size makes Dynamo trace BatchNorm's backward with a symbolic batch:
+    _batch_norm_impl_index_backward reads numel(), which those fake tensors refuse (it crashed)."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    patched, reference = patched_and_reference(
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2)).double()
+    )
+    for batch in (4, 5, 6):
+        x = torch.randn(batch, 3, 6, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            loss = model(x).pow(2).sum()
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                loss.backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 def test_a_compiled_function_running_backward_matches_autograd():
     """The weight-gradient bookkeeping traced inside a compiled function that calls backward
     read version counters wrong (a false "modified in place" refusal at the flush)."""

@@ -102,10 +102,19 @@ class _TrainingBatchNorm(torch.autograd.Function):
             grad_output = grad_output.contiguous(memory_format=suggest_memory_format(input))
         if need_input or need_weight or need_bias:
             # Autograd's own derivative of the backend's op in training, all outputs at once.
-            grad_input, grad_weight, grad_bias = torch.ops.aten._batch_norm_impl_index_backward(
-                ctx.backend, input, grad_output, weight, *ctx.running_stats, save_mean, save_invstd, True,
-                ctx.eps, [need_input, need_weight, need_bias], reserve,
-            )  # fmt: skip
+            mask = [need_input, need_weight, need_bias]
+            if ctx.backend == _NATIVE:
+                # What _batch_norm_impl_index_backward runs for ATen's kernels, called directly:
+                # that wrapper reads numel(), which Dynamo's fake tensors with a symbolic batch
+                # refuse (compiled autograd, a compiled function calling backward).
+                grad_input, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
+                    grad_output, input, weight, *ctx.running_stats, save_mean, save_invstd, True, ctx.eps, mask
+                )
+            else:
+                grad_input, grad_weight, grad_bias = torch.ops.aten._batch_norm_impl_index_backward(
+                    ctx.backend, input, grad_output, weight, *ctx.running_stats, save_mean, save_invstd, True,
+                    ctx.eps, mask, reserve,
+                )  # fmt: skip
         param_grads = deferral.defer_finished(
             [weight_decision, bias_decision],
             [grad_weight if need_weight else None, grad_bias if need_bias else None],
