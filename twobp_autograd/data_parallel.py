@@ -54,6 +54,7 @@ from .queue import WeightGradQueue, current_queue, queued_among, queues_with_wor
 
 __all__ = ["GradientSynchroniser", "ReductionFailed", "broadcast_tensors"]
 
+
 class ReductionFailed(RuntimeError):
     """A collective of the synchroniser failed or timed out: a peer failed, died or hung."""
 

@@ -98,8 +98,6 @@ class _TrainingBatchNorm(torch.autograd.Function):
         input, weight, save_mean, save_invstd, reserve = ctx.saved_tensors
         need_input, need_weight, need_bias = ctx.needs_input_grad[4], weight_decision != "skip", bias_decision != "skip"
         grad_input = grad_weight = grad_bias = None
-        if ctx.backend != _NATIVE:
-            grad_output = grad_output.contiguous(memory_format=suggest_memory_format(input))
         if need_input or need_weight or need_bias:
             # Autograd's own derivative of the backend's op in training, all outputs at once.
             mask = [need_input, need_weight, need_bias]
@@ -110,7 +108,8 @@ class _TrainingBatchNorm(torch.autograd.Function):
                 grad_input, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
                     grad_output, input, weight, *ctx.running_stats, save_mean, save_invstd, True, ctx.eps, mask
                 )
-            else:
+            else:  # cuDNN's derivative takes the gradient in the input's layout
+                grad_output = grad_output.contiguous(memory_format=suggest_memory_format(input))
                 grad_input, grad_weight, grad_bias = torch.ops.aten._batch_norm_impl_index_backward(
                     ctx.backend, input, grad_output, weight, *ctx.running_stats, save_mean, save_invstd, True,
                     ctx.eps, mask, reserve,

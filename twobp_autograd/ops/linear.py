@@ -82,19 +82,20 @@ class _DeferredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         rows, weight = ctx.saved_tensors
-        if weight is not None:
-            grad_rows = _rows_grad(grad, weight.t() if ctx.transposed else weight, ctx.column_major)
-        else:
-            grad_rows = None
+        mat2_t = None if weight is None else weight.t() if ctx.transposed else weight
+        grad_rows = _rows_grad(grad, mat2_t, ctx.column_major) if mat2_t is not None else None
         deferral: ParamDeferral = ctx.deferral
         saved = (rows,) if rows is not None else ()
-        kernel, group = _TRANSPOSED_KERNEL if ctx.transposed else (linear_weight_grad, linear_weight_grad)
+        kernel, group = _KERNELS[ctx.transposed]
         param_grads = deferral.route(ctx, kernel, group, None, saved, (grad,))
         return (None, None, grad_rows, *param_grads)
 
 
-#: The weight kernel of a weight stored ``(in, out)``, and its group.
-_TRANSPOSED_KERNEL = configured_kernel(linear_weight_grad, transposed=True)
+#: The weight kernel and its group, by whether the weight is stored ``(in, out)``.
+_KERNELS = {
+    False: (linear_weight_grad, linear_weight_grad),
+    True: configured_kernel(linear_weight_grad, transposed=True),
+}
 
 
 def deferred_rows_product(rows: Tensor, weight: Tensor, bias: Tensor | None, *, transposed: bool = False) -> Tensor:
@@ -111,7 +112,7 @@ def deferred_rows_product(rows: Tensor, weight: Tensor, bias: Tensor | None, *, 
     # Saved in the dtype the product ran in (autocast's), as plain autograd would; only for a
     # weight that needs a gradient, as plain saves it.
     saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
-    kernel, group = _TRANSPOSED_KERNEL if transposed else (linear_weight_grad, linear_weight_grad)
+    kernel, group = _KERNELS[transposed]
     return defer_weight_grads(output, (weight, bias), saved, kernel, group=group)
 
 
