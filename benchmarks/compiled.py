@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from local_ranks import device_name, recorded_arguments, synchronized_clock, write_json  # beside this script
+from local_ranks import count, device_name, recorded_arguments, synchronized_clock, write_json  # beside this script
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
@@ -283,19 +283,19 @@ def _print_model(
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS), help="models to time, in turn")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds, each running every side once")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed rounds after the compiling step")
-    parser.add_argument("--batch-size", type=int, default=2)
-    parser.add_argument("--image-size", type=int, default=64, help="resnet152 input resolution")
+    parser.add_argument("--rounds", type=count(), default=15, help="timed rounds, each running every side once")
+    parser.add_argument("--warmup", type=count(0), default=2, help="untimed rounds after the compiling step")
+    parser.add_argument("--batch-size", type=count(), default=2)
+    parser.add_argument("--image-size", type=count(), default=64, help="resnet152 input resolution")
     parser.add_argument(
-        "--resnet-blocks", type=int, default=None, help="only the first N of ResNet-152's 50 bottleneck blocks"
+        "--resnet-blocks", type=count(), default=None, help="only the first N of ResNet-152's 50 bottleneck blocks"
     )
-    parser.add_argument("--width", type=int, default=None, help="llama hidden size (zoo default 256)")
-    parser.add_argument("--depth", type=int, default=None, help="llama layers (zoo default 8)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (zoo default 64)")
+    parser.add_argument("--width", type=count(), default=None, help="llama hidden size (zoo default 256)")
+    parser.add_argument("--depth", type=count(), default=None, help="llama layers (zoo default 8)")
+    parser.add_argument("--seq-len", type=count(), default=None, help="tokens per sample (zoo default 64)")
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--lr", type=float, default=1e-3, help="SGD learning rate")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--threads", type=count(), default=1, help="torch.set_num_threads")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results (default results/compiled.json)")

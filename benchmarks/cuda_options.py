@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from local_ranks import recorded_arguments, write_results  # noqa: E402
+from local_ranks import count, recorded_arguments, write_results  # noqa: E402
 
 import twobp_autograd as twobp  # noqa: E402
 
@@ -68,10 +68,10 @@ def step(model: nn.Module, inputs: list[torch.Tensor], queue: twobp.WeightGradQu
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("resnet50", "mlp"), default="resnet50")
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batches", type=count(), default=8)
+    parser.add_argument("--micro-batch", type=count(), default=16)
+    parser.add_argument("--rounds", type=count(), default=20)
+    parser.add_argument("--warmup", type=count(0), default=3)
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "cuda_options.json"))
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():

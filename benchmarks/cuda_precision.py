@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 import torchvision
+from local_ranks import count  # beside this script
 
 import twobp_autograd as twobp
 
@@ -29,7 +30,7 @@ def _error(grad: torch.Tensor, exact: torch.Tensor) -> float:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--memory-format", choices=["contiguous", "channels_last"], default="contiguous")
-    parser.add_argument("--rows", type=int, default=8, help="parameters to print")
+    parser.add_argument("--rows", type=count(), default=8, help="parameters to print")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("error: cuda_precision.py needs a CUDA GPU, and CUDA is not available")

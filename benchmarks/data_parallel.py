@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
+from local_ranks import (  # beside this script
+    add_model_arguments,
+    count,
+    recorded_arguments,
+    run_on_local_ranks,
+    write_results,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp
@@ -43,10 +49,10 @@ VARIANTS = ("overlapped", "flush_then_reduce", "ddp")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch_size=16, batch_help="samples per rank per step")
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batches", type=count(), default=4)
     parser.add_argument("--bucket-mib", type=float, default=25.0)
-    parser.add_argument("--steps", type=int, default=10, help="measured steps per variant")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=count(), default=10, help="measured steps per variant")
+    parser.add_argument("--warmup", type=count(0), default=2)
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "data_parallel.json"))
     return parser.parse_args()
 

@@ -29,7 +29,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
+from local_ranks import (  # beside this script
+    add_model_arguments,
+    count,
+    recorded_arguments,
+    run_on_local_ranks,
+    write_results,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -49,7 +55,7 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(parser, batch_size=16, batch_help="samples per rank per step")
     parser.set_defaults(model="transformer")
-    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batches", type=count(), default=4)
     parser.add_argument(
         "--sync-each", action="store_true", help="reduce-scatter after every micro-batch (FSDP2's default)"
     )
@@ -64,9 +70,9 @@ def parse_args() -> argparse.Namespace:
         action="store_true",
         help="2BP side: flush after every micro-batch's backward (FSDP2 alone has no bubble to fill)",
     )
-    parser.add_argument("--steps", type=int, default=6, help="measured steps per side")
-    parser.add_argument("--memory-steps", type=int, default=2, help="steps per side with the memory sampler")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=count(), default=6, help="measured steps per side")
+    parser.add_argument("--memory-steps", type=count(0), default=2, help="steps per side with the memory sampler")
+    parser.add_argument("--warmup", type=count(0), default=2)
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "fsdp.json"))
     return parser.parse_args()
 

@@ -25,6 +25,7 @@ __all__ = [
     "KEEP_FREED_MEMORY",
     "add_model_arguments",
     "allocator_environment",
+    "count",
     "device_name",
     "run_on_local_ranks",
     "recorded_arguments",
@@ -44,10 +45,24 @@ KEEP_FREED_MEMORY = {"MALLOC_TRIM_THRESHOLD_": str(1 << 30), "MALLOC_MMAP_THRESH
 _ALLOCATOR_VARIABLES = ("MALLOC_TRIM_THRESHOLD_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_ARENA_MAX", "LD_PRELOAD")
 
 
+def count(minimum: int = 1) -> Callable[[str], int]:
+    """An argparse ``type``: an integer of at least ``minimum`` (steps, rounds, sizes), so that a
+    0 is refused at the command line, not by a median of nothing after the run."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "count"  # what argparse names in its message: "invalid count value"
+    return parse
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, batch_help: str | None = None) -> None:
     """The model options of ``bench pipeline``'s zoo (an MLP by default), and threads per rank."""
     zoo.add_model_arguments(parser, batch_size=batch_size, batch_help=batch_help)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads per rank (default: cores / ranks)")
+    parser.add_argument("--threads", type=count(), default=None, help="CPU threads per rank (default: cores / ranks)")
 
 
 def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: int) -> None:

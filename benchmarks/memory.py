@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, recorded_arguments, run_on_local_ranks, write_results  # beside this script
+from local_ranks import (  # beside this script
+    add_model_arguments,
+    count,
+    recorded_arguments,
+    run_on_local_ranks,
+    write_results,
+)
 
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, placement, schedule, split_model
@@ -45,8 +51,8 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--cap-fraction", type=float, default=0.10, help="cap as a fraction of the rank's 2BP-off peak")
     parser.add_argument("--schedule", choices=("1f1b-2", "zb", "interleaved-1f1b", "zbv"), default="1f1b-2")
-    parser.add_argument("--steps", type=int, default=6, help="measured steps per run")
-    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=count(), default=6, help="measured steps per run")
+    parser.add_argument("--warmup", type=count(0), default=1)
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "memory.json"))
     return parser.parse_args()
 

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from local_ranks import device_name, recorded_arguments, synchronized_clock, write_json  # beside this script
+from local_ranks import count, device_name, recorded_arguments, synchronized_clock, write_json  # beside this script
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
@@ -247,21 +247,21 @@ def measure(name: str, args: argparse.Namespace, device: torch.device) -> dict[s
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS), help="models to time, in turn")
-    parser.add_argument("--rounds", type=int, default=15, help="timed rounds, each running every side once")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=2, help="samples per micro-batch")
-    parser.add_argument("--image-size", type=int, default=64, help="resnet152 input resolution")
-    parser.add_argument("--width", type=int, default=None, help="hidden size of transformer/llama (zoo default 256)")
-    parser.add_argument("--depth", type=int, default=None, help="blocks of transformer/llama (zoo default 8)")
-    parser.add_argument("--seq-len", type=int, default=None, help="tokens per sample (zoo default 64)")
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--rounds", type=count(), default=15, help="timed rounds, each running every side once")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed rounds first")
+    parser.add_argument("--micro-batches", type=count(), default=4)
+    parser.add_argument("--batch-size", type=count(), default=2, help="samples per micro-batch")
+    parser.add_argument("--image-size", type=count(), default=64, help="resnet152 input resolution")
+    parser.add_argument("--width", type=count(), default=None, help="transformer/llama hidden size (zoo: 256)")
+    parser.add_argument("--depth", type=count(), default=None, help="blocks of transformer/llama (zoo default 8)")
+    parser.add_argument("--seq-len", type=count(), default=None, help="tokens per sample (zoo default 64)")
+    parser.add_argument("--threads", type=count(), default=1, help="torch.set_num_threads")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--channels-last", action="store_true", help="resnet152 in channels-last")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-loop", action="store_true", help="skip the per-micro-batch flush strategy")
     parser.add_argument("--profile", action="store_true", help="print a torch.profiler table per side")
-    parser.add_argument("--profile-rows", type=int, default=25)
+    parser.add_argument("--profile-rows", type=count(), default=25)
     parser.add_argument("--out", type=Path, default=RESULTS, help="JSON results (default results/overhead.json)")
     return parser.parse_args(argv)
 

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from local_ranks import (  # beside this script
     allocator_environment,
+    count,
     device_name,
     recorded_arguments,
     synchronized_clock,
@@ -379,21 +380,21 @@ def _print_stage(name: str, row: dict[str, float]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=30, help="interleaved rounds per layer")
-    parser.add_argument("--calls", type=int, default=200, help="calls timed together in one layer round")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
+    parser.add_argument("--rounds", type=count(), default=30, help="interleaved rounds per layer")
+    parser.add_argument("--calls", type=count(), default=200, help="calls timed together in one layer round")
+    parser.add_argument("--warmup", type=count(0), default=3, help="untimed rounds first")
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(STAGE_MODELS), help="stages to time")
-    parser.add_argument("--stage-rounds", type=int, default=30, help="interleaved rounds per stage")
+    parser.add_argument("--stage-rounds", type=count(), default=30, help="interleaved rounds per stage")
     parser.add_argument(
-        "--kernel-rounds", type=int, default=10, help="extra rounds per stage with every ATen call timed"
+        "--kernel-rounds", type=count(0), default=10, help="extra rounds per stage with every ATen call timed"
     )
-    parser.add_argument("--stage-blocks", type=int, default=2, help="blocks per stage, from the model's middle")
-    parser.add_argument("--micro-batch", type=int, default=4, help="samples per micro-batch of a stage")
-    parser.add_argument("--width", type=int, default=None, help="hidden size (the sweep's default when omitted)")
-    parser.add_argument("--depth", type=int, default=None)
-    parser.add_argument("--seq-len", type=int, default=None)
-    parser.add_argument("--image-size", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--stage-blocks", type=count(), default=2, help="blocks per stage, from the model's middle")
+    parser.add_argument("--micro-batch", type=count(), default=4, help="samples per micro-batch of a stage")
+    parser.add_argument("--width", type=count(), default=None, help="hidden size (the sweep's default when omitted)")
+    parser.add_argument("--depth", type=count(), default=None)
+    parser.add_argument("--seq-len", type=count(), default=None)
+    parser.add_argument("--image-size", type=count(), default=64)
+    parser.add_argument("--threads", type=count(), default=1, help="torch.set_num_threads")
     parser.add_argument("--no-layers", action="store_true", help="time the stages only")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--out", type=Path, default=RESULTS, help=f"JSON results (default {RESULTS})")

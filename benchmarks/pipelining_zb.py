@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from local_ranks import count  # beside this script
 from torch import nn
 
 import twobp_autograd as twobp
@@ -102,7 +103,7 @@ def measure(args: argparse.Namespace, rank: int) -> tuple[dict[str, list[float]]
     targets = torch.randn(args.batch, args.seq, args.width, generator=generator)
     built = {variant: build(variant, args, rank) for variant in VARIANTS}
 
-    for _ in range(max(args.warmup, 1)):
+    for _ in range(args.warmup):
         for variant in VARIANTS:
             timed_step(*built[variant], inputs, targets)
     difference = torch.tensor([worst_relative_difference(built["twobp"][1], built["torch"][1])])
@@ -156,17 +157,17 @@ def report(args: argparse.Namespace, times: dict[str, list[float]], difference: 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--schedule", choices=sorted(SCHEDULES), default="zbv")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32, help="samples per step (split into micro-batches)")
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--width", type=int, default=512)
-    parser.add_argument("--hidden", type=int, default=2048)
+    parser.add_argument("--micro-batches", type=count(), default=4)
+    parser.add_argument("--batch", type=count(), default=32, help="samples per step (split into micro-batches)")
+    parser.add_argument("--seq", type=count(), default=64)
+    parser.add_argument("--width", type=count(), default=512)
+    parser.add_argument("--hidden", type=count(), default=2048)
     parser.add_argument(
-        "--blocks", type=int, default=8, help="Linear-GELU-Linear-LayerNorm blocks, split over 4 stages"
+        "--blocks", type=count(), default=8, help="Linear-GELU-Linear-LayerNorm blocks, split over 4 stages"
     )
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant (at least 1)")
-    parser.add_argument("--rounds", type=int, default=7, help="timed steps per variant, interleaved")
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--warmup", type=count(1), default=2, help="untimed steps per variant")
+    parser.add_argument("--rounds", type=count(), default=7, help="timed steps per variant, interleaved")
+    parser.add_argument("--threads", type=count(), default=1, help="intra-op threads per rank")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "pipelining_zb.json"))
     args = parser.parse_args()
     if args.blocks % STAGES or args.batch % args.micro_batches:

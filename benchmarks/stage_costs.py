@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import synchronized_clock  # beside this script
+from local_ranks import count, synchronized_clock  # beside this script
 from torch import Tensor, nn
 
 import twobp_autograd as twobp
@@ -373,11 +373,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--bench-json", required=True, help="the JSON `bench pipeline --json` wrote (2 ranks)")
     parser.add_argument("--out", required=True)
-    parser.add_argument("--micro-sizes", type=int, nargs="+", required=True, help="samples per micro-batch to measure")
-    parser.add_argument("--counts", type=int, nargs="+", default=[1, 2, 4, 8], help="n of the W(n) measured")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--latency-repeats", type=int, default=20)
-    parser.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    parser.add_argument("--micro-sizes", type=count(), nargs="+", required=True, help="micro-batch sizes to measure")
+    parser.add_argument("--counts", type=count(), nargs="+", default=[1, 2, 4, 8], help="n of the W(n) measured")
+    parser.add_argument("--repeats", type=count(), default=3)
+    parser.add_argument("--latency-repeats", type=count(), default=20)
+    parser.add_argument("--threads", type=count(), default=1, help="intra-op threads per rank")
     parser.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="cuda: both ranks' blocks in turn on one GPU"
     )

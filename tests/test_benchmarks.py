@@ -468,3 +468,24 @@ def test_replay_rebalances_on_the_measured_blocks_and_simulates_every_schedule(m
     for name, row in result["schedules"].items():
         assert row["ideal"] > 0 and row["simulated"] > 0, name
         assert row["simulated"] == pytest.approx(row["step_time_off"] / row["step_time_on"])
+
+
+@pytest.mark.parametrize(
+    ("script", "argv"),
+    [
+        ("overhead", ["--rounds", "0"]),
+        ("per_call", ["--stage-rounds", "0"]),
+        ("compiled", ["--rounds", "0"]),
+        ("fsdp", ["--steps", "0"]),
+        ("data_parallel", ["--warmup", "-1"]),
+        ("memory", ["--steps", "0"]),
+        ("pipelining_zb", ["--warmup", "0"]),
+    ],
+)
+def test_benchmarks_refuse_empty_counts_before_running(monkeypatch, capsys, script, argv) -> None:
+    """A count of 0 (steps, rounds) would end a run in a median of nothing: refused at parsing."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr("sys.argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit):
+        __import__(script).parse_args()
+    assert "must be at least" in capsys.readouterr().err

@@ -64,13 +64,20 @@ def test_bench_pipeline_missing_is_a_clear_error(
     assert "pipeline benchmark" in capsys.readouterr().err
 
 
+def test_demo_refuses_a_batch_larger_than_the_training_digits(capsys: pytest.CaptureFixture[str]) -> None:
+    """Past the training set an epoch would have no step, and the run nothing to report."""
+    with pytest.raises(SystemExit):
+        demo.main(["--batch-size", "1348", "--no-compare"])
+    assert "at most 1347" in capsys.readouterr().err
+
+
 def test_digits_become_normalised_three_channel_32x32_images() -> None:
     pytest.importorskip("sklearn")
-    from twobp_autograd.demo.data import load_digits_32
+    from twobp_autograd.demo.data import TRAIN_SAMPLES, load_digits_32
 
     data = load_digits_32(seed=0)
     assert data.train_x.shape[1:] == (3, 32, 32) and data.test_x.shape[1:] == (3, 32, 32)
-    assert len(data.train_y) + len(data.test_y) == 1797 and len(data.test_y) == 450
+    assert len(data.train_y) == TRAIN_SAMPLES and len(data.test_y) == 1797 - TRAIN_SAMPLES == 450
     assert set(data.train_y.tolist()) == set(range(10)) == set(data.test_y.tolist())
     assert abs(data.train_x.mean().item()) < 1e-4 and abs(data.train_x.std().item() - 1) < 1e-3
     assert torch.equal(data.train_x[:, 0], data.train_x[:, 2])  # grey repeated on 3 channels

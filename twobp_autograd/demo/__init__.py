@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from ..pipeline import SCHEDULES
-from .data import MODELS
+from .data import MODELS, TRAIN_SAMPLES
 
 __all__ = ["build_parser", "main"]
 
@@ -70,6 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--micro-batches and --epochs must be at least 1")
     if args.batch_size < args.micro_batches:
         parser.error("--batch-size must be at least --micro-batches")
+    if args.batch_size > TRAIN_SAMPLES:
+        parser.error(f"--batch-size must be at most {TRAIN_SAMPLES}, the training digits (one step per epoch)")
     if args.stages < 1 or (args.max_steps is not None and args.max_steps < 1):
         parser.error("--stages and --max-steps must be at least 1")
     if args.timeline and not os.path.isdir(os.path.dirname(os.path.abspath(args.timeline))):

@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["IMAGE_SIZE", "MODELS", "DigitsSplit", "load_digits_32", "build_resnet"]
+__all__ = ["IMAGE_SIZE", "MODELS", "TRAIN_SAMPLES", "DigitsSplit", "load_digits_32", "build_resnet"]
 
 IMAGE_SIZE = 32
+#: Training digits: 1797, less the quarter (rounded up) held out for testing.
+TRAIN_SAMPLES = 1347
 #: --model choices -> the name printed.
 MODELS = {"resnet152": "ResNet-152", "resnet18": "ResNet-18"}
 
