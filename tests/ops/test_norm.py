@@ -74,17 +74,26 @@ def test_weight_grads_match_autograd_on_each_device_and_gradient_layout(
     )
 
 
-def test_group_norm_input_changed_in_place_before_backward_raises_as_in_plain() -> None:
+@pytest.mark.parametrize(
+    ("norm", "dims", "autocast"),
+    [(nn.GroupNorm(2, 4), (0, 1), False), (nn.LayerNorm(4), (0, 2), True)],
+    ids=["group-norm", "layer-norm-under-autocast"],
+)
+def test_input_changed_in_place_before_backward_raises_as_in_plain(
+    norm: nn.Module, dims: tuple[int, int], autocast: bool
+) -> None:
     """A transposed input (a view of a residual stream updated in place after the forward):
-    plain saves the view and its backward raises; the deferred GroupNorm had saved a contiguous
-    copy and ran on."""
-    for module in patched_and_reference(nn.GroupNorm(2, 4)):
-        base = torch.randn(4, 3, 5)
-        output = module(base.transpose(0, 1))
+    plain saves the view and its backward raises; the deferred GroupNorm, and LayerNorm's tap
+    (autocast), had saved a contiguous copy and ran on. The input needs no gradient, so only the
+    weight's saved input sees the change."""
+    for module in patched_and_reference(norm):
+        base = torch.randn(4, 3, 5 if autocast else 4).transpose(*dims)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            output = module(base)
         with torch.no_grad():
             base.add_(1.0)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-            output.pow(2).sum().backward()
+            output.float().pow(2).sum().backward()
     twobp.discard_weight_grads()
 
 

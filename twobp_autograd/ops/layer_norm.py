@@ -41,7 +41,7 @@ def layer_norm_weight_grad(
     weight_dtype: torch.dtype,
     has_bias: bool,
 ) -> list[Tensor | None]:
-    rows, mean, rstd = saved  # (rows, *normalized_shape), (rows, 1, ...), (rows, 1, ...)
+    rows, mean, rstd = _layer_norm_rows(*saved, normalized_shape)  # (rows, *normalized_shape), (rows, 1, ...) twice
     need_weight, need_bias = needs
     grad = grad_outputs[0].reshape(rows.shape)
     if not rows.is_cuda and accumulation_dtype(rows.dtype) != rows.dtype:
@@ -105,7 +105,7 @@ class _DeferredLayerNorm(torch.autograd.Function):
 
 
 def _layer_norm_rows(x: Tensor, mean: Tensor, rstd: Tensor, shape: tuple[int, ...]) -> tuple[Tensor, Tensor, Tensor]:
-    """What the weight kernel takes: any leading dims flattened to rows (the statistics are per row)."""
+    """What the weight kernel computes on: any leading dims flattened to rows (the statistics are per row)."""
     if x.dim() == len(shape) + 1:  # rows already, the statistics (rows, 1, ...) with them
         return x, mean, rstd
     ones = (1,) * len(shape)
@@ -127,7 +127,9 @@ def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
     # torch.layer_norm is this op and nothing else.
     output, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, module.eps)
     kernel, group = _layer_norm_kernel(shape, weight, bias)
-    return defer_weight_grads(output, params, _layer_norm_rows(x, mean, rstd, shape), kernel, group=group)
+    # The input as given, not as rows: a reshaped copy of a non-contiguous input would not see an
+    # in-place change of the input before backward, which plain refuses. The kernel takes rows.
+    return defer_weight_grads(output, params, (x, mean, rstd), kernel, group=group)
 
 
 def _layer_norm_kernel(
