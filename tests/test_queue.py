@@ -287,6 +287,26 @@ def test_the_flush_computes_in_the_autocast_its_backward_ran_in(kind, autocast_i
     assert_grads_match(patched, reference)
 
 
+@pytest.mark.parametrize("strategy", ["auto", "concat"])
+@pytest.mark.parametrize("kind", list(_BF16_LAYERS))
+def test_a_forward_region_in_another_autocast_dtype_joins_at_the_flush(kind, strategy):
+    """An fp16 AMP step whose forward has a region forced to bf16 (a nested autocast): the
+    flush joined that region's bf16 tensors under the backward's fp16 autocast, whose cat
+    promotes between its own dtypes only, and failed with a message about dim 0."""
+    make_layer, input_shape = _BF16_LAYERS[kind]
+    patched, reference = patched_and_reference(make_layer())
+    queue = twobp.WeightGradQueue(strategy)
+    for _ in range(2):
+        x = torch.randn(input_shape)
+        for net in (patched, reference):
+            with twobp.use_queue(queue), torch.autocast("cpu", dtype=torch.float16):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    out = net(x)
+                out.float().pow(2).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference, dtype=torch.bfloat16)
+
+
 _BF16_PARAMETER_LAYERS = {
     "embedding": (lambda: nn.Embedding(4, 16), lambda g: torch.randint(0, 4, (64,), generator=g)),
     "layer-norm": (lambda: nn.LayerNorm(32), lambda g: torch.randn(8, 32, generator=g)),

@@ -569,6 +569,13 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Te
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+    """Autocast off on ``device_type`` where it is on, else nothing."""
+    if _any_autocast_enabled() and torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Tensor | None]:
     first = group[0]
     needs = first.needs
@@ -586,8 +593,12 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
     if concat:
         on_device = [job.on_device() for job in group]
         try:
-            saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device), strict=True)]
-            grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device), strict=True)]
+            # Joined outside the autocast the kernel runs in: autocast's cat promotes between
+            # its own dtypes only, and refuses a bf16 tensor under fp16 autocast (a region of
+            # the forward in another autocast dtype than the backward's), which plain never joins.
+            with _autocast_off(first.device.type):
+                saved = [torch.cat(ts) for ts in zip(*(s for s, _ in on_device), strict=True)]
+                grad_outputs = [torch.cat(ts) for ts in zip(*(g for _, g in on_device), strict=True)]
         except RuntimeError as error:
             if isinstance(error, torch.OutOfMemoryError):
                 raise
