@@ -569,7 +569,7 @@ def _run_group(group: list[WeightGradJob], options: FlushOptions) -> Sequence[Te
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 
 
-def _autocast_off(device_type: str) -> contextlib.AbstractContextManager:
+def _autocast_off(device_type: str) -> contextlib.AbstractContextManager[object]:
     """Autocast off on ``device_type`` where it is on, else nothing."""
     if _any_autocast_enabled() and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)

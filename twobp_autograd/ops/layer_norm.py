@@ -41,7 +41,8 @@ def layer_norm_weight_grad(
     weight_dtype: torch.dtype,
     has_bias: bool,
 ) -> list[Tensor | None]:
-    rows, mean, rstd = _layer_norm_rows(*saved, normalized_shape)  # (rows, *normalized_shape), (rows, 1, ...) twice
+    x, mean, rstd = saved
+    rows, mean, rstd = _layer_norm_rows(x, mean, rstd, normalized_shape)  # (rows, *normalized_shape), (rows, 1, ...)
     need_weight, need_bias = needs
     grad = grad_outputs[0].reshape(rows.shape)
     if not rows.is_cuda and accumulation_dtype(rows.dtype) != rows.dtype:
