@@ -918,6 +918,42 @@ def test_discarding_the_empty_current_queue_while_another_holds_work_is_refused(
     assert queue.pending().jobs == 0
 
 
+def test_a_discard_inside_use_queue_acts_on_that_queue_whatever_other_threads_hold():
+    """A thread training under its own queue (as README advises for threads) discarded its empty
+    queue and was refused whenever another thread's queue held work at that moment."""
+    other_thread_queue, own = twobp.WeightGradQueue(), twobp.WeightGradQueue()
+    layer = twobp.patch(nn.Linear(3, 3))
+    with twobp.use_queue(other_thread_queue):
+        layer(torch.randn(2, 3)).sum().backward()
+    with twobp.use_queue(own):
+        twobp.discard_weight_grads()
+    assert other_thread_queue.pending().jobs == 1
+    other_thread_queue.clear()
+
+
+@pytest.mark.parametrize("function", ["flush_weight_grads", "discard_weight_grads", "pending"])
+def test_the_module_functions_refuse_a_model_for_the_queue(function):
+    """flush_weight_grads(model), as patch(model) reads, failed in nn.Module's __getattr__."""
+    model = twobp.patch(nn.Linear(3, 3))
+    with pytest.raises(TypeError, match=rf"twobp: {function}\(queue\) takes a WeightGradQueue.*not Linear"):
+        getattr(twobp, function)(model)
+
+
+@pytest.mark.parametrize("cap", [None, 0], ids=["uncapped", "capped"])
+def test_an_unhashable_tag_is_refused_where_it_is_given_and_loses_no_work(cap):
+    """tagged([stage, micro_batch]) failed later: at the flush, or in a capped queue's early flush
+    inside backward, after it had taken the jobs off the queue (lost)."""
+    queue = twobp.WeightGradQueue(max_pending_bytes=cap)
+    layer = twobp.patch(nn.Linear(3, 3))
+    with pytest.raises(TypeError, match=r"twobp: a queue's tag must be hashable.*tuple"):
+        with queue.tagged([0, 1]):
+            pass
+    with twobp.use_queue(queue), queue.tagged((0, 1)):
+        layer(torch.randn(2, 3)).sum().backward()
+    queue.flush()
+    assert layer.weight.grad is not None
+
+
 def test_an_empty_queue_passed_explicitly_is_the_one_used():
     """An empty queue has len() 0; it must still be the queue acted on, not the default one."""
     empty = twobp.WeightGradQueue()

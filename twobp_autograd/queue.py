@@ -186,6 +186,13 @@ class WeightGradQueue:
     def tagged(self, tag: Hashable) -> Iterator[WeightGradQueue]:
         """Tag the jobs of the forward passes run inside, or failing that of the backward passes
         (e.g. with a micro-batch index): a tag given at the forward wins."""
+        try:
+            hash(tag)
+        except TypeError:
+            raise TypeError(
+                f"twobp: a queue's tag must be hashable (an int, a str, a tuple), not {type(tag).__name__} "
+                f"({tag!r}): pass tuple({tag!r})"
+            ) from None
         previous, self._tag = self._tag, tag
         try:
             yield self
@@ -252,10 +259,11 @@ class WeightGradQueue:
                 if not early:
                     _warn_cap_kept_for_hooks_once()
                     return
+                # One run per tag: what a run holds back comes back as one job, under that tag.
+                by_tag = _by_tag(early)  # before the jobs leave the queue: nothing is lost if it raises
                 self._jobs = kept
                 self._count(early, -1)
-                # One run per tag: what a run holds back comes back as one job, under that tag.
-                runs = [(jobs, self._take_off(jobs)) for jobs in _by_tag(early)]
+                runs = [(jobs, self._take_off(jobs)) for jobs in by_tag]
             for index, (jobs, flight) in enumerate(runs):
                 try:
                     self._run(jobs, flight, early=True)
@@ -586,7 +594,7 @@ def current_queue() -> WeightGradQueue:
 def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
     """Send the weight-gradient work of the forwards run inside this block to ``queue``."""
     if not isinstance(queue, WeightGradQueue):
-        raise TypeError(f"use_queue expects a WeightGradQueue, got {type(queue).__name__}")
+        raise TypeError(f"twobp: use_queue(queue) takes a WeightGradQueue, not {type(queue).__name__}")
     _state.stack.append(queue)
     try:
         yield queue
@@ -594,9 +602,17 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
         _state.stack.pop()
 
 
+def _given_queue(queue: object, what: str) -> WeightGradQueue:
+    if queue is None:
+        return current_queue()
+    if not isinstance(queue, WeightGradQueue):
+        raise TypeError(f"twobp: {what}(queue) takes a WeightGradQueue (or None), not {type(queue).__name__}")
+    return queue
+
+
 def flush_weight_grads(queue: WeightGradQueue | None = None) -> None:
     """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``."""
-    (queue if queue is not None else current_queue()).flush()
+    _given_queue(queue, "flush_weight_grads").flush()
 
 
 def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
@@ -609,18 +625,20 @@ def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
     if queue is None:
         queue = current_queue()
         others = [q for q in queues_with_work() if q is not queue]
-        if others and not queue.busy():
+        # Only where no use_queue block chose the queue: one that did is the one meant (other
+        # threads, each training under its own queue, may hold work at any moment).
+        if others and not _state.stack and not queue.busy():
             raise RuntimeError(
                 f"twobp: discard_weight_grads() with the current queue empty while {len(others)} other "
                 "queue(s) hold work (forwards ran under twobp.use_queue(queue)): pass the queue, "
                 "twobp.discard_weight_grads(queue), or queue.clear()."
             )
-    queue.clear()
+    _given_queue(queue, "discard_weight_grads").clear()
 
 
 def pending(queue: WeightGradQueue | None = None) -> PendingWork:
     """Jobs and bytes held by ``queue`` (default: the current one)."""
-    return (queue if queue is not None else current_queue()).pending()
+    return _given_queue(queue, "pending").pending()
 
 
 def queues_with_work() -> list[WeightGradQueue]:
