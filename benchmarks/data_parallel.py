@@ -29,13 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import (  # beside this script
-    add_model_arguments,
-    count,
-    recorded_arguments,
-    run_on_local_ranks,
-    write_results,
-)
+from local_ranks import add_model_arguments, count, recorded_arguments, run_on_local_ranks, write_results
 from torch.nn.parallel import DistributedDataParallel
 
 import twobp_autograd as twobp

@@ -29,13 +29,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import (  # beside this script
-    add_model_arguments,
-    count,
-    recorded_arguments,
-    run_on_local_ranks,
-    write_results,
-)
+from local_ranks import add_model_arguments, count, recorded_arguments, run_on_local_ranks, write_results
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
