@@ -441,6 +441,13 @@ def _batches_and_losses(rank: int) -> dict:
             results["no_grad"] = None
         except RuntimeError as error:
             results["no_grad"] = str(error)
+    # Inputs as a Hugging Face user passes them: rank 0 failed alone, the other waited out its timeout.
+    start = time.monotonic()
+    try:
+        runtime.step({"input_ids": x, "attention_mask": x} if rank == 0 else None, y if rank == 1 else None)
+        results["dict_inputs"] = None
+    except TypeError as error:
+        results["dict_inputs"] = (str(error), time.monotonic() - start)
     stages = [nn.Linear(4, 4), _Prefix()]
     runtime = PipelineRuntime(
         stages[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,
@@ -586,6 +593,11 @@ def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) 
     ranks = launch("batches_and_losses", str(tmp_path), deadline=120.0)
     for rank, result in enumerate(ranks):
         assert result is not None and "crash" not in result, result
-        assert all(not found for case, found in result.items() if case not in ("no_grad", "warnings")), (rank, result)
+        refusals = ("no_grad", "warnings", "dict_inputs")
+        assert all(not found for case, found in result.items() if case not in refusals), (rank, result)
         assert result["no_grad"] and "twobp: PipelineRuntime.step() trains" in result["no_grad"], result
+        assert result["dict_inputs"], (rank, result)
+        message, elapsed = result["dict_inputs"]
+        assert message.startswith("twobp:") and ("must be one tensor" if rank == 0 else "rank 0 refused") in message
+        assert elapsed < RUNTIME_TIMEOUT / 2, (rank, elapsed)
     assert any("stage 1's output does not depend on its input" in w for w in ranks[1]["warnings"]), ranks[1]

@@ -56,6 +56,8 @@ _DTYPES = (
 # stages. Between two ranks that hold several stages each, ``zbv`` interleaves its pairs'
 # messages in different orders on the two sides: it runs on gloo (tags), not yet on NCCL.
 _SHAPE_TAG = 1 << 20
+#: A step header's dtype code saying rank 0 refused the step's inputs.
+_REFUSED = -1
 
 
 class GradientSync(Protocol):
@@ -395,7 +397,11 @@ class PipelineRuntime:
                     ) from error
                 raise
         if not isinstance(out, Tensor):
-            raise TypeError(f"rank {self.rank}: a pipeline stage must return one tensor, got {type(out).__name__}")
+            raise TypeError(
+                f"twobp: rank {self.rank}: a pipeline stage must return one tensor (what it hands on, or "
+                f"the last stage's output for loss_fn), got {type(out).__name__}: wrap the stage to return "
+                "one (the logits of a model output), or pack several into one and split them in the next stage"
+            )
         destination = action.sends(self.rank, self._num_stages)
         if destination is None:  # the last stage: its output goes into the loss
             target = tree_map(lambda t: t.to(self.device), step.targets[k])
@@ -479,10 +485,17 @@ class PipelineRuntime:
 
     def _agree_on_step_shape(self, inputs: Tensor | None) -> Hashable:
         header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
+        refusal = None
         if self.first:
-            header.copy_(_meta(inputs))  # type: ignore[arg-type]
+            try:
+                header.copy_(_meta(_one_tensor(inputs)))
+            except (TypeError, ValueError) as error:  # every rank raises, not this one alone (the
+                refusal = error  # others would wait for the header until the timeout)
+                header[0] = _REFUSED
         work = dist.broadcast(header, group_src=0, group=self.group, async_op=True)
         self._wait(work, "the step's input shape from rank 0", timer=None)
+        if int(header[0]) == _REFUSED:
+            raise refusal or TypeError(f"twobp: rank {self.rank}: rank 0 refused this step's inputs (see its error)")
         key = tuple(header.tolist())
         batch = _batch_of(key)
         if batch < self.num_micro_batches:  # on every rank alike: empty micro-batches would give NaN losses
@@ -603,6 +616,16 @@ def _stages_of(
 
 def _what(message: Message) -> str:
     return f"the {message.payload.value} of micro-batch {message.micro_batch}"
+
+
+def _one_tensor(inputs: Any) -> Tensor:
+    if not isinstance(inputs, Tensor):
+        raise TypeError(
+            f"twobp: a pipeline step's inputs must be one tensor (split on dim 0 into the micro-batches), not "
+            f"{type(inputs).__name__}: pack several (input ids and an attention mask) into one and split them "
+            "in the first stage"
+        )
+    return inputs
 
 
 def _meta(tensor: Tensor) -> Tensor:
