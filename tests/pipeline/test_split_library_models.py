@@ -200,7 +200,7 @@ def test_blocks_are_embedding_layers_head_and_costs_cut_between_them() -> None:
     first, last = split_model(model, 2, costs=[1.0, 1.0, 1.0, 100.0]).stages
     assert first.embed is not None and len(first.layers) == LAYERS and first.head is None
     assert last.embed is None and len(last.layers) == 0 and last.head is not None
-    with pytest.raises(ValueError, match="3 costs for 4 blocks"):
+    with pytest.raises(ValueError, match="twobp: 3 costs for 4 blocks"):
         split_model(model, 2, costs=[1.0, 1.0, 1.0])
 
 
@@ -209,7 +209,7 @@ def test_unknown_models_are_refused() -> None:
         def forward(self, x: Tensor) -> Tensor:
             return x
 
-    with pytest.raises(TypeError, match="cannot split a Custom"):
+    with pytest.raises(TypeError, match="twobp: cannot split a Custom"):
         split_model(Custom(), 2)
 
 
@@ -396,6 +396,34 @@ def test_tied_embeddings_with_two_stages_per_rank_match_the_model_in_one_process
         else:
             assert [r[setting]["tied_here"] for r in ranks] == [[tie], [tie]]
             assert [r[setting]["reductions"] for r in ranks] == [1, 1]
+
+
+def _check_frozen_tie(rank: int) -> dict:
+    """Tiny Llama in 2 stages with its tied embedding frozen (fine-tuning the blocks only)."""
+    torch.manual_seed(0)
+    model = tiny_llama().train()
+    model.get_input_embeddings().weight.requires_grad_(False)
+    defer_norms(model)
+    pipeline = split_model(model, WORLD)
+    tied = TiedGradients(pipeline)
+    m = default_num_micro_batches("gpipe", WORLD)
+    runtime = PipelineRuntime(
+        pipeline.stages[rank], schedule("gpipe", WORLD, m, True)[rank], num_micro_batches=m,
+        loss_fn=pipeline.loss_fn, timeout=RUNTIME_TIMEOUT,
+    )  # fmt: skip
+    inputs, targets = token_batch(torch.Generator().manual_seed(1))
+    runtime.step(inputs if rank == 0 else None, targets if rank == WORLD - 1 else None)
+    tied.all_reduce()
+    return {"tie_grads": [t.parameter.grad is None for t in pipeline.ties], "ties": len(pipeline.ties)}
+
+
+def test_a_frozen_tie_keeps_no_gradient_as_in_plain(tmp_path) -> None:
+    """The sum gave a frozen tied embedding a zero .grad where plain leaves None: an optimizer
+    built over model.parameters() then moved the frozen weight by its weight decay."""
+    store, results = str(tmp_path / "store"), str(tmp_path / "result")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _check_frozen_tie, store, results), 120.0, ": the pipeline hung")
+    for rank, result in enumerate(read_results(results, WORLD)):
+        assert result["ties"] == 1 and result["tie_grads"] == [True], (rank, result)
 
 
 def test_tied_gradients_refuse_a_placement_of_another_cut() -> None:

@@ -26,12 +26,12 @@ def test_partition_minimises_the_costliest_stage(costs, num_stages, expected) ->
 
 @pytest.mark.parametrize("num_stages", [0, 4])
 def test_partition_refuses_impossible_cuts(num_stages: int) -> None:
-    with pytest.raises(ValueError, match="non-empty stages"):
+    with pytest.raises(ValueError, match="twobp: cannot cut .* non-empty stages"):
         partition([1.0, 2.0, 3.0], num_stages)
 
 
 @pytest.mark.parametrize("bad", [float("inf"), float("nan"), -1.0], ids=["inf", "nan", "negative"])
 def test_partition_refuses_costs_that_compare_as_no_cut(bad: float) -> None:
     """An infinite cost made every cut equal, and the first stage came out empty."""
-    with pytest.raises(ValueError, match="finite and non-negative"):
+    with pytest.raises(ValueError, match="twobp: block costs must be finite and non-negative"):
         partition([1.0, bad, 1.0, 1.0, 1.0], 2)

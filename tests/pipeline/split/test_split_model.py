@@ -61,9 +61,9 @@ def test_other_models_are_refused_with_advice() -> None:
         def forward(self, x):
             return x
 
-    with pytest.raises(TypeError, match="cannot split a Custom.*one module per rank"):
+    with pytest.raises(TypeError, match="twobp: cannot split a Custom.*one module per rank"):
         blocks_of(Custom())
-    with pytest.raises(TypeError, match="cannot split a Custom"):
+    with pytest.raises(TypeError, match="twobp: cannot split a Custom"):
         split_model(Custom(), 2)
 
 
@@ -84,7 +84,7 @@ def test_a_rank_takes_its_stage_by_index() -> None:
     model = small_net()
     pipeline: PipelineModel = split_model(model, 2, costs=[1, 1, 1, 1, 1, 1])
     assert pipeline[1] is pipeline.stages[1] and list(pipeline[1]) == list(model)[3:]
-    with pytest.raises(ValueError, match="2 costs for 6 blocks"):
+    with pytest.raises(ValueError, match="twobp: 2 costs for 6 blocks"):
         split_model(model, 2, costs=[1, 1])
 
 

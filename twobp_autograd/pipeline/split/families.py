@@ -79,7 +79,7 @@ def family_of(model: nn.Module) -> Family:
         if family is not None:
             return family
     raise TypeError(
-        f"cannot split a {kind.__name__} into stages: pass an nn.Sequential, a torchvision ResNet, VGG "
+        f"twobp: cannot split a {kind.__name__} into stages: pass an nn.Sequential, a torchvision ResNet, VGG "
         "or VisionTransformer, a Hugging Face LlamaForCausalLM, BertForMaskedLM or MambaForCausalLM, "
         "or build one module per rank yourself and hand it to the runtime"
     )

@@ -18,9 +18,9 @@ def partition(costs: Sequence[float], num_stages: int) -> list[range]:
     """Contiguous ranges of block indices, one per stage, minimising the costliest stage."""
     n = len(costs)
     if not 1 <= num_stages <= n:
-        raise ValueError(f"cannot cut {n} blocks into {num_stages} non-empty stages")
+        raise ValueError(f"twobp: cannot cut {n} blocks into {num_stages} non-empty stages")
     if not all(math.isfinite(c) and c >= 0 for c in costs):  # inf or NaN compare as no cut at all
-        raise ValueError(f"block costs must be finite and non-negative, got {list(costs)}")
+        raise ValueError(f"twobp: block costs must be finite and non-negative, got {list(costs)}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + float(c))

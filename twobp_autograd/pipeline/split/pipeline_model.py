@@ -62,6 +62,6 @@ def split_model(
         blocks = family.blocks(model)
         costs = measure_block_costs(blocks, sample) if sample is not None else parameter_costs(blocks)
     if len(costs) != num_blocks:
-        raise ValueError(f"{len(costs)} costs for {num_blocks} blocks")
+        raise ValueError(f"twobp: {len(costs)} costs for {num_blocks} blocks: give one per block (blocks_of(model))")
     stages = family.stages(model, partition(costs, num_stages))
     return PipelineModel(stages, family.loss(model), ties_of(model, stages), family.loss_items(model))

@@ -51,8 +51,9 @@ class TiedGradients:
     group per set of two or more owning ranks, which every rank must take part in), with the
     :class:`PipelineModel` that rank split; stage ``i`` runs on rank ``placement[i]`` of
     ``group`` (by default rank ``i``: one stage per rank; see
-    :func:`~twobp_autograd.pipeline.schedules.placement`). Call :meth:`all_reduce` after each
-    step's last weight-gradient flush, before the optimizer step.
+    :func:`~twobp_autograd.pipeline.schedules.placement`). Call :meth:`all_reduce` once per
+    optimizer step, after the last weight-gradient flush of every step it accumulates: a second
+    call on gradients already summed would add the other ranks' parts again.
     """
 
     def __init__(
@@ -83,6 +84,8 @@ class TiedGradients:
 
     def all_reduce(self) -> None:
         for parameter, group in self.reductions:
+            if not parameter.requires_grad:  # frozen (on every rank alike): plain autograd leaves it None
+                continue
             if parameter.grad is None:  # this rank's use of it got no gradient; the sum still needs it
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, group=group)
