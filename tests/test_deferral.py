@@ -1026,6 +1026,39 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_changes_its_buff
     assert_grads_match(patched, reference, torch.float64)
 
 
+class ConvWithBatchNorm(nn.Module):
+    """A user block holding a parameter of its own and a BatchNorm child: the child's running
+    statistics change in place without a version bump (ATen's batch_norm kernels write them so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 3, 3, 3))
+        self.norm = nn.BatchNorm2d(4)
+
+    def forward(self, x):
+        return self.norm(nn.functional.conv2d(x, self.weight, padding=1))
+
+
+def test_recompute_rule_sees_buffers_changed_without_a_version_bump():
+    """The rule looked for a stateful forward by version counters only: the running statistics
+    were updated twice per call (its first-call check, then the forward) and again by each
+    flush's replay (5.2 off after two steps), and a forward reading them computed other outputs."""
+    twobp.register(ConvWithBatchNorm, twobp.ops.recompute)
+    model = nn.Sequential(ConvWithBatchNorm(), nn.ReLU(), nn.Conv2d(4, 2, 3)).double()
+    patched, reference = patched_and_reference(model)
+    for step in range(2):
+        x = torch.randn(2, 3, 8, 8, dtype=torch.float64)
+        for model in (patched, reference):
+            with pytest.warns(UserWarning, match="ConvWithBatchNorm.*changes the module's buffers") if step == 0 and (
+                model is patched
+            ) else contextlib.nullcontext():
+                model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+    for (name, ours), plain in zip(patched.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(ours, plain, rtol=1e-12, atol=1e-12, msg=name)
+
+
 def test_recompute_rule_replays_the_forward_in_its_training_mode_and_refuses_changed_buffers():
     """``eval()`` between backward and flush must not change what the replay computes (it
     did: 2.1 off; calls in eval mode run plain autograd). A buffer the forward read and that

@@ -122,6 +122,15 @@ def recompute_weight_grad(
     return [next(grads) if need else None for need in needs]
 
 
+def _same_bits(a: Tensor, b: Tensor) -> bool:
+    """Equal contents, NaNs included (a buffer and the copy taken before a call)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if torch.equal(a, b):
+        return True
+    return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
 class _ForwardState:
     """What a module's forward read besides its inputs and parameters, as the flush must
     replay it: the training flags of the module's submodules and its buffers (with their
@@ -149,12 +158,15 @@ class _ForwardState:
     def changed_in_place(self) -> list[str]:
         return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
 
-    def changed_by_forward(self, module: nn.Module) -> bool:
-        """In place, or replaced, added or removed."""
+    def changed_by_forward(self, module: nn.Module, values: Sequence[Tensor]) -> bool:
+        """In place (also by kernels that bump no version counter: ``torch.batch_norm``'s running
+        statistics, a fused fake-quant's observer), or replaced, added or removed."""
         now = tuple(module.named_buffers())
-        return bool(self.changed_in_place()) or [(n, id(b)) for n, b in now] != [
-            (n, id(b)) for n, b in self.named_buffers
-        ]
+        return (
+            bool(self.changed_in_place())
+            or [(n, id(b)) for n, b in now] != [(n, id(b)) for n, b in self.named_buffers]
+            or any(not _same_bits(b, v) for (_, b), v in zip(self.named_buffers, values, strict=True))
+        )
 
     def restore(self, module: nn.Module, values: Sequence[Tensor]) -> None:
         """The buffers as they were when this state was taken, ``values`` their contents then."""
@@ -166,7 +178,9 @@ class _ForwardState:
             for (name, b), value, version in zip(self.named_buffers, values, self.versions, strict=True):
                 owner, _, attribute = name.rpartition(".")
                 module.get_submodule(owner)._buffers[attribute] = b
-                if b._version != version:
+                if b._version != version or not _same_bits(b, value):  # kernels may bump no version
+                    if b.shape != value.shape:  # resized in place (an observer's first min/max)
+                        b.resize_(value.shape)
                     b.copy_(value)
 
     def buffers(self) -> dict[str, Tensor]:
@@ -333,7 +347,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
     why = (
         _RANDOM if random
-        else _STATEFUL if state.changed_by_forward(module)
+        else _STATEFUL if state.changed_by_forward(module, values)
         else _unfit_outputs(output, [*tensors, *substitutes.values(), *state.buffers().values()])
     )  # fmt: skip
     if why is not None:
