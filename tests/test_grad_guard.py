@@ -298,3 +298,25 @@ def test_a_distributed_checkpoint_of_a_fresh_optimizer_between_backward_and_flus
             optimizer.zero_grad()
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("has_builder", [False, True], ids=["without-dw-builder", "with-dw-builder"])
+def test_a_pipeline_stage_scaling_over_queued_work_flushes_it_first_and_says_why(has_builder: bool) -> None:
+    """A schedule scales .grad at the end of its step: queued work is flushed first. The warning
+    told a stage that had a dw_builder to build one; its work was queued outside the stage's
+    forward (a reentrant checkpoint's re-run forward, a patched module in loss_fn)."""
+    pipelining = pytest.importorskip("torch.distributed.pipelining")
+    stage_base = next(c for c in pipelining.PipelineStage.__mro__ if "scale_grads" in c.__dict__)
+    module = twobp.patch(nn.Linear(3, 3))
+    reference = copy.deepcopy(module)
+    stage = type("Stage", (), {"submod": module, "dw_builder": (lambda: None) if has_builder else None})()
+    x = torch.randn(4, 3)
+    module(x).sum().backward()
+    reference(x).sum().backward()
+    advice = "use_reentrant=False" if has_builder else r"PipelineStage\(..., dw_builder="
+    with pytest.warns(UserWarning, match=f"still queued; they are flushed before it scales.*{advice}"):
+        stage_base.scale_grads(stage, 2)
+    for p in reference.parameters():
+        p.grad.div_(2)
+    assert twobp.pending().jobs == 0
+    assert_grads_match(module, reference)

@@ -360,12 +360,19 @@ def _flushing_first(scale: Callable[..., Any]) -> Callable[..., Any]:
     def flushed_first(stage: Any, *args: Any, **kwargs: Any) -> Any:
         pending = _holding_work_for(stage.submod.parameters())
         if pending:
+            has_builder = getattr(stage, "dw_builder", None) is not None
+            advice = (
+                "They were queued outside the stage module's forward (a reentrant checkpoint re-running "
+                "its forward in backward, or a patched module called from loss_fn): use "
+                "torch.utils.checkpoint with use_reentrant=False to run them in the schedule's W steps."
+                if has_builder
+                else "Build the stage with PipelineStage(..., dw_builder=twobp_autograd.pipeline.dw_builder("
+                "module)) to run them inside the schedule, in its W steps."
+            )
             warn_once(
-                "pipeline stage without dw_builder",
+                ("pipeline stage work left queued", has_builder),
                 "twobp: a pipeline schedule ended its step with this stage's weight gradients still "
-                "queued; they are flushed before it scales the gradients. Build the stage with "
-                "PipelineStage(..., dw_builder=twobp_autograd.pipeline.dw_builder(module)) to run them "
-                "inside the schedule, in its W steps.",
+                f"queued; they are flushed before it scales the gradients. {advice}",
                 stacklevel=3,
             )
             for queue in pending:
