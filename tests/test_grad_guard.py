@@ -17,6 +17,7 @@ from torch.nn.utils import clip_grad_norm_  # imported by name before anything i
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match
+from twobp_autograd import warn_once
 
 
 def _model() -> nn.Module:
@@ -301,11 +302,14 @@ def test_a_distributed_checkpoint_of_a_fresh_optimizer_between_backward_and_flus
 
 
 @pytest.mark.parametrize("has_builder", [False, True], ids=["without-dw-builder", "with-dw-builder"])
-def test_a_pipeline_stage_scaling_over_queued_work_flushes_it_first_and_says_why(has_builder: bool) -> None:
+def test_a_pipeline_stage_scaling_over_queued_work_flushes_it_first_and_says_why(
+    has_builder: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A schedule scales .grad at the end of its step: queued work is flushed first. The warning
     told a stage that had a dw_builder to build one; its work was queued outside the stage's
     forward (a reentrant checkpoint's re-run forward, a patched module in loss_fn)."""
     pipelining = pytest.importorskip("torch.distributed.pipelining")
+    monkeypatch.setattr(warn_once, "given", set())  # one warning per process and cause
     stage_base = next(c for c in pipelining.PipelineStage.__mro__ if "scale_grads" in c.__dict__)
     module = twobp.patch(nn.Linear(3, 3))
     reference = copy.deepcopy(module)
