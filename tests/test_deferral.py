@@ -5,6 +5,7 @@ vmapped backward, the recompute rule)."""
 
 import contextlib
 import copy
+import functools
 import warnings
 
 import pytest
@@ -1641,6 +1642,55 @@ def test_params_or_saved_given_as_a_tensor_alone_are_refused():
         twobp.deferral.defer_weight_grads(output, model.weight, (x.detach(),), _scale_shift_grads)
     with pytest.raises(TypeError, match="twobp: defer_weight_grads takes params and saved as sequences"):
         twobp.deferral.defer_weight_grads(output, (model.weight,), x.detach(), _scale_shift_grads)
+
+
+def test_a_partial_kernel_with_an_unhashable_argument_is_refused_at_the_forward():
+    """A kernel configured with a list (a module attribute) went through backward and then
+    failed at the flush with a bare "unhashable type: 'list'"."""
+    model = ScaleShift()
+    x = torch.randn(3, 4, requires_grad=True)
+    kernel = functools.partial(_scale_shift_grads, channels=[0, 1])
+    with pytest.raises(TypeError, match=r"twobp: defer_weight_grads needs a hashable group.*a tuple, not a list"):
+        twobp.deferral.defer_weight_grads(x * model.weight.detach(), (model.weight,), (x.detach(),), kernel)
+
+
+class TwoShifts(nn.Module):
+    """Two outputs, each with a parameter of its own that needs only the output's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        return x + self.first, x - self.second
+
+
+def _two_shifts_grads(saved, grad_outputs, needs):
+    (reached,) = saved  # only the mask saves_reached appends
+    first, second = grad_outputs
+    return [
+        first.sum(0) if needs[0] and reached[:, 0].any() else None,
+        -second.sum(0) if needs[1] and reached[:, 1].any() else None,
+    ]
+
+
+def test_several_outputs_reached_apart_with_nothing_saved():
+    """saves_reached took the rows of its mask from saved[0]: a kernel that saves nothing (it
+    needs only the output gradients) crashed every backward with an IndexError."""
+
+    @twobp.register(TwoShifts)
+    def two_shifts(module, x):
+        outputs = (x + module.first.detach(), x - module.second.detach())
+        params = (module.first, module.second)
+        return twobp.deferral.defer_weight_grads(outputs, params, (), _two_shifts_grads, saves_reached=True)
+
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), TwoShifts()).double())
+    for _ in range(2):
+        x = torch.randn(3, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x)[0].pow(2).sum().backward()  # the second output's parameter stays None
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
 
 
 def test_several_outputs_that_are_views_of_one_tensor_are_told_what_to_pass():

@@ -307,10 +307,12 @@ class _WeightGradTap(torch.autograd.Function):
             _warn_unreached_output_once()
         given = _zeros_where_none(ctx, grad_outputs)
         if spec.saves_reached:
-            reached = torch.tensor([g is not None for g in grad_outputs], device=saved[0].device)
+            rows_of = saved[0] if saved else given[0]  # a kernel that needs only the output gradients saves none
+            reached = torch.tensor([g is not None for g in grad_outputs], device=rows_of.device)
             # At least one row: a micro-batch of no rows (a batch of 0, a query of length 0)
             # still reached its outputs, and plain autograd gives its parameters zeros, not None.
-            saved = (*saved, reached.expand(max(saved[0].shape[0], 1), len(grad_outputs)))
+            rows = rows_of.shape[0] if rows_of.dim() else 1
+            saved = (*saved, reached.expand(max(rows, 1), len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
 
@@ -467,9 +469,10 @@ def defer_weight_grads(
     changes before the flush are refused there), not in a partial, which nothing checks.
 
     ``saves_reached`` (with several outputs): the kernel's last saved tensor is then a bool
-    ``(rows, outputs)`` (rows: ``saved[0]``'s dim 0, at least one) saying which outputs each micro-batch's
-    backward reached (the others' output gradients are zeros), so that a parameter no backward
-    reached through them can stay None, as in plain autograd."""
+    ``(rows, outputs)`` (rows: ``saved[0]``'s dim 0, or the first output's where nothing is saved;
+    at least one) saying which outputs each micro-batch's backward reached (the others' output
+    gradients are zeros), so that a parameter no backward reached through them can stay None, as
+    in plain autograd."""
     if isinstance(params, Tensor) or isinstance(saved, Tensor):
         raise TypeError(
             "twobp: defer_weight_grads takes params and saved as sequences of tensors, e.g. "
@@ -477,9 +480,17 @@ def defer_weight_grads(
         )
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
     deferral = ParamDeferral.at_forward(params)
+    group = kernel_group(kernel) if group is None else group
+    try:
+        hash(group)  # the flush groups jobs by it
+    except TypeError:
+        raise TypeError(
+            f"twobp: defer_weight_grads needs a hashable group, got {group!r}: a functools.partial kernel "
+            "takes hashable arguments only (a tuple, not a list or dict), or pass group="
+        ) from None
     spec = _TapSpec(
         kernel=kernel,
-        group=kernel_group(kernel) if group is None else group,
+        group=group,
         concatenate=concatenate,
         num_outputs=len(outs),
         deferral=deferral,
