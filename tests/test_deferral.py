@@ -1693,6 +1693,41 @@ def test_several_outputs_reached_apart_with_nothing_saved():
     assert_grads_match(patched, reference, torch.float64)
 
 
+class ExpScale(nn.Module):
+    """``exp(x * weight)``: its weight's gradient reads the result, which exp saves too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4) * 0.1)
+
+    def forward(self, x):
+        return torch.exp(x * self.weight)
+
+
+def _exp_scale_grads(saved, grad_outputs, needs):
+    x, result = saved
+    return [(grad_outputs[0] * result * x).sum(0)]
+
+
+def test_a_rule_saving_its_own_output_for_the_kernel():
+    """The tap's re-parenting bumps the output's version counter, which a saved alias (the result
+    itself, detached) shares: every backward failed with "modified by an inplace operation"."""
+
+    @twobp.register(ExpScale)
+    def exp_scale(module, x):
+        result = torch.exp(x * module.weight.detach())
+        saved = (x.detach(), result.detach())
+        return twobp.deferral.defer_weight_grads(result, (module.weight,), saved, _exp_scale_grads)
+
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), ExpScale()).double())
+    for _ in range(2):
+        x = torch.randn(3, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 def test_several_outputs_that_are_views_of_one_tensor_are_told_what_to_pass():
     model = ScaleShift()
     x = torch.randn(3, 4, requires_grad=True)

@@ -510,6 +510,12 @@ def defer_weight_grads(
             f"{[type(t).__name__ for t in saved_tensors]} (pass values that are not tensors to the kernel "
             "with functools.partial; tensors go in saved, where in-place changes are checked)"
         ) from None
+    if saved_tensors and any(_shares_memory(t, outs) for t in saved_tensors):
+        # An output saved for the kernel as it is (exp's result, for its weight's gradient)
+        # shares the output's version counter, which the tap's re-parenting bumps: either the
+        # op's own record of its result or the tap's record of the alias would read "modified".
+        saved_tensors = tuple(t.clone() if _shares_memory(t, outs) else t for t in saved_tensors)
+        saved_versions = [t._version for t in saved_tensors]
     try:
         tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))
     except RuntimeError as error:
@@ -528,6 +534,13 @@ def defer_weight_grads(
     if [t._version for t in saved_tensors] == saved_versions:
         torch._C._autograd._unsafe_set_version_counter(outs, tuple(output_versions))
     return tapped
+
+
+def _shares_memory(tensor: Tensor, outputs: Sequence[Tensor]) -> bool:
+    if tensor.layout != torch.strided or tensor.numel() == 0:
+        return False
+    memory = tensor.untyped_storage().data_ptr()
+    return any(o.layout == torch.strided and o.untyped_storage().data_ptr() == memory for o in outputs)
 
 
 def param_inputs(params: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
