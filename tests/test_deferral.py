@@ -1264,6 +1264,42 @@ def test_recompute_rule_joins_no_call_with_an_output_without_a_batch_dim():
     assert_grads_match(patched, reference)
 
 
+class CountsCalls(Scale):
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x * self.weight
+
+
+@pytest.mark.parametrize(
+    ("layers", "steps", "initial_state"), [(1, 1, False), (2, 2, False), (1, 1, True)], ids=["step", "layers", "h0"]
+)
+def test_recompute_rule_joins_calls_only_where_their_rows_are_apart(layers, steps, initial_state):
+    """A time-major GRU (batch_first=False, PyTorch's default) registered with the rule: where its
+    steps matched its layers (a decoder's one-step calls), every tensor's dim 0 agreed, so the
+    flush joined micro-batches' steps into one sequence and replayed it (0.48 to 0.90 off,
+    silently), or failed on the joined initial state. A rule module whose rows are apart still
+    joins: one replay for all micro-batches."""
+    twobp.register((nn.GRU, CountsCalls), twobp.ops.recompute)
+    model = nn.ModuleList([nn.GRU(4, 4, num_layers=layers), CountsCalls()]).double()
+    patched, reference = patched_and_reference(model)
+    queue = twobp.WeightGradQueue("concat")
+    for _ in range(3):
+        x = torch.randn(steps, 2, 4, dtype=torch.float64)
+        state = (torch.randn(layers, 2, 4, dtype=torch.float64),) if initial_state else ()
+        for net in (patched, reference):
+            with twobp.use_queue(queue):
+                output, _ = net[0](x, *state)
+                net[1](output.flatten(0, 1)).pow(2).sum().backward()
+    calls = patched[1].calls
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+    assert patched[1].calls - calls == 1, "the row-wise module's micro-batches are replayed joined"
+
+
 class Router(nn.Module):
     """A mixture-of-experts router: gate weights and the chosen experts' (integer) indices."""
 
@@ -1775,7 +1811,7 @@ def test_the_recompute_rule_refuses_a_forward_that_starts_changing_its_input_in_
     """A module whose first calls left their inputs alone runs later calls on the inputs
     themselves: one that changes them then cannot be undone, and is refused."""
     twobp.register(ChangesItsInput, twobp.ops.recompute)
-    model = twobp.patch(ChangesItsInput(from_call=2))  # the first call runs its forward twice (a trial)
+    model = twobp.patch(ChangesItsInput(from_call=3))  # the first call runs its forward thrice (two trials)
     model(torch.randn(3, 4)).sum().backward()
     twobp.flush_weight_grads()
     with pytest.raises(RuntimeError, match="twobp: ChangesItsInput's forward changed its input in place"):

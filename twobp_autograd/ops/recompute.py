@@ -262,6 +262,10 @@ def _sharded_by_fsdp(module: nn.Module, params: Mapping[str, Tensor]) -> bool:
 #: Modules whose forward, run on copies of its inputs once, left them unchanged.
 _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
+#: Whether a module's forward, tried once on a batch, treats the rows of dim 0 apart (the flush
+#: may then join its calls' rows).
+_rows_apart: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+
 
 _HOOKED_SUBMODULES = (
     "forward or backward hooks on its submodules (what a forward hook takes out, such as Hugging Face's "
@@ -319,12 +323,16 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         set_device_states(devices, device_states)
         state.restore(module, values)
 
+    trial_output = None
     if module not in _leaves_inputs:
-        changes_inputs = _changes_its_inputs(module, inputs, substitutes)
+        changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
         rewind()  # the trial's draws and buffer changes
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
+    if module not in _rows_apart and _batched_alike(inputs) and inputs[0].shape[0] > 0:
+        _rows_apart[module] = _treats_rows_apart(module, inputs, substitutes, trial_output)
+        rewind()
     versions = [t._version for t in inputs]
     try:
         with _no_saved_tensors_hooks_pushed():
@@ -361,7 +369,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     outputs = _as_tensors(output)
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
-    joinable = _batched_alike([*inputs, *outputs])
+    joinable = _rows_apart.get(module, False) and _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key(), joinable)
@@ -403,15 +411,54 @@ def _batched_alike(tensors: Sequence[Tensor]) -> bool:
     return all(t.dim() > 1 and t.shape[0] == first for t in tensors)
 
 
-def _changes_its_inputs(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]) -> bool:
+def _treats_rows_apart(
+    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any = None
+) -> bool:
+    """Whether the forward treats the rows of dim 0 apart, as the flush's joined replay assumes
+    (shapes alone cannot tell: a time-major RNN's steps look like a batch). Run without a graph on
+    the inputs (``short``: that run's output, if made already) and on the inputs with their first
+    row appended: every output must be the first run's with its first row appended (a recurrence
+    carries its state into the appended row, a hidden state of (layers, N, H) does not grow,
+    batch statistics move)."""
+    with torch.no_grad():
+        try:
+            if short is None:
+                short = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
+            long = _plain_forward(module, [torch.cat([t, t[:1]]) for t in inputs], substitutes)
+        except Exception:  # a forward that takes no other batch size: never joined
+            return False
+    if _unfit_outputs(short, ()) == _NOT_TENSORS or _unfit_outputs(long, ()) == _NOT_TENSORS:
+        return False  # such a call keeps plain autograd anyway
+    shorter, longer = _as_tensors(short), _as_tensors(long)
+    return len(shorter) == len(longer) and all(
+        s.dim() > 0
+        and extended.shape == (s.shape[0] + 1, *s.shape[1:])
+        and _close(extended[:-1], s)
+        and _close(extended[-1:], s[:1])
+        for s, extended in zip(shorter, longer, strict=True)
+    )
+
+
+def _close(a: Tensor, b: Tensor) -> bool:
+    """Equal up to the rounding a kernel's other batch size may bring (not a state carried over)."""
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    rtol = 1e-2 if torch.finfo(a.dtype).bits <= 16 else 1e-4
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    return torch.allclose(a, b, rtol=rtol, atol=rtol * scale, equal_nan=True)
+
+
+def _changes_its_inputs(
+    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]
+) -> tuple[bool, Any]:
     """A module's first call runs once more, on copies of its inputs and without recording a
     graph (nothing saved, so an activation checkpoint around it counts what plain saves): does
-    its forward change them in place (``x.mul_(2)``, an in-place ReLU)?"""
+    its forward change them in place (``x.mul_(2)``, an in-place ReLU)? And that run's output."""
     copies = tuple(t.detach().clone() for t in inputs)
     versions = [t._version for t in copies]
     with torch.no_grad():
-        _plain_forward(module, copies, substitutes)
-    return [t._version for t in copies] != versions
+        output = _plain_forward(module, copies, substitutes)
+    return [t._version for t in copies] != versions, output
 
 
 def _random_numbers_drawn(cpu_state: Tensor, device_states: list[Tensor], tensors: Sequence[Tensor]) -> bool:
