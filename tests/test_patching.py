@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+import twobp_autograd
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
 from twobp_autograd import warn_once
@@ -70,11 +71,30 @@ class _MyLinear(nn.Linear):
 
 def test_subclass_keeps_plain_autograd_until_registered():
     model = nn.Sequential(_MyLinear(3, 3))
-    with pytest.warns(UserWarning, match="twobp: patch.. found no layer it covers in this Sequential .* _MyLinear"):
+    with pytest.warns(UserWarning, match="twobp: patch.. found no layer it covers in this Sequential .*_MyLinear"):
         report = twobp.patch(model, report=True)
     assert report.patched == [] and "_MyLinear" in report.skipped["0"]
     model(torch.randn(2, 3)).sum().backward()
     assert model[0].weight.grad is not None and twobp.pending().jobs == 0
+
+
+class _LinearOfItsOwn(nn.Linear):
+    def forward(self, x):
+        return super().forward(x).relu()
+
+
+def test_a_subclass_is_reported_by_its_full_name_with_the_rule_that_fits_it():
+    """A torch.ao QAT Linear was reported as "Linear is not registered", as if nn.Linear were not
+    covered; a subclass that keeps its base's forward is told which rule to register it with."""
+    model = nn.Sequential(_MyLinear(3, 3), _LinearOfItsOwn(3, 3))
+    with pytest.warns(UserWarning, match="found no layer it covers"):
+        report = twobp.patch(model, report=True)
+    keeps, own = report.skipped["0"], report.skipped["1"]
+    assert keeps.startswith("tests.test_patching._MyLinear is not registered")
+    assert "twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)" in keeps
+    assert "with a forward of its own: register a rule for it" in own
+    twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)  # as the report says
+    assert twobp.patch(model, report=True).patched == ["0"]
 
 
 def test_a_model_with_nothing_to_patch_warns_once_and_one_excluded_on_purpose_does_not():

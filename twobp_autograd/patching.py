@@ -21,7 +21,7 @@ from torch.nn.utils.parametrize import is_parametrized
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .grad_guard import install_grad_guards
-from .registry import DeferredForward, module_class, rule_for
+from .registry import DeferredForward, module_class, rule_for, unregistered_why
 from .warn_once import warn_once
 
 __all__ = ["patch", "unpatch", "PatchReport"]
@@ -305,7 +305,8 @@ def patch(
         rule = rule_for(module)
         if rule is None:
             if any(True for _ in module.parameters(recurse=False)):
-                result.skipped[name] = f"{type(module).__name__} is not registered (plain autograd)"
+                # A parametrization's generated class is one per module: no class to register.
+                result.skipped[name] = unregistered_why(type(module), suggest=not is_parametrized(module))
             continue
         reason = rule.unsupported(module)
         if reason is None and not rule.stands_for(module):

@@ -13,7 +13,16 @@ from torch import nn
 
 from .fsdp_hooks import class_before_fully_shard
 
-__all__ = ["DeferredForward", "Rule", "register", "unregister", "rules_restored_after", "rule_for", "module_class"]
+__all__ = [
+    "DeferredForward",
+    "Rule",
+    "register",
+    "unregister",
+    "rules_restored_after",
+    "rule_for",
+    "module_class",
+    "unregistered_why",
+]
 
 #: ``forward(module, *args, **kwargs)``: the module's forward, computing the output with the
 #: parameters detached and handing them to :func:`twobp_autograd.deferral.defer_weight_grads`.
@@ -100,3 +109,20 @@ def module_class(module: nn.Module) -> type:
 
 def rule_for(module: nn.Module) -> Rule | None:
     return _rules.get(type(module)) or _rules.get(module_class(module))
+
+
+def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
+    """What ``patch`` reports for a module with parameters and no rule: a subclass of a covered
+    type says (where ``suggest``) which rule would fit it, where its forward is the covered type's."""
+    name = f"{module_type.__module__}.{module_type.__qualname__}"
+    why = f"{name} is not registered (plain autograd)"
+    base = next((b for b in module_type.__mro__[1:] if b in _rules), None)
+    if base is None or not suggest:
+        return why
+    if getattr(module_type, "forward", None) is not getattr(base, "forward", None):
+        return f"{why}; it derives from {base.__name__} with a forward of its own: register a rule for it"
+    rule = _rules[base].forward
+    return (
+        f"{why}; it derives from {base.__name__} and keeps its forward: if it computes what "
+        f"{base.__name__} does, twobp.register({module_type.__name__}, {rule.__module__}.{rule.__qualname__})"
+    )
