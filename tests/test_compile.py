@@ -222,3 +222,11 @@ def test_a_compiled_norm_under_autocast_traces_without_dynamos_cache_warning():
     twobp.flush_weight_grads()
     assert not [w for w in caught if "lru_cache" in str(w.message)]
     assert model[1].weight.grad is not None
+
+
+def test_fullgraph_over_a_patched_model_fails_saying_why():
+    """Dynamo's own error was an AttributeError on FunctionCtx, with a hint that eager may fail too."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    with pytest.raises(Exception, match=r"twobp: torch.compile cannot trace a patched layer's deferred backward"):
+        torch.compile(model, backend="eager", fullgraph=True)(torch.randn(3, 4)).sum().backward()
+    twobp.discard_weight_grads()

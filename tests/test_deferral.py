@@ -208,6 +208,23 @@ def test_post_accumulate_hooks_see_the_gradient_at_flush():
     assert_grads_match(patched, reference)
 
 
+def test_a_hooked_parameter_frozen_between_backward_and_flush_gets_its_gradient():
+    """Plain computed the gradient during backward; the flush, which moves a hooked parameter's
+    hook first, registered it on a parameter that no longer requires grad: PyTorch refused, and
+    the flush failed with PartlyDelivered, that gradient lost."""
+    patched, reference = patched_and_reference(mlp())
+    seen = []
+    patched[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad))
+    x = torch.randn(4, 6)
+    loss_of(patched, x).backward()
+    loss_of(reference, x).backward()
+    patched[0].weight.requires_grad_(False)
+    twobp.flush_weight_grads()
+    assert not patched[0].weight.requires_grad
+    assert len(seen) == 2 and seen[1] is patched[0].weight.grad
+    assert_grads_match(patched, reference)
+
+
 class _TiedLM(nn.Module):
     """Embedding and head sharing one weight: two contributions to it in every backward."""
 

@@ -94,6 +94,12 @@ class ParamDeferral(NamedTuple):
         each backward's gradient of it: its gradient flows on through autograd) or 'skip' (not
         wanted, frozen, even since the forward, or not reached by this backward)."""
         _refuse_create_graph()
+        if not hasattr(ctx, "next_functions"):  # Dynamo speculating this backward (fullgraph=True ends here)
+            raise RuntimeError(
+                "twobp: torch.compile cannot trace a patched layer's deferred backward into one graph: "
+                "fullgraph=True is not supported over a patched model (each patched layer ends a graph). "
+                "Compile without fullgraph, or compile the unpatched model (twobp.unpatch)."
+            )
         first = len(ctx.next_functions) - len(self.params)
         needed = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(self.params) :]
         # A leaf frozen since the forward gets nothing, as autograd's accumulator skips a

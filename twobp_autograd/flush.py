@@ -337,8 +337,10 @@ def has_user_hooks(param: Tensor) -> bool:
 
 def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:
     """``param.register_post_accumulate_grad_hook(hook)``, moved before the hooks already there."""
-    handle = param.register_post_accumulate_grad_hook(hook)
-    hooks = param._post_accumulate_grad_hooks  # called in the dict's own order (not OrderedDict's)
+    # Into the dict directly: register_post_accumulate_grad_hook refuses a parameter frozen
+    # since the backward, which the hand-over unfreezes only around its delivery.
+    hooks = param._post_accumulate_grad_hooks  # it has hooks; called in the dict's own order
+    handle = RemovableHandle(hooks)
     others = [(key, value) for key, value in hooks.items() if key != handle.id]
     hooks.clear()
     hooks[handle.id] = hook
