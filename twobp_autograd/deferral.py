@@ -545,8 +545,11 @@ def defer_weight_grads(
 def _shares_memory(tensor: Tensor, outputs: Sequence[Tensor]) -> bool:
     if tensor.layout != torch.strided or tensor.numel() == 0:
         return False
-    memory = tensor.untyped_storage().data_ptr()
-    return any(o.layout == torch.strided and o.untyped_storage().data_ptr() == memory for o in outputs)
+    try:
+        memory = tensor.untyped_storage().data_ptr()
+        return any(o.layout == torch.strided and o.untyped_storage().data_ptr() == memory for o in outputs)
+    except RuntimeError:  # no memory of its own to compare (a DTensor, a FakeTensor while compiling)
+        return False
 
 
 def param_inputs(params: Sequence[Tensor | None]) -> tuple[Tensor, ...]:
