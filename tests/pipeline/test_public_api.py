@@ -11,7 +11,12 @@ import twobp_autograd.pipeline as pipeline
 
 def test_the_readme_names_import_from_the_package() -> None:
     from twobp_autograd.pipeline import (  # noqa: F401
+        GradientSync,
         PipelineRuntime,
+        TiedGradients,
+        agreed_block_costs,
+        blocks_of,
+        defer_norms,
         dw_builder,
         schedule,
         simulate,
@@ -20,6 +25,7 @@ def test_the_readme_names_import_from_the_package() -> None:
     )
 
     public = {"schedule", "validate_schedule", "PipelineRuntime", "split_model", "simulate", "dw_builder"}
+    public |= {"TiedGradients", "agreed_block_costs", "blocks_of", "defer_norms", "GradientSync"}  # README, Stages
     assert public <= set(pipeline.__all__)
 
 

@@ -8,7 +8,7 @@ schedule by hand, :mod:`.trace` for reading and drawing timelines).
 from .actions import Action, ActionKind
 from .adapter import dw_builder
 from .metrics import RankMetrics, StepReport
-from .runtime import PipelineError, PipelineRuntime, init_distributed
+from .runtime import GradientSync, PipelineError, PipelineRuntime, init_distributed
 from .schedules import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -19,7 +19,7 @@ from .schedules import (
     validate_schedule,
 )
 from .simulator import SimulationResult, StageCosts, fastest_max_pending, simulate
-from .split import split_model
+from .split import TiedGradients, agreed_block_costs, blocks_of, defer_norms, split_model
 from .trace import plot_timeline, write_chrome_trace
 
 __all__ = [
@@ -33,7 +33,12 @@ __all__ = [
     "default_num_micro_batches",
     "validate_schedule",
     "split_model",
+    "blocks_of",
+    "agreed_block_costs",
+    "defer_norms",
+    "TiedGradients",
     "PipelineRuntime",
+    "GradientSync",
     "PipelineError",
     "StepReport",
     "RankMetrics",
