@@ -206,6 +206,27 @@ def test_zero_grad_before_the_flush_drops_that_work_as_plain_drops_those_grads(
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("zero_grad", [_optimizer_zero_grad, _module_zero_grad], ids=["optimizer", "module"])
+def test_zero_grad_keeping_zeros_after_a_discard_leaves_zeros_as_plain(
+    zero_grad: Callable[[nn.Module, bool], None],
+) -> None:
+    """A failed step dropped with discard_weight_grads() and then zero_grad(set_to_none=False):
+    plain leaves zeros where its backward made a gradient; the discard had left nothing queued
+    for zero_grad to see, so .grad stayed None, and the next step skipped what plain steps."""
+    model = _model_with_batch_norm()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(4, 6)
+    model(x).pow(2).sum().backward()
+    twobp.discard_weight_grads()
+    zero_grad(model, False)
+    reference(x).pow(2).sum().backward()
+    zero_grad(reference, False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert q.grad is not None and p.grad is not None, name
+        assert torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride(), name
+
+
 def test_zero_grad_of_one_batch_norm_parameter_frees_its_finished_gradient() -> None:
     """BatchNorm's job holds both finished gradients: dropping one frees it (the other stays)."""
     model = twobp.patch(nn.Sequential(nn.Linear(6, 256), nn.BatchNorm1d(256)))

@@ -43,7 +43,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from .flush import forget_deliveries, summed_over_backward_calls, undelivered
-from .queue import WeightGradQueue, current_queue, queues_with_work
+from .queue import WeightGradQueue, current_queue, dropped_without_grad, queues_with_work
 from .warn_once import warn_once
 
 __all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued", "has_queued_work"]
@@ -149,6 +149,11 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
     params = list(params)
     _refuse_mid_flush(params, what)
     forget_deliveries(params)
+    if dropped_without_grad:
+        for param in params:
+            if isinstance(param, torch.Tensor) and dropped_without_grad.pop(id(param), None) is param:
+                if not set_to_none and param.grad is None:
+                    param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
     queues, tensors = _queued(params)
     if not queues:
         return

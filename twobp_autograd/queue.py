@@ -341,6 +341,12 @@ class WeightGradQueue:
         finishes first)."""
         with self._lock:
             self._wait_for_flights_elsewhere(_ANY_WORK)
+            # Plain backward would have given these a .grad: a zero_grad(set_to_none=False)
+            # after the discard must leave zeros there, as plain's does (grad_guard).
+            for job in self._jobs:
+                for p in job.params:
+                    if p is not None and p.grad is None:
+                        dropped_without_grad[id(p)] = p
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
@@ -506,6 +512,10 @@ class WeightGradQueue:
                 "another thread. Wait for that backward (join the thread) before flushing, or give "
                 "each thread its own queue with twobp.use_queue()."
             )
+
+
+#: id -> parameter whose queued work clear() dropped while its .grad was None.
+dropped_without_grad: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
 
 
 def _tag_list(tags: Sequence[Hashable] | None) -> Sequence[Hashable] | None:
