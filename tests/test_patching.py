@@ -97,6 +97,16 @@ def test_a_subclass_is_reported_by_its_full_name_with_the_rule_that_fits_it():
     assert twobp.patch(model, report=True).patched == ["0"]
 
 
+def test_a_lazy_module_is_told_to_run_a_forward_and_patch_again():
+    """A lazy module becomes its covered class at its first forward; registering the lazy class
+    with that class's rule (what the report told any subclass keeping its base's forward) would
+    compute with an uninitialised weight."""
+    model = nn.Sequential(nn.LazyLinear(3), nn.Tanh(), nn.Linear(3, 2))
+    assert "a lazy module: run one forward to make it a Linear" in twobp.patch(model, report=True).skipped["0"]
+    model(torch.randn(2, 5))
+    assert twobp.patch(model, report=True).patched == ["0", "2"]
+
+
 def test_a_model_with_nothing_to_patch_warns_once_and_one_excluded_on_purpose_does_not():
     """Nothing deferred by a model whose layers are all of unregistered types (a stage traced by
     pipelining's pipeline() holds InterpreterModules): one warning per root type. A model whose

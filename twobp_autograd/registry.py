@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 
 from .fsdp_hooks import class_before_fully_shard
 
@@ -119,6 +120,8 @@ def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
     base = next((b for b in module_type.__mro__[1:] if b in _rules), None)
     if base is None or not suggest:
         return why
+    if issubclass(module_type, LazyModuleMixin):  # its first forward makes it the covered class
+        return f"{why}; a lazy module: run one forward to make it a {base.__name__}, then patch again"
     if getattr(module_type, "forward", None) is not getattr(base, "forward", None):
         return f"{why}; it derives from {base.__name__} with a forward of its own: register a rule for it"
     rule = _rules[base].forward
