@@ -147,7 +147,8 @@ class GradientSynchroniser:
                 broadcast_tensors([*module.parameters(), *(module.buffers() if broadcast_buffers else ())], group=group)
         self._buffers_due = True
         if broadcast_buffers and any(True for _ in module.buffers()):
-            self._hooks.append(module.register_forward_pre_hook(_weak_hook(self._broadcast_buffers)))
+            broadcast = _weak_hook(self._broadcast_buffers)
+            self._hooks.extend(m.register_forward_pre_hook(broadcast) for m in _called_modules(module))
         weakref.finalize(self, _remove_handles, list(self._hooks))
         self.reset()
 
@@ -427,7 +428,16 @@ class GradientSynchroniser:
         if self._buffers_due and module.training and torch.is_grad_enabled():
             self._buffers_due = False
             with torch.no_grad():
-                broadcast_tensors(list(module.buffers()), group=self.group, wait=self._wait)
+                broadcast_tensors(list(self.module.buffers()), group=self.group, wait=self._wait)
+
+
+def _called_modules(module: nn.Module) -> list[nn.Module]:
+    """The modules whose forward starts a step's computation: ``module`` itself, or, for a container
+    that is never called (``nn.ModuleList`` / ``nn.ModuleDict`` of a rank's pipeline stages), its
+    children (recursively through nested containers); the first of them called in a step broadcasts."""
+    if type(module).forward is not nn.Module.forward:
+        return [module]
+    return [m for child in module.children() for m in _called_modules(child)]
 
 
 def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
