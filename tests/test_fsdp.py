@@ -535,12 +535,34 @@ def _hsdp(rank: int) -> dict:
             twobp.flush_weight_grads()
             grads[patched] = _full_grads(model)
         results[accumulate] = {"queued": queued, "ours": grads[True], "plain": grads[False]}
+    # All-reduce off (accumulating across replicas): FSDP2 adds each reduction into one flat
+    # buffer per group laid out by the parameters reduced; backward reduced the plain ones, the
+    # flush the deferred ones, and their gradients were added across parameters, silently.
+    torch.manual_seed(0)
+    model = twobp.patch(Net())
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.set_requires_all_reduce(False)  # type: ignore[operator]
+    _loss(model, *_data(rank, 0)).backward()
+    try:
+        twobp.flush_weight_grads()
+        results["all_reduce_off"] = None
+    except RuntimeError as error:
+        results["all_reduce_off"] = str(error)
+    twobp.discard_weight_grads()
     return results
 
 
 @pytest.fixture(scope="module")
 def hsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_scenario(_hsdp, WORLD * WORLD, str(tmp_path_factory.mktemp("hsdp")), deadline=300.0)
+
+
+def test_an_hsdp_flush_with_the_all_reduce_off_is_refused(hsdp_ranks: list[dict]) -> None:
+    for rank, results in enumerate(hsdp_ranks):
+        refusal = results["all_reduce_off"]
+        assert refusal and "twobp: a flush would reduce an HSDP group" in refusal, f"rank {rank}: {refusal}"
 
 
 @pytest.mark.parametrize("accumulate", HSDP_ACCUMULATIONS)

@@ -176,8 +176,28 @@ def reduce_group(group: Any) -> None:
     ``set_requires_gradient_sync`` says) the gradients its unsharded parameters hold into the
     sharded ``.grad``, and reshards if ``reshard_after_backward``. The group's training state
     is left as it was (it sets POST_BACKWARD)."""
+    _refuse_split_partial_all_reduce(group)
     with group.use_training_state(group._training_state):
         group.post_backward()
+
+
+def _refuse_split_partial_all_reduce(group: Any) -> None:
+    """HSDP under ``set_requires_all_reduce(False)``: FSDP2 keeps one flat partial-reduce buffer
+    per group (``_partial_reduce_output``) laid out by the parameters reduced in that call, and
+    adds the next call's output to it element by element. Backward reduces the group's
+    non-deferred parameters, the flush its deferred ones: two layouts in one buffer, added across
+    parameters (silently wrong where the sizes agree, a size error where not)."""
+    common = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"]
+    if not isinstance(group.mesh_info, common.DDPMeshInfo) or not group.reduce_grads:
+        return
+    if not group.all_reduce_grads or getattr(group, "_partial_reduce_output", None) is not None:
+        raise RuntimeError(
+            "twobp: a flush would reduce an HSDP group under set_requires_all_reduce(False) (or with "
+            "a partial reduction of that setting still pending): FSDP2 accumulates such reductions "
+            "in one flat buffer per group, and the flush reduces other parameters than backward "
+            "did. Accumulate with set_requires_gradient_sync(False) instead, or flush only after "
+            "the micro-batch that has set_requires_all_reduce(True)."
+        )
 
 
 def wait_for_reductions(groups: list[Any]) -> None:
