@@ -571,3 +571,38 @@ def test_hsdp_grads_equal_hsdp_on_the_unpatched_model(hsdp_ranks: list[dict], ac
         result = results[accumulate]
         assert result["queued"] > 0, "nothing was deferred"
         _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
+
+
+class _Raised(Exception):
+    pass
+
+
+def test_a_backward_that_raised_after_a_flush_inside_it_leaves_no_reduction_behind(one_rank_group: None) -> None:
+    """A flush from a hook inside a backward leaves its groups' reductions to that backward's
+    end, a callback the engine never runs when the backward raises: each failed step's groups
+    (FSDP2's parameter groups, and through them the model) stayed recorded for good."""
+    from twobp_autograd import fsdp
+
+    torch.manual_seed(0)
+    model = twobp.patch(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1)))
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+
+    def flush_inside(grad: Tensor) -> Tensor:
+        twobp.flush_weight_grads()
+        return grad
+
+    def raise_inside(grad: Tensor) -> Tensor:
+        raise _Raised
+
+    for _ in range(3):
+        first = model[1](model[0](torch.randn(4, 8)))
+        first.register_hook(raise_inside)  # reached last
+        last = model[3](model[2](first))
+        last.register_hook(flush_inside)  # after the head's backward
+        with pytest.raises(_Raised):
+            model[4](last).sum().backward()
+        twobp.discard_weight_grads()
+        model.zero_grad()
+    assert not fsdp._after_backward

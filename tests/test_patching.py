@@ -3,8 +3,10 @@ weight gradients, and every path where no weight gradient can be wanted stays pl
 
 import contextlib
 import copy
+import gc
 import io
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -670,3 +672,27 @@ def test_a_class_swapped_to_a_subclass_overriding_what_its_forward_calls_keeps_p
     assert_grads_match(patched, reference)
     report = twobp.patch(patched, report=True)
     assert "0" not in report.patched and "not registered" in report.skipped["0"]
+
+
+def test_a_dropped_patched_model_is_freed_without_the_cyclic_collector():
+    """Module and patched forward referred to each other: a dropped model's parameters and
+    .grad (on a GPU, its memory) lived until a full collection, not until its last reference."""
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        model = twobp.patch(nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3)))
+        model(torch.randn(2, 3)).sum().backward()
+        twobp.flush_weight_grads()
+        weight, grad = weakref.ref(model[0].weight), weakref.ref(model[0].weight.grad)
+        del model
+        assert weight() is None and grad() is None
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def test_a_forward_kept_without_its_module_says_so():
+    forward = twobp.patch(nn.Linear(3, 3)).forward
+    gc.collect()
+    with pytest.raises(RuntimeError, match="twobp: this patched forward's module was garbage collected"):
+        forward(torch.randn(2, 3))

@@ -122,8 +122,24 @@ def _reduce_when_this_backward_ends(group: Any) -> None:
     groups = _after_backward.get(task)
     if groups is None:
         groups = _after_backward[task] = {}
-        Variable._execution_engine.queue_callback(lambda: _reduce_now(_after_backward.pop(task)))
+        Variable._execution_engine.queue_callback(_ReduceAtEnd(task))
     groups[id(group)] = group
+
+
+class _ReduceAtEnd:
+    """Queued on autograd's engine: reduces the groups at the end of the backward ``task``; a
+    backward that raised never calls it, and the entry goes when the engine frees the task."""
+
+    __slots__ = ("task",)
+
+    def __init__(self, task: int) -> None:
+        self.task = task
+
+    def __call__(self) -> None:
+        _reduce_now(_after_backward.pop(self.task))
+
+    def __del__(self) -> None:
+        _after_backward.pop(self.task, None)
 
 
 def _reduce_now(groups: dict[int, Any]) -> None:

@@ -51,7 +51,9 @@ class DeferredForwardCall:
     unpatched under a wrapper added since, such as accelerate's hooks, which keep calling it)."""
 
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
-        self.module = module
+        # Weak: the module holds this call in its __dict__; a strong reference back would make
+        # every patched module a reference cycle, freed (parameters, .grad) only by the cyclic GC.
+        self._module = weakref.ref(module)
         self.deferred = deferred  # the class's forward once unpatched
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
         # something else (a parametrization's subclass keeps the forward).
@@ -60,15 +62,33 @@ class DeferredForwardCall:
         self.classes_of_the_rule = {type(module)}
         _calls.add(self)
 
+    def owner(self) -> nn.Module | None:
+        """The module, or None once it was freed (only its forward kept)."""
+        return self._module()
+
+    @property
+    def module(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise RuntimeError(
+                "twobp: this patched forward's module was garbage collected; keep a reference to the "
+                "module, not only to its forward"
+            )
+        return module
+
     def __getstate__(self) -> dict[str, Any]:
         # The class's forward is found again where the copy is made (a function defined in a
         # script's __main__, or a lambda, would not pickle).
-        unpicklable = ("class_forward", "classes_of_the_rule")
-        return {key: value for key, value in self.__dict__.items() if key not in unpicklable}
+        unpicklable = ("class_forward", "classes_of_the_rule", "_module")
+        state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
+        state["module"] = self.module
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A patched model deep-copied, or loaded in a process that never called ``patch``
         (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
+        state = dict(state)
+        self._module = weakref.ref(state.pop("module"))
         self.__dict__.update(state)
         # The forward the rule stands for, not the class's now (replaced since, it is not).
         rule = rule_for(self.module)
@@ -208,7 +228,8 @@ _calls: weakref.WeakSet[DeferredForwardCall] = weakref.WeakSet()
 
 
 def _patched_modules() -> list[nn.Module]:
-    return [call.module for call in list(_calls) if _is_patched(call.module)]
+    owners = [call.owner() for call in list(_calls)]
+    return [module for module in owners if module is not None and _is_patched(module)]
 
 
 def _install_guards() -> None:
@@ -231,7 +252,7 @@ def _adopt_shallow_copies_when_made() -> None:
     def adopting(self: nn.Module, state: dict[str, Any]) -> None:
         setstate(self, state)
         call = self.__dict__.get(_CALL)
-        if isinstance(call, DeferredForwardCall) and call.module is not self:
+        if isinstance(call, DeferredForwardCall) and call.owner() is not self:
             _adopt(self, call)
 
     setattr(adopting, _ADOPTS, True)
@@ -295,7 +316,7 @@ def patch(
             rule = rule_for(module)
             call = module.__dict__[_CALL]
             unchanged = type(module).forward is call.class_forward and "forward" in module.__dict__
-            if call.module is not module:  # a shallow copy not called yet: a call of its own
+            if call.owner() is not module:  # a shallow copy not called yet: a call of its own
                 _adopt(module, call)
             if unchanged and call.computes_as_its_rule(module) and (rule is None or rule.stands_for(module)):
                 # Patched before (its class may have changed since: a parametrization's subclass).
@@ -372,7 +393,7 @@ def _unpatch_module(module: nn.Module) -> None:
     """Restore plain autograd on ``module`` alone (not its children)."""
     call = module.__dict__.pop(_CALL, None)
     if isinstance(call, DeferredForwardCall):
-        if call.module is module:  # not a shallow copy sharing the original's call
+        if call.owner() is module:  # not a shallow copy sharing the original's call
             call.deferred = _class_forward
         if module.__dict__.get("forward") is call:
             del module.forward
