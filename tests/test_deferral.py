@@ -1317,6 +1317,50 @@ def test_recompute_rule_joins_calls_only_where_their_rows_are_apart(layers, step
     assert patched[1].calls - calls == 1, "the row-wise module's micro-batches are replayed joined"
 
 
+class CausalMean(nn.Module):
+    """Time-major (L, B, E): a running mean along L, each batch column apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        steps = torch.arange(1, x.shape[0] + 1, dtype=x.dtype).view(-1, 1, 1)
+        return (x @ self.weight).cumsum(0) / steps
+
+
+class MaxScale(nn.Module):
+    """Scales by the batch's largest activation: rows mixed by a max a duplicate row cannot move."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h / h.abs().amax(0, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    ("make", "shapes"),
+    [(CausalMean, [(1, 2, 4), (3, 2, 4), (3, 2, 4)]), (MaxScale, [(8, 4), (8, 4)])],
+    ids=["running-mean-first-call-of-one-step", "batch-max"],
+)
+def test_recompute_rule_trial_sees_mixing_a_duplicate_row_cannot_show(make, shapes):
+    """The row trial appended a copy of the first row: a causal mix whose first call had one
+    step, or a max over the batch, came back unchanged, and joined replays were 19-35 off."""
+    twobp.register(make, twobp.ops.recompute)
+    patched, reference = patched_and_reference(make().double())
+    queue = twobp.WeightGradQueue("concat")
+    for shape in shapes:
+        x = torch.randn(shape, dtype=torch.float64)
+        for model in (patched, reference):
+            with twobp.use_queue(queue):
+                model(x).pow(2).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 class Router(nn.Module):
     """A mixture-of-experts router: gate weights and the chosen experts' (integer) indices."""
 

@@ -696,3 +696,40 @@ def test_a_forward_kept_without_its_module_says_so():
     gc.collect()
     with pytest.raises(RuntimeError, match="twobp: this patched forward's module was garbage collected"):
         forward(torch.randn(2, 3))
+
+
+def _leaf_clone(module: nn.Module) -> nn.Module:
+    """_clone with new leaf parameters (a clone trained on its own)."""
+    clone = module.__new__(type(module))
+    clone.__dict__ = module.__dict__.copy()
+    clone._parameters = {n: nn.Parameter(p.detach().clone()) for n, p in module._parameters.items() if p is not None}
+    clone._modules = {name: _leaf_clone(child) for name, child in module._modules.items()}
+    return clone
+
+
+@pytest.mark.parametrize("then", ["called", "deep-copied", "saved-and-loaded"])
+def test_a_shallow_clone_whose_original_is_gone_trains_as_plain(then):
+    """A function patching a model and returning a clone of it: before its first call the clone
+    shares the original's patched forward, which holds the original weakly. Once that was freed
+    the clone's call raised "module was garbage collected", and a deep copy or a save of such a
+    clone failed on a call not yet unpickled."""
+
+    def make() -> nn.Module:
+        return _leaf_clone(twobp.patch(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))))
+
+    clone = make()
+    gc.collect()
+    if then == "deep-copied":
+        clone = copy.deepcopy(clone)
+    elif then == "saved-and-loaded":
+        buffer = io.BytesIO()
+        torch.save(clone, buffer)
+        buffer.seek(0)
+        clone = torch.load(buffer, weights_only=False)
+    reference = twobp.unpatch(copy.deepcopy(clone))
+    x = torch.randn(5, 4)
+    clone(x).square().sum().backward()
+    assert twobp.pending().jobs > 0, "the clone defers"
+    twobp.flush_weight_grads()
+    reference(x).square().sum().backward()
+    assert_grads_match(clone, reference)

@@ -9,7 +9,7 @@ import functools
 import sys
 import warnings
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,11 +53,11 @@ class DeferredForwardCall:
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         # Weak: the module holds this call in its __dict__; a strong reference back would make
         # every patched module a reference cycle, freed (parameters, .grad) only by the cyclic GC.
-        self._module = weakref.ref(module)
+        self._module: Callable[[], nn.Module | None] = weakref.ref(module)
         self.deferred = deferred  # the class's forward once unpatched
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
         # something else (a parametrization's subclass keeps the forward).
-        self.class_forward = type(module).forward
+        self.class_forward: Callable[..., Any] | None = type(module).forward
         # The class the rule was chosen for, and the classes since seen to compute as it does.
         self.classes_of_the_rule = {type(module)}
         _calls.add(self)
@@ -81,20 +81,19 @@ class DeferredForwardCall:
         # script's __main__, or a lambda, would not pickle).
         unpicklable = ("class_forward", "classes_of_the_rule", "_module")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
-        state["module"] = self.module
+        state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """A patched model deep-copied, or loaded in a process that never called ``patch``
         (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
         state = dict(state)
-        self._module = weakref.ref(state.pop("module"))
+        module = state.pop("module")
         self.__dict__.update(state)
-        # The forward the rule stands for, not the class's now (replaced since, it is not).
-        rule = rule_for(self.module)
-        standing = rule.class_forward if rule is not None else None
-        self.class_forward = standing if standing is not None else type(self.module).forward
-        self.classes_of_the_rule = {type(self.module)}
+        self._module = weakref.ref(module) if module is not None else _no_module
+        # The forward the rule stands for, not the class's now (replaced since, it is not); for a
+        # call only shallow copies share, the copy that adopts it finds it (see _adopt).
+        self.class_forward, self.classes_of_the_rule = _rule_forward(module) if module is not None else (None, set())
         _calls.add(self)
         _install_guards()
 
@@ -113,7 +112,7 @@ class DeferredForwardCall:
         return same
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = self.module
+        module = self.owner()  # None where only shallow copies sharing this call are left
         if not _is_compiling():
             # The module being called may be a shallow copy sharing this call through its copied
             # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it
@@ -125,6 +124,8 @@ class DeferredForwardCall:
                 called = caller.f_locals["self"]
                 if called is not module and called.__dict__.get(_CALL) is self:
                     module = _adopt(called, self)
+        if module is None:
+            module = self.module  # raises: only this forward was kept
         if (
             torch.is_grad_enabled()
             and module.training
@@ -144,12 +145,25 @@ class DeferredForwardCall:
         return type(module).forward(module, *args, **kwargs)
 
 
+def _rule_forward(module: nn.Module) -> tuple[Any, set[type]]:
+    """The forward ``module``'s rule stands for, and the class it was chosen for."""
+    rule = rule_for(module)
+    standing = rule.class_forward if rule is not None else None
+    return (standing if standing is not None else type(module).forward), {type(module)}
+
+
+def _no_module() -> None:
+    return None
+
+
 def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
     """Give a shallow copy a call of its own (its forward called directly, not through
     ``nn.Module.__call__``, then finds it too)."""
     own = DeferredForwardCall(copy, shared.deferred)
-    own.class_forward = shared.class_forward
-    own.classes_of_the_rule = set(shared.classes_of_the_rule)
+    if shared.class_forward is None:  # copied or loaded after its module was freed
+        own.class_forward, own.classes_of_the_rule = _rule_forward(copy)
+    else:
+        own.class_forward, own.classes_of_the_rule = shared.class_forward, set(shared.classes_of_the_rule)
     if copy.__dict__.get("forward") is shared:
         copy.__dict__["forward"] = own
     copy.__dict__[_CALL] = own
@@ -252,7 +266,8 @@ def _adopt_shallow_copies_when_made() -> None:
     def adopting(self: nn.Module, state: dict[str, Any]) -> None:
         setstate(self, state)
         call = self.__dict__.get(_CALL)
-        if isinstance(call, DeferredForwardCall) and call.owner() is not self:
+        # A call not set up yet is being unpickled with this module (deepcopy of a shallow copy).
+        if isinstance(call, DeferredForwardCall) and "_module" in call.__dict__ and call.owner() is not self:
             _adopt(self, call)
 
     setattr(adopting, _ADOPTS, True)

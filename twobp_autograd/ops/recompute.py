@@ -416,15 +416,18 @@ def _treats_rows_apart(
 ) -> bool:
     """Whether the forward treats the rows of dim 0 apart, as the flush's joined replay assumes
     (shapes alone cannot tell: a time-major RNN's steps look like a batch). Run without a graph on
-    the inputs (``short``: that run's output, if made already) and on the inputs with their first
-    row appended: every output must be the first run's with its first row appended (a recurrence
-    carries its state into the appended row, a hidden state of (layers, N, H) does not grow,
-    batch statistics move)."""
+    the inputs (``short``: that run's output, if made already) and on the inputs between two rows
+    of other values: every output must come back as the first run's between two rows (a
+    recurrence carries the row before into the batch, a hidden state of (layers, N, H) does not
+    grow, batch statistics move)."""
     with torch.no_grad():
         try:
             if short is None:
                 short = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
-            long = _plain_forward(module, [torch.cat([t, t[:1]]) for t in inputs], substitutes)
+            # Rows of other values before and after the batch: a duplicate row cannot move a max,
+            # nor the mean of one row, nor a causal mix of one step, but another row moves them.
+            around = [torch.cat([_other_row(t, 0), t, _other_row(t, 1)]) for t in inputs]
+            long = _plain_forward(module, around, substitutes)
         except Exception:  # a forward that takes no other batch size: never joined
             return False
     if _unfit_outputs(short, ()) == _NOT_TENSORS or _unfit_outputs(long, ()) == _NOT_TENSORS:
@@ -432,11 +435,18 @@ def _treats_rows_apart(
     shorter, longer = _as_tensors(short), _as_tensors(long)
     return len(shorter) == len(longer) and all(
         s.dim() > 0
-        and extended.shape == (s.shape[0] + 1, *s.shape[1:])
-        and _close(extended[:-1], s)
-        and _close(extended[-1:], s[:1])
+        and extended.shape == (s.shape[0] + 2, *s.shape[1:])
+        and _close(extended[1:-1], s)
         for s, extended in zip(shorter, longer, strict=True)
     )
+
+
+def _other_row(t: Tensor, which: int) -> Tensor:
+    """A row of ``t``'s shape whose values differ from its rows' (an index row: one of them)."""
+    if not t.is_floating_point():
+        return t[-1:] if which == 0 else t[:1]
+    row = t[:1] if which == 0 else t[-1:]
+    return row * (2.0 if which == 0 else -1.5) + (1.0 if which == 0 else 0.5)
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
