@@ -660,3 +660,22 @@ def test_linear_output_is_a_view_where_plain_is(shape: tuple[int, ...], bias: bo
     patched = twobp.patch(copy.deepcopy(module))
     x = torch.randn(shape, dtype=torch.float64)
     assert patched(x)._is_view() == module(x)._is_view()
+
+
+def test_per_sample_gradients_through_expanded_weights_keep_plain_autograd(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PyTorch's call_for_per_sample_grads (Opacus' "ew" mode) puts ExpandedWeights in as the
+    parameters, a subclass whose __torch_function__ refuses even attribute reads: the patched
+    forward read requires_grad and is_nested on them and crashed with ExpandedWeights' error
+    instead of falling back to plain autograd."""
+    from torch.nn.utils._per_sample_grad import call_for_per_sample_grads
+
+    monkeypatch.setattr(warn_once, "given", set())
+    base = nn.Sequential(nn.Linear(4, 6), nn.LayerNorm(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    patched, reference = twobp.patch(copy.deepcopy(base)), copy.deepcopy(base)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    call_for_per_sample_grads(reference)(x).pow(2).sum().backward()
+    with pytest.warns(UserWarning, match="tensor subclasses that override __torch_function__"):
+        call_for_per_sample_grads(patched)(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 0
+    for (name, ours), plain in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad_sample, plain.grad_sample, rtol=0, atol=0, msg=name)

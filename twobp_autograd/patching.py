@@ -211,9 +211,22 @@ def _wants_grad(module: nn.Module) -> bool:
     """Whether a parameter of the module requires grad: its own straight from the dict (this
     runs on every call), its children's too where it has some (MultiheadAttention's out_proj)."""
     for param in module.parameters() if module._modules else module._parameters.values():
-        if param is not None and param.requires_grad:
+        if param is None:
+            continue
+        if type(param) is not _PARAMETER and type(param) is not _TENSOR:
+            # A tensor subclass overriding __torch_function__ (ExpandedWeights, put in by
+            # call_for_per_sample_grads / Opacus' "ew" mode) may refuse even attribute reads;
+            # the op's own check sends such a call to plain autograd.
+            with torch._C.DisableTorchFunctionSubclass():
+                if param.requires_grad:
+                    return True
+        elif param.requires_grad:
             return True
     return False
+
+
+_PARAMETER = nn.Parameter
+_TENSOR = torch.Tensor
 
 
 def _selectors(argument: str, given: Selector | Iterable[Selector]) -> list[Selector]:

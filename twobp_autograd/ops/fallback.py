@@ -26,11 +26,21 @@ __all__ = ["plain_forward", "unsupported_tensors"]
 
 def unsupported_tensors(*tensors: Tensor | None) -> str | None:
     """Why a call with these tensors (inputs and parameters) cannot be deferred, or None."""
+    if not has_torch_function_variadic(*tensors):
+        return _nested_or_complex(tensors)
+    # A subclass's __torch_function__ may refuse even attribute reads (ExpandedWeights, put in
+    # as parameters by call_for_per_sample_grads or Opacus' "ew" mode): read them past it.
+    with torch._C.DisableTorchFunctionSubclass():
+        reason = _nested_or_complex(tensors)
+    if reason is None and (_overriding_subclass(tensors) or not _only_device_modes()):
+        return "tensor subclasses that override __torch_function__"
+    return reason
+
+
+def _nested_or_complex(tensors: tuple[Tensor | None, ...]) -> str | None:
     for t in tensors:  # runs on every patched call: one pass, no allocations
         if t is not None and (t.is_nested or t.is_complex()):
             return "nested tensors" if t.is_nested else "complex tensors"
-    if has_torch_function_variadic(*tensors) and (_overriding_subclass(tensors) or not _only_device_modes()):
-        return "tensor subclasses that override __torch_function__"
     return None
 
 
