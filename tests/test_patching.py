@@ -733,3 +733,19 @@ def test_a_shallow_clone_whose_original_is_gone_trains_as_plain(then):
     twobp.flush_weight_grads()
     reference(x).square().sum().backward()
     assert_grads_match(clone, reference)
+
+
+def test_a_data_parallel_replica_called_through_its_forward_computes_with_its_own_parameters():
+    """nn.DataParallel's replicas copy the module's __dict__, sharing its patched forward until a
+    call through __call__ adopts it: a replica's forward called directly sent its weight
+    gradients to the original's parameters (the replica's stayed None), silently."""
+    original = twobp.patch(nn.Linear(3, 2))
+    replica = original._replicate_for_data_parallel()
+    replica._parameters = {name: nn.Parameter(p.detach().clone() * 2) for name, p in original._parameters.items()}
+    reference = twobp.unpatch(copy.deepcopy(replica))
+    x = torch.randn(4, 3)
+    replica.forward(x).sum().backward()
+    twobp.flush_weight_grads()
+    reference(x).sum().backward()
+    assert original.weight.grad is None
+    assert_grads_match(replica, reference)

@@ -286,6 +286,21 @@ def _adopt_shallow_copies_when_made() -> None:
     setattr(adopting, _ADOPTS, True)
     nn.Module.__setstate__ = adopting  # type: ignore[method-assign]
 
+    # nn.DataParallel's replicas copy the __dict__ too: a replica whose forward is called
+    # directly (not through __call__, whose frame the shared call looks for) would compute with
+    # the original's parameters.
+    replicate = nn.Module._replicate_for_data_parallel
+
+    @functools.wraps(replicate)
+    def replicate_adopting(self: nn.Module) -> nn.Module:
+        replica = replicate(self)
+        call = replica.__dict__.get(_CALL)
+        if isinstance(call, DeferredForwardCall) and call.owner() is not replica:
+            _adopt(replica, call)
+        return replica
+
+    nn.Module._replicate_for_data_parallel = replicate_adopting  # type: ignore[method-assign]
+
 
 _ADOPTS = "twobp_adopts_shallow_copies"
 
