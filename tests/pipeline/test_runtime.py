@@ -448,6 +448,23 @@ def _batches_and_losses(rank: int) -> dict:
         results["dict_inputs"] = None
     except TypeError as error:
         results["dict_inputs"] = (str(error), time.monotonic() - start)
+    # A step under autocast, then one without, on the same shapes: the activations' dtypes were
+    # cached per input shape, so the second step's fp32 output met the first's bf16 record.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    runtime = PipelineRuntime(
+        model[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,
+        timeout=RUNTIME_TIMEOUT,
+    )  # fmt: skip
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+    model.zero_grad(set_to_none=True)
+    runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+    for half in range(2):
+        (_mse(reference(x[2 * half : 2 * half + 2]), y[2 * half : 2 * half + 2]) / 2).backward()
+    results["autocast-then-not"] = _mismatches(model[rank], reference[rank])
     stages = [nn.Linear(4, 4), _Prefix()]
     runtime = PipelineRuntime(
         stages[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,

@@ -484,11 +484,14 @@ class PipelineRuntime:
     # -- shapes -------------------------------------------------------------------------
 
     def _agree_on_step_shape(self, inputs: Tensor | None) -> Hashable:
-        header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
+        # The input's dtype and shape, and rank 0's autocast (it changes the activations' dtypes for
+        # the same input shape: a step under autocast and one without must not share cached shapes).
+        header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
         refusal = None
         if self.first:
             try:
-                header.copy_(_meta(_one_tensor(inputs)))
+                header[:-1].copy_(_meta(_one_tensor(inputs)))
+                header[-1] = _autocast_code(self.device)
             except (TypeError, ValueError) as error:  # every rank raises, not this one alone (the
                 refusal = error  # others would wait for the header until the timeout)
                 header[0] = _REFUSED
@@ -497,6 +500,11 @@ class PipelineRuntime:
         if int(header[0]) == _REFUSED:
             raise refusal or TypeError(f"twobp: rank {self.rank}: rank 0 refused this step's inputs (see its error)")
         key = tuple(header.tolist())
+        if not self.first and key[-1] != _autocast_code(self.device):
+            raise PipelineError(
+                f"twobp: rank {self.rank}: this step runs under another autocast than rank 0's; run every "
+                "rank's step() under the same torch.autocast (or none)"
+            )
         batch = _batch_of(key)
         if batch < self.num_micro_batches:  # on every rank alike: empty micro-batches would give NaN losses
             raise ValueError(
@@ -634,6 +642,14 @@ def _meta(tensor: Tensor) -> Tensor:
     meta = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
     meta[: 2 + tensor.dim()] = torch.tensor([_dtype_code(tensor.dtype), tensor.dim(), *tensor.shape])
     return meta.to(tensor.device)
+
+
+def _autocast_code(device: torch.device) -> int:
+    """0 without autocast on ``device``'s type, else 1 + its dtype's code."""
+    kind = device.type if device.type in ("cuda", "cpu") else "cpu"
+    if not torch.is_autocast_enabled(kind):
+        return 0
+    return 1 + _dtype_code(torch.get_autocast_dtype(kind))
 
 
 def _dtype_code(dtype: torch.dtype) -> int:
