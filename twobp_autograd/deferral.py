@@ -516,11 +516,12 @@ def defer_weight_grads(
             f"{[type(t).__name__ for t in saved_tensors]} (pass values that are not tensors to the kernel "
             "with functools.partial; tensors go in saved, where in-place changes are checked)"
         ) from None
-    if saved_tensors and any(_shares_memory(t, outs) for t in saved_tensors):
+    aliases = [_shares_memory(t, outs) for t in saved_tensors]
+    if any(aliases):
         # An output saved for the kernel as it is (exp's result, for its weight's gradient)
         # shares the output's version counter, which the tap's re-parenting bumps: either the
         # op's own record of its result or the tap's record of the alias would read "modified".
-        saved_tensors = tuple(t.clone() if _shares_memory(t, outs) else t for t in saved_tensors)
+        saved_tensors = tuple(t.clone() if alias else t for t, alias in zip(saved_tensors, aliases, strict=True))
         saved_versions = [t._version for t in saved_tensors]
     try:
         tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))

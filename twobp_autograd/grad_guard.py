@@ -152,8 +152,7 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
     if dropped_without_grad:
         for param in params:
             if isinstance(param, torch.Tensor) and dropped_without_grad.pop(id(param), None) is param:
-                if not set_to_none and param.grad is None:
-                    param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
+                _zeros_as_plain_zero_grad_leaves(param, set_to_none)
     queues, tensors = _queued(params)
     if not queues:
         return
@@ -167,9 +166,14 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
         )
     for queue in queues:
         for param in queue.discard_work_for(tensors):
-            if not set_to_none and param.grad is None:
-                # As AccumulateGrad would have laid it out: the parameter's strides.
-                param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
+            _zeros_as_plain_zero_grad_leaves(param, set_to_none)
+
+
+def _zeros_as_plain_zero_grad_leaves(param: torch.Tensor, set_to_none: bool) -> None:
+    """A parameter whose dropped work plain backward would have made a ``.grad``: zeros there
+    after ``zero_grad(set_to_none=False)``, laid out as AccumulateGrad would (its strides)."""
+    if not set_to_none and param.grad is None:
+        param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def _guard_zero_grad() -> None:

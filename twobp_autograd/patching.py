@@ -278,10 +278,7 @@ def _adopt_shallow_copies_when_made() -> None:
     @functools.wraps(setstate)
     def adopting(self: nn.Module, state: dict[str, Any]) -> None:
         setstate(self, state)
-        call = self.__dict__.get(_CALL)
-        # A call not set up yet is being unpickled with this module (deepcopy of a shallow copy).
-        if isinstance(call, DeferredForwardCall) and "_module" in call.__dict__ and call.owner() is not self:
-            _adopt(self, call)
+        _call_of_its_own(self)
 
     setattr(adopting, _ADOPTS, True)
     nn.Module.__setstate__ = adopting  # type: ignore[method-assign]
@@ -293,16 +290,21 @@ def _adopt_shallow_copies_when_made() -> None:
 
     @functools.wraps(replicate)
     def replicate_adopting(self: nn.Module) -> nn.Module:
-        replica = replicate(self)
-        call = replica.__dict__.get(_CALL)
-        if isinstance(call, DeferredForwardCall) and call.owner() is not replica:
-            _adopt(replica, call)
-        return replica
+        return _call_of_its_own(replicate(self))
 
     nn.Module._replicate_for_data_parallel = replicate_adopting  # type: ignore[method-assign]
 
 
 _ADOPTS = "twobp_adopts_shallow_copies"
+
+
+def _call_of_its_own(module: nn.Module) -> nn.Module:
+    """``module``, given a call of its own where it shares another module's (a shallow copy).
+    A call not set up yet is being unpickled with it (a deep copy of a shallow copy): skipped."""
+    call = module.__dict__.get(_CALL)
+    if isinstance(call, DeferredForwardCall) and "_module" in call.__dict__ and call.owner() is not module:
+        _adopt(module, call)
+    return module
 
 
 _INSTANCE_FORWARD = (
