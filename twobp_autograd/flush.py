@@ -470,8 +470,10 @@ def _take_group_grads(
         if param is None:
             continue
         key = id(param)
-        if grad is not None and grad.dtype != param.dtype:
-            grad = grad.to(param.dtype)
+        if grad is not None:
+            dtype = _accumulated_dtype(param)
+            if grad.dtype != dtype:
+                grad = grad.to(dtype)
         last = last_group[key] == index
         entry = summing.pop(key, None) if last else summing.get(key)
         if entry is None:
@@ -486,6 +488,17 @@ def _take_group_grads(
         elif entry is None:
             summing[key] = (param, _Sum(made))
     return made_ready
+
+
+def _accumulated_dtype(param: Tensor) -> torch.dtype:
+    """The dtype AccumulateGrad sums ``param``'s gradients in: its ``grad_dtype`` where one is set
+    (a bf16 parameter whose gradients accumulate in fp32), else, with ``grad_dtype = None`` (any
+    dtype), that of the ``.grad`` it adds into, else the parameter's own."""
+    dtype = getattr(param, "grad_dtype", param.dtype)
+    if dtype is None:
+        grad = param.grad
+        return param.dtype if grad is None else grad.dtype
+    return dtype
 
 
 def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch] = ()) -> None:
@@ -614,7 +627,7 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
         return _checked(first, first.kernel(saved, grad_outputs, needs))
     # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial
     # sums into an fp32 parameter would lose precision with every micro-batch.
-    dtypes = [p.dtype if p is not None else None for p in first.params]
+    dtypes = [_accumulated_dtype(p) if p is not None else None for p in first.params]
     total: list[_Sum | None] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(_checked(job, job.kernel(*job.on_device(), needs))):

@@ -75,3 +75,46 @@ def test_joined_micro_batches_are_as_precise_as_plain_autograd(case: Case) -> No
         compared += 1
     assert compared > 0
 
+
+
+GRAD_DTYPE_CASES = [
+    Case("linear-layer_norm", lambda: nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64)), lambda: torch.randn(4, 64)),
+    Case(
+        "conv-group_norm-batch_norm",
+        lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.GroupNorm(2, 8), nn.BatchNorm2d(8)),
+        lambda: torch.randn(2, 3, 6, 6),
+    ),
+]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "concat", "loop"])
+@pytest.mark.parametrize("preset_grad", [False, True], ids=["grad_dtype-fp32", "grad_dtype-None-fp32-grad"])
+@pytest.mark.parametrize("case", GRAD_DTYPE_CASES, ids=lambda case: case.id)
+def test_bf16_parameters_accumulate_in_their_grad_dtype(case: Case, preset_grad: bool, strategy: str) -> None:
+    """``param.grad_dtype = torch.float32`` on bf16 parameters (or ``None`` with an fp32 ``.grad``
+    already there): AccumulateGrad sums each backward's gradient in fp32. The flush rounded its
+    result to bf16 first and, one micro-batch at a time, summed in bf16: 3-18x plain's error
+    against fp64 over 32 micro-batches."""
+    base = case.make().to(torch.bfloat16)
+    exact, plain, patched = copy.deepcopy(base).double(), copy.deepcopy(base), twobp.patch(copy.deepcopy(base))
+    for model in (plain, patched):
+        for param in model.parameters():
+            param.grad_dtype = None if preset_grad else torch.float32
+            if preset_grad:
+                param.grad = torch.zeros_like(param, dtype=torch.float32)
+    queue = twobp.WeightGradQueue(strategy)
+    for _ in range(2 * MICRO_BATCHES):
+        x = case.batch()
+        for model in (exact, plain, patched):
+            with twobp.use_queue(queue):
+                out = model(x.to(next(model.parameters()).dtype))
+            (out.double() * torch.linspace(0.5, 2, out.shape[-1], dtype=torch.float64)).square().sum().backward()
+    queue.flush()
+
+    reference = dict(exact.named_parameters())
+    plain_params = dict(plain.named_parameters())
+    for name, param in patched.named_parameters():
+        assert param.grad is not None and param.grad.dtype == plain_params[name].grad.dtype == torch.float32, name
+        errors = [_relative_error(p.grad, reference[name].grad) for p in (param, plain_params[name])]
+        # Measured: 0.1-1.0x plain's error now, up to 18x before.
+        assert errors[0] <= 2 * errors[1] + 1e-6, (name, *errors)

@@ -27,7 +27,7 @@ from ..job import WeightGradKernel
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .precision import accumulation_dtype, summed_over_row_chunks
+from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks
 
 __all__ = ["layer_norm", "layer_norm_weight_grad"]
 
@@ -45,10 +45,7 @@ def layer_norm_weight_grad(
     rows, mean, rstd = _layer_norm_rows(x, mean, rstd, normalized_shape)  # (rows, *normalized_shape), (rows, 1, ...)
     need_weight, need_bias = needs
     grad = grad_outputs[0].reshape(rows.shape)
-    if not rows.is_cuda and accumulation_dtype(rows.dtype) != rows.dtype:
-        # The CPU kernel sums the rows in the operands' dtype (see .precision).
-        grad, rows, mean, rstd = grad.float(), rows.float(), mean.float(), rstd.float()
-        weight_dtype = torch.promote_types(weight_dtype, torch.float32)
+    (grad, rows, mean, rstd), weight_dtype = norm_operands_summed_in_fp32((grad, rows, mean, rstd), weight_dtype)
     # Made like the saved tensors (a DTensor under tensor parallelism, which refuses a mix).
     weight = rows.new_ones(normalized_shape, dtype=weight_dtype)
     bias = weight if has_bias else None

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["accumulation_dtype", "summed_over_row_chunks"]
+__all__ = ["accumulation_dtype", "norm_operands_summed_in_fp32", "summed_over_row_chunks"]
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -25,6 +25,19 @@ _REDUCED = (torch.bfloat16, torch.float16)
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for bf16/fp16, the dtype itself otherwise (as ATen's ``opmath_type``)."""
     return torch.float32 if dtype in _REDUCED else dtype
+
+
+def norm_operands_summed_in_fp32(
+    tensors: Sequence[Tensor], weight_dtype: torch.dtype
+) -> tuple[Sequence[Tensor], torch.dtype]:
+    """A norm's native backward operands, and the dtype of the weight it is given, for its
+    weight and bias sums: on a CPU, whose kernels sum bf16/fp16 rows in that dtype and round the
+    joined sum once, in fp32 (the sum is then rounded as AccumulateGrad rounds: to the dtype the
+    gradient accumulates in, fp32 for a bf16 parameter with an fp32 ``grad_dtype``)."""
+    first = tensors[0]
+    if first.is_cuda or accumulation_dtype(first.dtype) == first.dtype:
+        return tensors, weight_dtype
+    return [t.float() for t in tensors], torch.promote_types(weight_dtype, torch.float32)
 
 
 def summed_over_row_chunks(
