@@ -1341,23 +1341,102 @@ class MaxScale(nn.Module):
         return h / h.abs().amax(0, keepdim=True)
 
 
+class TokenCausalMean(nn.Module):
+    """CausalMean over time-major token ids (L, B): no float input to put rows of other values in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        steps = torch.arange(1, ids.shape[0] + 1, dtype=self.table.dtype).view(-1, 1, 1)
+        return self.table[ids].cumsum(0) / steps
+
+
+class TokenMaxScale(nn.Module):
+    """MaxScale over token ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, ids):
+        h = self.table[ids]
+        return h / h.abs().amax(0, keepdim=True)
+
+
+class MaskedCentred(nn.Module):
+    """Logits centred over the batch (rows mixed), a padding class masked to -inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 5)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return (h - h.mean(0, keepdim=True)).index_fill(-1, torch.tensor([4]), float("-inf"))
+
+
+def _floats(shape):
+    return torch.randn(shape, dtype=torch.float64)
+
+
+def _tokens(shape):
+    return torch.randint(0, 10, shape)
+
+
 @pytest.mark.parametrize(
-    ("make", "shapes"),
-    [(CausalMean, [(1, 2, 4), (3, 2, 4), (3, 2, 4)]), (MaxScale, [(8, 4), (8, 4)])],
-    ids=["running-mean-first-call-of-one-step", "batch-max"],
+    ("make", "shapes", "batch"),
+    [
+        (CausalMean, [(1, 2, 4), (3, 2, 4), (3, 2, 4)], _floats),
+        (MaxScale, [(8, 4), (8, 4)], _floats),
+        (TokenCausalMean, [(1, 3), (3, 3), (3, 3)], _tokens),
+        (TokenMaxScale, [(6, 2), (6, 2)], _tokens),
+        (MaskedCentred, [(6, 4), (6, 4)], _floats),
+    ],
+    ids=["running-mean-first-call-of-one-step", "batch-max", "token-ids-running-mean", "token-ids-batch-max",
+         "batch-centred-with-a-masked-class"],
 )
-def test_recompute_rule_trial_sees_mixing_a_duplicate_row_cannot_show(make, shapes):
+def test_recompute_rule_trial_sees_mixing_a_duplicate_row_cannot_show(make, shapes, batch):
     """The row trial appended a copy of the first row: a causal mix whose first call had one
-    step, or a max over the batch, came back unchanged, and joined replays were 19-35 off."""
+    step, or a max over the batch, came back unchanged, and joined replays were 19-35 off.
+    Integer inputs got copies of their own rows as the other rows (the same blindness), and an
+    output holding -inf (a masked class) made the comparison's tolerance infinite (0.79, 0.78
+    and 0.13 off, relative)."""
     twobp.register(make, twobp.ops.recompute)
     patched, reference = patched_and_reference(make().double())
     queue = twobp.WeightGradQueue("concat")
     for shape in shapes:
-        x = torch.randn(shape, dtype=torch.float64)
+        x = batch(shape)
         for model in (patched, reference):
             with twobp.use_queue(queue):
-                model(x).pow(2).sum().backward()
+                out = model(x)
+            (out.log_softmax(-1) if make is MaskedCentred else out).select(-1, 0).pow(2).sum().backward()
     queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class SparseProjection(nn.Module):
+    """A fixed sparse projection held as a buffer (a graph's adjacency, say)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+        self.register_buffer("projection", torch.eye(6).flip(0).to_sparse())
+
+    def forward(self, x):
+        return torch.sparse.mm(self.projection, self.linear(x).t()).t()
+
+
+def test_recompute_rule_on_a_module_with_a_sparse_buffer():
+    """Buffers compared by content (aten::equal, which has no sparse kernel) crashed every call."""
+    twobp.register(SparseProjection, twobp.ops.recompute)
+    patched, reference = patched_and_reference(SparseProjection().double())
+    for _ in range(2):
+        x = torch.randn(4, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
 
 

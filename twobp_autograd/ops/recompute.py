@@ -126,6 +126,8 @@ def _same_bits(a: Tensor, b: Tensor) -> bool:
     """Equal contents, NaNs included (a buffer and the copy taken before a call)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
+    if a.layout != torch.strided or a.is_meta:  # no aten::equal there: their versions tell
+        return True
     if torch.equal(a, b):
         return True
     return a.is_floating_point() and torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
@@ -331,7 +333,9 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
     if module not in _rows_apart and _batched_alike(inputs) and inputs[0].shape[0] > 0:
-        _rows_apart[module] = _treats_rows_apart(module, inputs, substitutes, trial_output)
+        verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
+        if verdict is not None:  # None: no verdict from this call (replayed on its own)
+            _rows_apart[module] = verdict
         rewind()
     versions = [t._version for t in inputs]
     try:
@@ -413,13 +417,15 @@ def _batched_alike(tensors: Sequence[Tensor]) -> bool:
 
 def _treats_rows_apart(
     module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any = None
-) -> bool:
+) -> bool | None:
     """Whether the forward treats the rows of dim 0 apart, as the flush's joined replay assumes
     (shapes alone cannot tell: a time-major RNN's steps look like a batch). Run without a graph on
     the inputs (``short``: that run's output, if made already) and on the inputs between two rows
     of other values: every output must come back as the first run's between two rows (a
     recurrence carries the row before into the batch, a hidden state of (layers, N, H) does not
     grow, batch statistics move)."""
+    if not any(t.is_floating_point() for t in inputs):
+        return _split_trial(module, inputs, substitutes)
     with torch.no_grad():
         try:
             if short is None:
@@ -441,6 +447,29 @@ def _treats_rows_apart(
     )
 
 
+def _split_trial(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]) -> bool | None:
+    """Index inputs alone have no rows of other values to put around the batch (a copy of a row
+    moves no max, nor the mean of one row): the batch's halves run apart must give the whole
+    batch's outputs. None (no verdict yet) for a batch of one."""
+    n = inputs[0].shape[0]
+    if n < 2:
+        return None
+    k = n // 2
+    with torch.no_grad():
+        try:
+            whole = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
+            first = _plain_forward(module, [t[:k] for t in inputs], substitutes)
+            second = _plain_forward(module, [t[k:] for t in inputs], substitutes)
+        except Exception:
+            return False
+    if any(_unfit_outputs(o, ()) == _NOT_TENSORS for o in (whole, first, second)):
+        return False
+    parts = zip(_as_tensors(whole), _as_tensors(first), _as_tensors(second), strict=False)
+    return len({len(_as_tensors(o)) for o in (whole, first, second)}) == 1 and all(
+        w.dim() > 0 and w.shape[0] == n and _close(w[:k], f) and _close(w[k:], s2) for w, f, s2 in parts
+    )
+
+
 def _other_row(t: Tensor, which: int) -> Tensor:
     """A row of ``t``'s shape whose values differ from its rows' (an index row: one of them)."""
     if not t.is_floating_point():
@@ -454,8 +483,15 @@ def _close(a: Tensor, b: Tensor) -> bool:
     if not a.is_floating_point():
         return torch.equal(a, b)
     rtol = 1e-2 if torch.finfo(a.dtype).bits <= 16 else 1e-4
-    scale = float(b.abs().max()) if b.numel() else 0.0
-    return torch.allclose(a, b, rtol=rtol, atol=rtol * scale, equal_nan=True)
+    if not b.numel():
+        return a.shape == b.shape
+    # Each position's scale over the batch, from finite values only: one large or infinite
+    # entry (a masked logit at -inf or finfo.min) must not hide the others' mixing.
+    magnitude = b.abs().where(b.isfinite(), 0)
+    scale = magnitude.amax(0, keepdim=True) if b.dim() > 0 else magnitude
+    return torch.isclose(a, b, rtol=rtol, atol=0.0, equal_nan=True).logical_or_(
+        (a - b).abs() <= rtol * scale
+    ).all().item()
 
 
 def _changes_its_inputs(
