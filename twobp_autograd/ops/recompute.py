@@ -489,9 +489,8 @@ def _close(a: Tensor, b: Tensor) -> bool:
     # entry (a masked logit at -inf or finfo.min) must not hide the others' mixing.
     magnitude = b.abs().where(b.isfinite(), 0)
     scale = magnitude.amax(0, keepdim=True) if b.dim() > 0 else magnitude
-    return torch.isclose(a, b, rtol=rtol, atol=0.0, equal_nan=True).logical_or_(
-        (a - b).abs() <= rtol * scale
-    ).all().item()
+    near = torch.isclose(a, b, rtol=rtol, atol=0.0, equal_nan=True).logical_or_((a - b).abs() <= rtol * scale)
+    return bool(near.all())
 
 
 def _changes_its_inputs(
