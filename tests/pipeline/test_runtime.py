@@ -465,6 +465,14 @@ def _batches_and_losses(rank: int) -> dict:
     for half in range(2):
         (_mse(reference(x[2 * half : 2 * half + 2]), y[2 * half : 2 * half + 2]) / 2).backward()
     results["autocast-then-not"] = _mismatches(model[rank], reference[rank])
+    # Rank 0 under autocast, rank 1 not: rank 1 refused at once, rank 0 waited out its timeout.
+    start = time.monotonic()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 0):
+            runtime.step(x if rank == 0 else None, y if rank == 1 else None)
+        results["autocast_on_one_rank"] = None
+    except PipelineError as error:
+        results["autocast_on_one_rank"] = (str(error), time.monotonic() - start)
     stages = [nn.Linear(4, 4), _Prefix()]
     runtime = PipelineRuntime(
         stages[rank], schedule("gpipe", WORLD, 2, True)[rank], num_micro_batches=2, loss_fn=_mse,
@@ -610,11 +618,15 @@ def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) 
     ranks = launch("batches_and_losses", str(tmp_path), deadline=120.0)
     for rank, result in enumerate(ranks):
         assert result is not None and "crash" not in result, result
-        refusals = ("no_grad", "warnings", "dict_inputs")
+        refusals = ("no_grad", "warnings", "dict_inputs", "autocast_on_one_rank")
         assert all(not found for case, found in result.items() if case not in refusals), (rank, result)
         assert result["no_grad"] and "twobp: PipelineRuntime.step() trains" in result["no_grad"], result
         assert result["dict_inputs"], (rank, result)
         message, elapsed = result["dict_inputs"]
         assert message.startswith("twobp:") and ("must be one tensor" if rank == 0 else "rank 0 refused") in message
+        assert elapsed < RUNTIME_TIMEOUT / 2, (rank, elapsed)
+        assert result["autocast_on_one_rank"], (rank, result)
+        message, elapsed = result["autocast_on_one_rank"]
+        assert message.startswith(f"twobp: rank {rank}: the ranks' steps run under different autocasts"), message
         assert elapsed < RUNTIME_TIMEOUT / 2, (rank, elapsed)
     assert any("stage 1's output does not depend on its input" in w for w in ranks[1]["warnings"]), ranks[1]

@@ -484,26 +484,31 @@ class PipelineRuntime:
     # -- shapes -------------------------------------------------------------------------
 
     def _agree_on_step_shape(self, inputs: Tensor | None) -> Hashable:
-        # The input's dtype and shape, and rank 0's autocast (it changes the activations' dtypes for
-        # the same input shape: a step under autocast and one without must not share cached shapes).
-        header = torch.zeros(3 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
+        # The input's dtype and shape from rank 0, and every rank's autocast (it changes the
+        # activations' dtypes for the same input shape: a step under autocast and one without must
+        # not share cached shapes), summed over the group: the other ranks add zeros to rank 0's
+        # part, and each rank sees every rank's autocast, so all refuse a mismatch together.
+        header = torch.zeros(2 + _MAX_DIMS + self.world_size, dtype=torch.int64, device=self._comm_device)
         refusal = None
         if self.first:
             try:
-                header[:-1].copy_(_meta(_one_tensor(inputs)))
-                header[-1] = _autocast_code(self.device)
+                header[: 2 + _MAX_DIMS].copy_(_meta(_one_tensor(inputs)))
             except (TypeError, ValueError) as error:  # every rank raises, not this one alone (the
                 refusal = error  # others would wait for the header until the timeout)
                 header[0] = _REFUSED
-        work = dist.broadcast(header, group_src=0, group=self.group, async_op=True)
+        header[2 + _MAX_DIMS + self.rank] = _autocast_code(self.device)
+        work = dist.all_reduce(header, group=self.group, async_op=True)
         self._wait(work, "the step's input shape from rank 0", timer=None)
         if int(header[0]) == _REFUSED:
             raise refusal or TypeError(f"twobp: rank {self.rank}: rank 0 refused this step's inputs (see its error)")
-        key = tuple(header.tolist())
-        if not self.first and key[-1] != _autocast_code(self.device):
+        key = tuple(header[: 3 + _MAX_DIMS].tolist())  # rank 0's inputs and autocast
+        autocasts = header[2 + _MAX_DIMS :].tolist()
+        if len(set(autocasts)) > 1:
+            under = [rank for rank, code in enumerate(autocasts) if code]
             raise PipelineError(
-                f"twobp: rank {self.rank}: this step runs under another autocast than rank 0's; run every "
-                "rank's step() under the same torch.autocast (or none)"
+                f"twobp: rank {self.rank}: the ranks' steps run under different autocasts (under autocast: "
+                f"ranks {under}, of {self.world_size}); run every rank's step() under the same torch.autocast "
+                "(or none)"
             )
         batch = _batch_of(key)
         if batch < self.num_micro_batches:  # on every rank alike: empty micro-batches would give NaN losses
