@@ -227,6 +227,44 @@ def test_zero_grad_keeping_zeros_after_a_discard_leaves_zeros_as_plain(
         assert torch.equal(p.grad, q.grad) and p.grad.stride() == q.grad.stride(), name
 
 
+class _TwoHeads(nn.Module):
+    """Two outputs, each from its own Linear, and a parameter neither uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.unused = nn.Parameter(torch.ones(4))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return self.first(x), self.second(x)
+
+
+@pytest.mark.parametrize("discard_first", [False, True], ids=["zero_grad", "discard-then-zero_grad"])
+def test_zero_grad_keeping_zeros_leaves_none_where_no_backward_reached_a_replayed_parameter(
+    discard_first: bool,
+) -> None:
+    """A recompute-rule module whose backward reached one of two outputs: plain leaves the other
+    output's parameters (and one no output uses) None through zero_grad(set_to_none=False); the
+    dropped job listed them all and they got zeros, which weight decay then moved (4.7e-3)."""
+    twobp.register(_TwoHeads, twobp.ops.recompute)
+    model = _TwoHeads()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(3, 4)
+    for net in (model, reference):
+        net(x)[0].pow(2).sum().backward()
+        if discard_first and net is model:
+            twobp.discard_weight_grads()
+        net.zero_grad(set_to_none=False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), f"{name}: {p.grad} against plain's {q.grad}"
+    assert model.first.weight.grad is not None and model.second.weight.grad is None
+    for net in (model, reference):
+        torch.optim.SGD(net.parameters(), lr=0.1, weight_decay=0.1).step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
 def test_zero_grad_of_one_batch_norm_parameter_frees_its_finished_gradient() -> None:
     """BatchNorm's job holds both finished gradients: dropping one frees it (the other stays)."""
     model = twobp.patch(nn.Sequential(nn.Linear(6, 256), nn.BatchNorm1d(256)))

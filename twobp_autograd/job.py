@@ -12,14 +12,16 @@ A kernel is ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .offload import HostOffload, ParkedTensors
 
-__all__ = ["WeightGradKernel", "WeightGradJob", "finished_grads", "NO_GRADIENT"]
+__all__ = ["WeightGradKernel", "WeightGradJob", "finished_grads", "leaves_some_grads_none", "NO_GRADIENT"]
 
 #: ``kernel(saved, grad_outputs, needs) -> one gradient (or None) per parameter``.
 #: ``saved`` and ``grad_outputs`` hold one micro-batch, or several concatenated on dim 0.
@@ -119,6 +121,19 @@ class WeightGradJob:
         tensors = self.parked.restore()
         return tensors[: len(self.saved)], tensors[len(self.saved) :]
 
+    def params_given_grads(self) -> list[Tensor]:
+        """The parameters this job gives a gradient (plain backward gave each a ``.grad``): all
+        it computes for, but where its kernel may leave some None (:func:`leaves_some_grads_none`)
+        only running it tells (and if that fails, all)."""
+        present = [p for p in self.params if p is not None]
+        if not getattr(self.kernel, _LEAVES_SOME_NONE, False):
+            return present
+        try:
+            grads = self.kernel(*self.on_device(), self.needs)
+        except Exception:
+            return present
+        return [p for p, g in zip(self.params, grads, strict=True) if p is not None and g is not None]
+
     @property
     def device(self) -> torch.device:
         """Where the kernel runs: its parameters' device."""
@@ -136,6 +151,16 @@ def finished_grads(
     early flush holds back): ``saved`` holds one per parameter (a placeholder where none). (The
     flush never adds in place into a tensor a kernel returns, so handing them out is safe.)"""
     return [grad if need else None for grad, need in zip(saved, needs, strict=True)]
+
+
+_LEAVES_SOME_NONE = "twobp_leaves_some_grads_none"
+
+
+def leaves_some_grads_none(kernel: functools.partial[Any]) -> None:
+    """Mark ``kernel`` as one that may give None for a parameter it is asked for (a replayed
+    forward that a reached output does not use): dropping its job without running it cannot tell
+    which parameters plain backward gave a ``.grad``."""
+    setattr(kernel, _LEAVES_SOME_NONE, True)
 
 
 #: What a job of finished gradients holds for a parameter without one (none deferred, or dropped).

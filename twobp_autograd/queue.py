@@ -344,8 +344,8 @@ class WeightGradQueue:
             # Plain backward would have given these a .grad: a zero_grad(set_to_none=False)
             # after the discard must leave zeros there, as plain's does (grad_guard).
             for job in self._jobs:
-                for p in job.params:
-                    if p is not None and p.grad is None:
+                for p in job.params_given_grads():
+                    if p.grad is None:
                         dropped_without_grad[id(p)] = p
             self._jobs.clear()
             self._held.clear()
@@ -362,7 +362,13 @@ class WeightGradQueue:
             # Gradients another thread's flush is computing for them must land first, so that
             # the zero_grad after this drops them too.
             self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
-            had_work = {id(p): p for job in self._jobs for p in job.params if p is not None and id(p) in dropped}
+            had_work = {
+                id(p): p
+                for job in self._jobs
+                if any(p is not None and id(p) in dropped for p in job.params)
+                for p in job.params_given_grads()
+                if id(p) in dropped
+            }
             kept: list[WeightGradJob] = []
             for job in self._jobs:
                 if not any(p is not None and id(p) in dropped for p in job.params):

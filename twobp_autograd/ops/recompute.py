@@ -40,6 +40,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .. import fsdp_hooks
 from ..deferral import defer_weight_grads, detached
+from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors
 
 __all__ = ["recompute"]
@@ -373,6 +374,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     outputs = _as_tensors(output)
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
+    leaves_some_grads_none(kernel)
     joinable = _rows_apart.get(module, False) and _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
