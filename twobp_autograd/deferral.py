@@ -523,9 +523,19 @@ def defer_weight_grads(
         # op's own record of its result or the tap's record of the alias would read "modified".
         saved_tensors = tuple(t.clone() if alias else t for t, alias in zip(saved_tensors, aliases, strict=True))
         saved_versions = [t._version for t in saved_tensors]
+    # mark_dirty bumps the outputs' version counters, yet no value changes: they are put back,
+    # so that whatever recorded them before stays valid (the op's own saved output, as sigmoid or
+    # relu keep theirs; selective activation checkpointing's cache, which refuses a "mutated"
+    # entry). Unless a saved tensor shares a counter with an output (its version moved too):
+    # the tap's own record of it would then no longer see a later in-place change. Also when
+    # apply raises after the re-parenting: a non-reentrant checkpoint's recomputation stops
+    # early from the pack hook of the tap's last saved tensor, and under selective
+    # checkpointing the output may be an alias of the forward's cached tensor, whose counter
+    # would otherwise stay bumped (a spurious "modified in place" for what saved it).
     try:
         tapped = _WeightGradTap.apply(spec, saved_tensors, *outs, *param_inputs(deferral.params))
     except RuntimeError as error:
+        _restore_versions(outs, output_versions, saved_tensors, saved_versions)
         if len(outs) > 1 and any(t._is_view() for t in outs):
             raise RuntimeError(
                 "twobp: defer_weight_grads cannot take several outputs that are views (q, k, v = "
@@ -533,14 +543,18 @@ def defer_weight_grads(
                 f"returns, or pass copies. ({error})"
             ) from error
         raise
-    # mark_dirty bumped the outputs' version counters, yet no value changed: put them back, so
-    # that whatever recorded them before stays valid (the op's own saved output, as sigmoid or
-    # relu keep theirs; selective activation checkpointing's cache, which refuses a "mutated"
-    # entry). Unless a saved tensor shares a counter with an output (its version moved too):
-    # the tap's own record of it would then no longer see a later in-place change.
-    if [t._version for t in saved_tensors] == saved_versions:
-        torch._C._autograd._unsafe_set_version_counter(outs, tuple(output_versions))
+    except BaseException:
+        _restore_versions(outs, output_versions, saved_tensors, saved_versions)
+        raise
+    _restore_versions(outs, output_versions, saved_tensors, saved_versions)
     return tapped
+
+
+def _restore_versions(
+    outs: Sequence[Tensor], output_versions: list[int], saved: Sequence[Tensor], saved_versions: list[int]
+) -> None:
+    if [t._version for t in saved] == saved_versions and [t._version for t in outs] != output_versions:
+        torch._C._autograd._unsafe_set_version_counter(tuple(outs), tuple(output_versions))
 
 
 def _shares_memory(tensor: Tensor, outputs: Sequence[Tensor]) -> bool:
