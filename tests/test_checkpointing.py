@@ -358,3 +358,58 @@ def test_reentrant_checkpoint_binds_its_work_at_backward():
     with pytest.raises(RuntimeError, match="twobp: optimizer.step"):
         torch.optim.SGD(patched.parameters(), lr=0.1).step()
     twobp.discard_weight_grads()
+
+
+class _Gate(nn.Module):
+    """A module of the user's own (an RMSNorm-like scale), covered by the recompute rule."""
+
+    def __init__(self, dim: int = 8) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(1 + 0.1 * torch.randn(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+@pytest.mark.parametrize("wrap", ["sac-save-products", "sac-save-all-but-attention"])
+def test_selective_checkpoint_of_a_region_ending_in_a_tapped_op_under_autocast(wrap):
+    """Under autocast a Linear takes the tap path; a non-reentrant checkpoint's recomputation stops
+    early by raising from the pack hook of the region's last saved tensor, the tap's, after its
+    re-parenting bumped the output's version. Under a selective policy that output is the
+    forward's cached tensor, left bumped: the next layer's queued job read "modified in place" and
+    the flush refused a step plain autograd trains."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+            self.head = nn.Linear(8, 4)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head(WRAPS[wrap](self.block, x))
+
+    patched, reference = patched_and_reference(Net())
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        for model in (patched, reference):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                output = model(x)
+            loss_of(output.float()).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16)
+
+
+@pytest.mark.parametrize("wrap", ["sac-save-products", "sac-save-all-but-attention"])
+def test_selective_checkpoint_of_recompute_rule_modules_on_their_first_call(wrap):
+    """A recompute-rule module's first call runs trial forwards; inside a selective checkpoint its
+    cache recorded their ops, and the recomputation in backward, which runs no trials, was handed
+    the trials' outputs (one with two more rows): CheckpointError on the first step."""
+    twobp.register(_Gate, twobp.ops.recompute)
+    block = nn.Sequential(_Gate(), nn.Linear(8, 8), _Gate(), nn.Linear(8, 8))
+    patched, reference = patched_and_reference(nn.Sequential(block, nn.Linear(8, 4)))
+    for _ in range(2):
+        x = torch.randn(2, 3, 8)
+        for model in (patched, reference):
+            loss_of(model[1](WRAPS[wrap](model[0], x))).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

@@ -36,6 +36,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .. import fsdp_hooks
@@ -328,13 +330,15 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
 
     trial_output = None
     if module not in _leaves_inputs:
-        changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
+        with _outside_selective_checkpointing():
+            changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
         rewind()  # the trial's draws and buffer changes
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
     if module not in _rows_apart and _batched_alike(inputs) and inputs[0].shape[0] > 0:
-        verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
+        with _outside_selective_checkpointing():
+            verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
         if verdict is not None:  # None: no verdict from this call (replayed on its own)
             _rows_apart[module] = verdict
         rewind()
@@ -405,6 +409,19 @@ def _no_saved_tensors_hooks_pushed() -> contextlib.AbstractContextManager[None]:
     if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
         return contextlib.nullcontext()
     return torch.autograd.graph.disable_saved_tensors_hooks(_SAVES_THROUGH_HOOKS)
+
+
+def _outside_selective_checkpointing() -> contextlib.AbstractContextManager[Any]:
+    """The first call's trial forwards run without selective activation checkpointing's dispatch
+    modes: they would record the trials' op outputs in its cache, and the region's recomputation
+    in backward, which runs no trials, would be handed them in place of the real ones (a trial's
+    output with two more rows: CheckpointError, or another op's values)."""
+    if any(isinstance(mode, _SELECTIVE_CHECKPOINT_MODES) for mode in _get_current_dispatch_mode_stack()):
+        return _disable_current_modes()
+    return contextlib.nullcontext()
+
+
+_SELECTIVE_CHECKPOINT_MODES = (torch_checkpoint._CachingTorchDispatchMode, torch_checkpoint._CachedTorchDispatchMode)
 
 
 def _batched_alike(tensors: Sequence[Tensor]) -> bool:
