@@ -60,6 +60,16 @@ class Net(TokenStack):
         )
 
 
+class DeferredNet(TokenStack):
+    """Net without the unpatched Scale: every parameter gets its gradient from the flush."""
+
+    def __init__(self) -> None:
+        blocks = [Block() for _ in range(3)]
+        for block in blocks:
+            block.scale = nn.Identity()  # type: ignore[assignment]
+        super().__init__(nn.Embedding(VOCAB, WIDTH), blocks, nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB))
+
+
 @dataclass(frozen=True)
 class Setting:
     order: str = "patch_then_shard"  # or "shard_then_patch"
@@ -196,7 +206,7 @@ class _EventLog:
     """A flush watch (asked after the FSDP2 one) recording the order of reductions and
     deliveries: a reduction logged before a later delivery overlapped the rest of the flush."""
 
-    def __init__(self, events: list[str], params: object) -> None:
+    def __init__(self, events: list[str], params: object, early: bool) -> None:
         self.events = events
         self._reduce_group = fsdp_hooks.reduce_group
         fsdp_hooks.reduce_group = self._logged_reduce  # type: ignore[assignment]
@@ -537,20 +547,40 @@ def _hsdp(rank: int) -> dict:
         results[accumulate] = {"queued": queued, "ours": grads[True], "plain": grads[False]}
     # All-reduce off (accumulating across replicas): FSDP2 adds each reduction into one flat
     # buffer per group laid out by the parameters reduced; backward reduced the plain ones, the
-    # flush the deferred ones, and their gradients were added across parameters, silently.
-    torch.manual_seed(0)
-    model = twobp.patch(Net())
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.set_requires_all_reduce(False)  # type: ignore[operator]
-    _loss(model, *_data(rank, 0)).backward()
-    try:
-        twobp.flush_weight_grads()
-        results["all_reduce_off"] = None
-    except RuntimeError as error:
-        results["all_reduce_off"] = str(error)
-    twobp.discard_weight_grads()
+    # flush the deferred ones, and their gradients were added across parameters, silently. Off
+    # while flushing, or on but with backward's partial reduction pending: refused.
+    for refused in ("all_reduce_off", "partial_pending"):
+        torch.manual_seed(0)
+        model = twobp.patch(Net())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_requires_all_reduce(False)  # type: ignore[operator]
+        _loss(model, *_data(rank, 0)).backward()
+        model.set_requires_all_reduce(refused == "all_reduce_off")  # type: ignore[operator]
+        try:
+            twobp.flush_weight_grads()
+            results[refused] = None
+        except RuntimeError as error:
+            results[refused] = {"error": str(error), "type": type(error).__name__, "kept": twobp.pending().jobs}
+        twobp.discard_weight_grads()
+    # Every parameter deferred: backward reduces none of a group and every flush reduces all of
+    # it, so FSDP2's buffer has one layout: a flush after each micro-batch, the all-reduce off
+    # but for the last, equals HSDP on the unpatched model.
+    grads, queued = {}, 0
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = twobp.patch(DeferredNet()) if patched else DeferredNet()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for micro in range(MICRO_BATCHES):
+            model.set_requires_all_reduce(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
+            _loss(model, *_data(rank, micro)).backward()
+            queued += twobp.pending().jobs
+            twobp.flush_weight_grads()
+        grads[patched] = _full_grads(model)
+    results["all_deferred"] = {"queued": queued, "ours": grads[True], "plain": grads[False]}
     return results
 
 
@@ -559,10 +589,22 @@ def hsdp_ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return run_scenario(_hsdp, WORLD * WORLD, str(tmp_path_factory.mktemp("hsdp")), deadline=300.0)
 
 
-def test_an_hsdp_flush_with_the_all_reduce_off_is_refused(hsdp_ranks: list[dict]) -> None:
+@pytest.mark.parametrize("refused", ["all_reduce_off", "partial_pending"])
+def test_an_hsdp_flush_with_the_all_reduce_off_is_refused(hsdp_ranks: list[dict], refused: str) -> None:
+    """Refused as the flush starts: no gradient delivered, the work still queued."""
     for rank, results in enumerate(hsdp_ranks):
-        refusal = results["all_reduce_off"]
-        assert refusal and "twobp: a flush would reduce an HSDP group" in refusal, f"rank {rank}: {refusal}"
+        refusal = results[refused]
+        assert refusal and refusal["error"].startswith("twobp: a flush would reduce an HSDP group"), f"rank {rank}"
+        assert refusal["type"] == "RuntimeError" and refusal["kept"] > 0, f"rank {rank}: {refusal}"
+
+
+def test_an_hsdp_group_whose_parameters_all_come_from_flushes_accumulates_with_the_all_reduce_off(
+    hsdp_ranks: list[dict],
+) -> None:
+    for rank, results in enumerate(hsdp_ranks):
+        result = results["all_deferred"]
+        assert result["queued"] > 0, "nothing was deferred"
+        _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 
 @pytest.mark.parametrize("accumulate", HSDP_ACCUMULATIONS)

@@ -61,7 +61,7 @@ def watched() -> Iterator[tuple[list[list[Tensor]], list[bool]]]:
     twobp.register(Gain, _gain_forward)
     handovers: list[list[Tensor]] = []
     finished: list[bool] = []
-    stop = watch_flushes(lambda params: _Log(handovers, finished))
+    stop = watch_flushes(lambda params, early: _Log(handovers, finished))
     yield handovers, finished
     stop()
     Gain.fail = False

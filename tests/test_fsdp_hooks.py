@@ -86,6 +86,16 @@ def _behaviour(rank: int) -> dict:
     found["unsharded_grad_taken"] = unsharded.grad is None
     found["state_restored"] = groups[1]._training_state == state_before
     found["buffers_released"] = not groups[1].comm_ctx.reduce_scatter_states
+    # What the HSDP partial-reduce check reads of a group and its parameters.
+    fsdp_param = groups[1].fsdp_params[0]
+    found["partial_reduce_names"] = (
+        hasattr(groups[1], "_partial_reduce_output")
+        and hasattr(groups[1], "all_reduce_grads")
+        and hasattr(groups[1], "reduce_grads")
+        and hasattr(fsdp_param, "unsharded_accumulated_grad")
+        and fsdp_param._unsharded_param is unsharded
+        and fsdp_param.sharded_param is model[0].weight
+    )
     return found
 
 
@@ -113,6 +123,7 @@ def behaviour(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "state_restored",
         "buffers_released",
         "inner_reduced_before_root",
+        "partial_reduce_names",
     ],
 )
 def test_fsdp2_behaves_as_the_hooks_expect(behaviour: dict, what: str) -> None:

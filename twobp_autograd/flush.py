@@ -105,9 +105,9 @@ class DeliveryWatch(Protocol):
     def finished(self) -> None: ...
 
 
-#: ``watcher(params)``, asked as each flush starts with the parameters it will deliver: a
-#: :class:`DeliveryWatch` to follow that flush, or None.
-FlushWatcher = Callable[[Sequence[Tensor]], "DeliveryWatch | None"]
+#: ``watcher(params, early)``, asked as each flush starts with the parameters it will deliver and
+#: whether it is an early flush (a capped queue's): a :class:`DeliveryWatch` to follow it, or None.
+FlushWatcher = Callable[[Sequence[Tensor], bool], "DeliveryWatch | None"]
 
 _watchers: list[tuple[FlushWatcher, Callable[[], bool]]] = []
 
@@ -157,7 +157,7 @@ def run_jobs(
         grouped.setdefault((job.group, tuple(map(id, job.params)), shapes, job.autocast), []).append(job)
     groups = list(grouped.values())
     last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
-    watches = _watches_for(groups) if any(active() for _, active in _watchers) else []
+    watches = _watches_for(groups, early) if any(active() for _, active in _watchers) else []
     # Per group, as plain autograd checks the nodes of backwards run under anomaly mode only (or
     # every group, where the flush itself runs under it).
     check_all = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
@@ -446,9 +446,9 @@ def _completes_a_watch(ready: list[tuple[Tensor, Tensor]], watches: Sequence[Del
     return any(watch.completes(params) for watch in watches)
 
 
-def _watches_for(groups: list[list[WeightGradJob]]) -> list[DeliveryWatch]:
+def _watches_for(groups: list[list[WeightGradJob]], early: bool) -> list[DeliveryWatch]:
     delivering = list({id(p): p for group in groups for p in group[0].params if p is not None}.values())
-    asked = [watcher(delivering) for watcher, active in _watchers if active()]
+    asked = [watcher(delivering, early) for watcher, active in _watchers if active()]
     return [watch for watch in asked if watch is not None]
 
 

@@ -54,7 +54,7 @@ class _GroupReductions:
     (:func:`fsdp_hooks.reduction_order`): a group finished early waits for those before it, as
     each rank's collectives must pair with the same group's on the others."""
 
-    def __init__(self, sharded: dict[int, fsdp_hooks.ShardedParam]) -> None:
+    def __init__(self, sharded: dict[int, fsdp_hooks.ShardedParam], early: bool) -> None:
         self._group_of = {key: entry.group for key, entry in sharded.items()}
         self._awaited: dict[int, int] = {}
         groups: dict[int, Any] = {}
@@ -66,6 +66,10 @@ class _GroupReductions:
         self._next = 0  # self._order[:self._next] are reduced
         self._reduced: list[Any] = []
         self._held: set[int] = set()  # groups with gradients an early flush held back
+        if not early and torch._C._current_graph_task_id() < 0:  # this flush reduces the groups:
+            for group in self._order:  # refused before any gradient is made, its work kept queued
+                if not fsdp_hooks.in_backward(group):
+                    fsdp_hooks.refuse_split_partial_all_reduce(group, sharded.keys())
 
     def completes(self, params: Sequence[Tensor]) -> bool:
         """Whether ``params`` hold the last gradients that the next group to reduce awaits."""
@@ -151,7 +155,7 @@ def _reduce_now(groups: dict[int, Any]) -> None:
     fsdp_hooks.wait_for_reductions(reduced)
 
 
-def _watch(params: Sequence[Tensor]) -> _GroupReductions | None:
+def _watch(params: Sequence[Tensor], early: bool) -> _GroupReductions | None:
     if not fsdp_hooks.fsdp_in_use():
         return None
     sharded = fsdp_hooks.sharded_params_of(list(params))
@@ -163,7 +167,7 @@ def _watch(params: Sequence[Tensor]) -> _GroupReductions | None:
             "parameters no longer in the model. Flush (twobp.flush_weight_grads()) before calling "
             "fully_shard, or drop that work with twobp.discard_weight_grads()."
         )
-    return _GroupReductions(sharded) if sharded else None
+    return _GroupReductions(sharded, early) if sharded else None
 
 
 watch_flushes(_watch, active=fsdp_hooks.fsdp_in_use)

@@ -16,7 +16,8 @@ Nothing here imports FSDP2 before the program does: a process that never shards 
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+import weakref
+from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
 from torch import Tensor, nn
@@ -29,6 +30,7 @@ __all__ = [
     "in_backward",
     "reduce_group",
     "reduction_order",
+    "refuse_split_partial_all_reduce",
     "replaced_by_fully_shard",
     "sharded_params_of",
     "unsharded_params_of",
@@ -176,28 +178,64 @@ def reduce_group(group: Any) -> None:
     ``set_requires_gradient_sync`` says) the gradients its unsharded parameters hold into the
     sharded ``.grad``, and reshards if ``reshard_after_backward``. The group's training state
     is left as it was (it sets POST_BACKWARD)."""
-    _refuse_split_partial_all_reduce(group)
+    partial = refuse_split_partial_all_reduce(group)
     with group.use_training_state(group._training_state):
         group.post_backward()
+    if partial:
+        _remember_partial(group)
 
 
-def _refuse_split_partial_all_reduce(group: Any) -> None:
+# group -> (FSDP2's partial-reduce buffer a flush left pending, its version then). Weak both ways:
+# a group going, or FSDP2 dropping the buffer, ends the entry's meaning.
+_left_by_flush: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[Tensor], int]] = weakref.WeakKeyDictionary()
+
+
+def refuse_split_partial_all_reduce(group: Any, flushing: Collection[int] = ()) -> bool:
     """HSDP under ``set_requires_all_reduce(False)``: FSDP2 keeps one flat partial-reduce buffer
     per group (``_partial_reduce_output``) laid out by the parameters reduced in that call, and
-    adds the next call's output to it element by element. Backward reduces the group's
-    non-deferred parameters, the flush its deferred ones: two layouts in one buffer, added across
-    parameters (silently wrong where the sizes agree, a size error where not)."""
+    adds the next call's output to it element by element. Where backward reduces some of the
+    group's parameters and the flush others, two layouts meet in one buffer, added across
+    parameters (silently wrong where the sizes agree). Allowed: a reduction of every parameter
+    of the group that needs a gradient (the flush's ``flushing``, ids of unsharded parameters,
+    or a gradient held now) into no buffer or one only such flushes wrote (backward then reduces
+    none of the group: one layout). Returns whether the call may write that buffer."""
     common = sys.modules["torch.distributed.fsdp._fully_shard._fsdp_common"]
     if not isinstance(group.mesh_info, common.DDPMeshInfo) or not group.reduce_grads:
-        return
-    if not group.all_reduce_grads or getattr(group, "_partial_reduce_output", None) is not None:
-        raise RuntimeError(
-            "twobp: a flush would reduce an HSDP group under set_requires_all_reduce(False) (or with "
-            "a partial reduction of that setting still pending): FSDP2 accumulates such reductions "
-            "in one flat buffer per group, and the flush reduces other parameters than backward "
-            "did. Accumulate with set_requires_gradient_sync(False) instead, or flush only after "
-            "the micro-batch that has set_requires_all_reduce(True)."
-        )
+        return False
+    pending = getattr(group, "_partial_reduce_output", None)
+    if group.all_reduce_grads and pending is None:
+        return False
+    if getattr(group, "reduce_scatter_unused_params", False):
+        return True  # every call reduces every parameter that needs a gradient (zeros if none)
+    left = _left_by_flush.get(group)
+    ours = pending is None or (left is not None and left[1] == pending._version and left[0]() is pending)
+    if ours and all(_reduced(fsdp_param, flushing) for fsdp_param in group.fsdp_params):
+        return True
+    raise RuntimeError(
+        "twobp: a flush would reduce an HSDP group under set_requires_all_reduce(False) (or with "
+        "a partial reduction of that setting still pending) whose parameters do not all get their "
+        "gradients from flushes: FSDP2 accumulates such reductions in one flat buffer per group, "
+        "and the flush reduces other parameters than backward did. Accumulate with "
+        "set_requires_gradient_sync(False) instead, or flush only after the micro-batch that has "
+        "set_requires_all_reduce(True)."
+    )
+
+
+def _reduced(fsdp_param: Any, flushing: Collection[int]) -> bool:
+    """Whether a reduction of its group now (or after a flush delivering ``flushing``) takes
+    ``fsdp_param`` in, as FSDP2's post-backward picks them; one needing no gradient counts."""
+    if not fsdp_param.sharded_param.requires_grad or fsdp_param.unsharded_accumulated_grad is not None:
+        return True
+    unsharded = getattr(fsdp_param, "_unsharded_param", None)
+    return unsharded is not None and (id(unsharded) in flushing or unsharded.grad is not None)
+
+
+def _remember_partial(group: Any) -> None:
+    pending = getattr(group, "_partial_reduce_output", None)
+    if pending is None:
+        _left_by_flush.pop(group, None)
+    else:
+        _left_by_flush[group] = (weakref.ref(pending), pending._version)
 
 
 def wait_for_reductions(groups: list[Any]) -> None:
