@@ -9,6 +9,7 @@ synchroniser that reduced nothing (or summed instead of averaging) would not mat
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import weakref
 
@@ -428,6 +429,32 @@ def test_a_rank_that_skips_a_step_ends_the_others_within_the_timeout(tmp_path) -
     waiting, _ = run_scenario(_skipped_step, 2, str(tmp_path))
     assert waiting["error"] is not None and waiting["elapsed"] < 6.0, waiting
     assert waiting["error"].startswith("twobp: GradientSynchroniser: a collective"), waiting
+
+
+def _grad_dtype_used_on_one_rank(rank: int, bucket_bytes: int | None) -> dict:
+    """A layer only rank 0 uses (a branch its batch takes), parameters with an fp64 grad_dtype."""
+    torch.manual_seed(0)
+    model = twobp.patch(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)]))
+    for p in model.parameters():
+        p.grad_dtype = torch.float64
+    options = {} if bucket_bytes is None else {"bucket_bytes": bucket_bytes}
+    synchroniser = GradientSynchroniser(model, timeout=10.0, **options)
+    torch.manual_seed(1 + rank)
+    h = model[0](torch.randn(3, 4))
+    (model[1](h) if rank == 0 else h).sum().backward()
+    synchroniser.synchronise()
+    return {name: (None if p.grad is None else p.grad.dtype) for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["one-bucket", "bucket-per-parameter"])
+def test_a_gradient_in_its_grad_dtype_reaches_the_rank_that_made_none(tmp_path, bucket_bytes) -> None:
+    """The rank without a gradient of its own got the mean in the parameter's dtype, which
+    PyTorch refuses to assign to a parameter with another grad_dtype: both ranks ended. A bucket
+    of such parameters alone was filled with zeros in the parameter's dtype there, fp64 on the
+    other rank: the all-reduce met buffers of different sizes."""
+    scenario = functools.partial(_grad_dtype_used_on_one_rank, bucket_bytes=bucket_bytes)
+    for result in run_scenario(scenario, 2, str(tmp_path)):
+        assert result == dict.fromkeys(["0.weight", "0.bias", "1.weight", "1.bias"], torch.float64), result
 
 
 def _replicas_training_other_parameters(rank: int) -> dict:

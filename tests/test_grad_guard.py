@@ -265,6 +265,26 @@ def test_zero_grad_keeping_zeros_leaves_none_where_no_backward_reached_a_replaye
         assert torch.equal(p, q), name
 
 
+@pytest.mark.parametrize("discard_first", [False, True], ids=["zero_grad", "discard-then-zero_grad"])
+def test_zero_grad_keeping_zeros_makes_them_in_the_grad_dtype(discard_first: bool) -> None:
+    """Parameters with an fp64 grad_dtype: the zeros for dropped work were made in the
+    parameter's dtype, which PyTorch refuses to assign (its error, from inside zero_grad)."""
+    model = _model_with_batch_norm()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(4, 6)
+    for net in (model, reference):
+        for p in net.parameters():
+            p.grad_dtype = torch.float64
+        net(x).pow(2).sum().backward()
+        if discard_first and net is model:
+            twobp.discard_weight_grads()
+        net.zero_grad(set_to_none=False)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert q.grad is not None and p.grad is not None, name
+        assert p.grad.dtype == q.grad.dtype == torch.float64 and torch.equal(p.grad, q.grad), name
+
+
 def test_zero_grad_of_one_batch_norm_parameter_frees_its_finished_gradient() -> None:
     """BatchNorm's job holds both finished gradients: dropping one frees it (the other stays)."""
     model = twobp.patch(nn.Sequential(nn.Linear(6, 256), nn.BatchNorm1d(256)))

@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
-from .flush import OWN_HOOK_MARK, check_count, run_jobs
+from .flush import OWN_HOOK_MARK, accumulated_dtype, check_count, run_jobs
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 
 __all__ = ["GradientSynchroniser", "ReductionFailed", "broadcast_tensors"]
@@ -340,15 +340,16 @@ class GradientSynchroniser:
         open_buckets: dict[tuple[torch.dtype, torch.device], _Bucket] = {}
         for i in order:
             p = self.params[i]
-            key = (p.dtype, p.device)
+            dtype = accumulated_dtype(p)  # of its gradient (grad_dtype: fp32 for a bf16 parameter)
+            key = (dtype, p.device)
             bucket = open_buckets.get(key)
             if bucket is None:
-                bucket = open_buckets[key] = _Bucket([], 0, p.dtype, p.device)
+                bucket = open_buckets[key] = _Bucket([], 0, dtype, p.device)
                 buckets.append(bucket)
             bucket.params.append(i)
             bucket.numel += p.numel()
             limit = min(_FIRST_BUCKET_BYTES, self.bucket_bytes) if len(buckets) == 1 else self.bucket_bytes
-            if bucket.numel * p.element_size() >= limit:
+            if bucket.numel * dtype.itemsize >= limit:
                 del open_buckets[key]
         self._buckets = buckets
         self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
@@ -366,7 +367,7 @@ class GradientSynchroniser:
                     f"twobp: GradientSynchroniser reduces dense gradients only; parameter {i} (shape "
                     f"{tuple(p.shape)}) has a {grad.layout} one: build its embedding with sparse=False"
                 )
-            pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel()))
+            pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel(), dtype=bucket.dtype))
             flags.append(grad is not None)
         flat = torch.cat([*pieces, torch.tensor(flags, dtype=bucket.dtype, device=bucket.device)])
         flat[: bucket.numel].div_(self.world_size)
@@ -382,8 +383,8 @@ class GradientSynchroniser:
                 offset += p.numel()
                 if not anyone:
                     continue  # no rank has a gradient for it: stays None, as in DDP
-                if p.grad is None:
-                    p.grad = torch.empty_like(p).copy_(mean)
+                if p.grad is None:  # in the dtype AccumulateGrad makes it (grad_dtype)
+                    p.grad = torch.empty_like(p, dtype=accumulated_dtype(p)).copy_(mean)
                 else:
                     p.grad.copy_(mean)
 

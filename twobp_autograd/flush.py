@@ -29,6 +29,7 @@ from .job import WeightGradJob
 from .streams import LaunchedGroups
 
 __all__ = [
+    "accumulated_dtype",
     "FlushStrategy",
     "FlushOptions",
     "run_jobs",
@@ -471,7 +472,7 @@ def _take_group_grads(
             continue
         key = id(param)
         if grad is not None:
-            dtype = _accumulated_dtype(param)
+            dtype = accumulated_dtype(param)
             if grad.dtype != dtype:
                 grad = grad.to(dtype)
         last = last_group[key] == index
@@ -490,7 +491,7 @@ def _take_group_grads(
     return made_ready
 
 
-def _accumulated_dtype(param: Tensor) -> torch.dtype:
+def accumulated_dtype(param: Tensor) -> torch.dtype:
     """The dtype AccumulateGrad sums ``param``'s gradients in: its ``grad_dtype`` where one is set
     (a bf16 parameter whose gradients accumulate in fp32), else, with ``grad_dtype = None`` (any
     dtype), that of the ``.grad`` it adds into, else the parameter's own."""
@@ -627,7 +628,7 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
         return _checked(first, first.kernel(saved, grad_outputs, needs))
     # Summed in each parameter's dtype, as AccumulateGrad sums micro-batches: bf16 partial
     # sums into an fp32 parameter would lose precision with every micro-batch.
-    dtypes = [_accumulated_dtype(p) if p is not None else None for p in first.params]
+    dtypes = [accumulated_dtype(p) if p is not None else None for p in first.params]
     total: list[_Sum | None] = [None] * len(needs)
     for job in group:
         for i, grad in enumerate(_checked(job, job.kernel(*job.on_device(), needs))):

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .flush import forget_deliveries, summed_over_backward_calls, undelivered
+from .flush import accumulated_dtype, forget_deliveries, summed_over_backward_calls, undelivered
 from .queue import WeightGradQueue, current_queue, dropped_without_grad, queues_with_work
 from .warn_once import warn_once
 
@@ -171,9 +171,10 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
 
 def _zeros_as_plain_zero_grad_leaves(param: torch.Tensor, set_to_none: bool) -> None:
     """A parameter whose dropped work plain backward would have made a ``.grad``: zeros there
-    after ``zero_grad(set_to_none=False)``, laid out as AccumulateGrad would (its strides)."""
+    after ``zero_grad(set_to_none=False)``, laid out as AccumulateGrad would (its strides), in
+    the dtype it would have made (``grad_dtype``: an fp32 gradient for a bf16 parameter)."""
     if not set_to_none and param.grad is None:
-        param.grad = torch.zeros_like(param, memory_format=torch.preserve_format)
+        param.grad = torch.zeros_like(param, dtype=accumulated_dtype(param), memory_format=torch.preserve_format)
 
 
 def _guard_zero_grad() -> None:
