@@ -1996,3 +1996,60 @@ def test_an_input_changing_recompute_module_inside_a_non_reentrant_checkpoint_tr
             torch.utils.checkpoint.checkpoint(net, x, use_reentrant=False).pow(2).sum().backward()
         twobp.flush_weight_grads()
     assert_grads_match(model, reference)
+
+
+class _Gate(nn.Module):
+    """tanh(x W^T + b), with an activation child: a user's module under the recompute rule."""
+
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(n, n))
+        self.bias = nn.Parameter(torch.randn(n))
+        self.act = nn.Tanh()
+
+    def forward(self, x):
+        return self.act(x @ self.weight.t() + self.bias)
+
+
+def _gate_net() -> nn.Module:
+    twobp.register(_Gate, twobp.ops.recompute)
+    return nn.Sequential(nn.Linear(4, 6), _Gate(), nn.Linear(6, 2)).double()
+
+
+@pytest.mark.parametrize("when", ["between-micro-batches", "before-flush"])
+def test_recompute_rule_replays_the_weight_a_forward_pre_hook_set_for_that_call(when):
+    """Pruning's forward pre-hook sets the masked weight as a plain attribute at each call; a
+    pruning round between backward and flush (or between micro-batches) made the replay read the
+    newest one: the bias gradient 0.48-0.55 off, silently."""
+    model = _gate_net()
+    reference = copy.deepcopy(model)
+    for net in (model, reference):
+        torch.nn.utils.prune.l1_unstructured(net[1], "weight", 0.3)
+    twobp.patch(model)
+    for micro_batch in range(2):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        for net in (model, reference):
+            net(x).square().sum().backward()
+            if when == "between-micro-batches" and micro_batch == 0 or when == "before-flush" and micro_batch == 1:
+                torch.nn.utils.prune.l1_unstructured(net[1], "weight", 0.3)
+    twobp.flush_weight_grads()
+    assert_grads_match(model, reference, torch.float64)
+
+
+@pytest.mark.parametrize("change", ["child-swapped", "parametrization-removed"])
+def test_recompute_rule_refuses_a_flush_after_the_module_changed_structure(change):
+    """A child swapped between backward and flush was replayed in place of the forward's (0.41
+    off, silently); a parametrization removed made the flush fail inside PyTorch
+    (AttributeError). Both are refused, the work kept, as for a parameter changed in place."""
+    model = twobp.patch(_gate_net())
+    if change == "parametrization-removed":  # registered after patch: the class is the rule's
+        torch.nn.utils.parametrize.register_parametrization(model[1], "weight", nn.Tanh())
+    model(torch.randn(5, 4, dtype=torch.float64)).square().sum().backward()
+    if change == "child-swapped":
+        model[1].act = nn.Sigmoid()
+    else:
+        torch.nn.utils.parametrize.remove_parametrizations(model[1], "weight", leave_parametrized=False)
+    with pytest.raises(RuntimeError, match="twobp: .*no longer where they were"):
+        twobp.flush_weight_grads()
+    assert twobp.pending().jobs > 0
+    twobp.discard_weight_grads()

@@ -110,7 +110,8 @@ def recompute_weight_grad(
             n: v.detach().requires_grad_(need)
             for (n, _), v, need in zip(params, state.values, needs, strict=True)
         }
-        outputs = _as_tensors(_plain_forward(module, [t.detach() for t in inputs], {**leaves, **state.buffers()}))
+        replayed = {**state.attributes, **leaves, **state.buffers()}
+        outputs = _as_tensors(_plain_forward(module, [t.detach() for t in inputs], replayed))
         # Outputs the parameters do not reach (a router's integer indices) have no gradient.
         differentiable = [
             (o, g)
@@ -123,6 +124,15 @@ def recompute_weight_grad(
         tensors, grads_of_tensors = zip(*differentiable, strict=True)
         grads = iter(torch.autograd.grad(tensors, wanted, grads_of_tensors, allow_unused=True))
     return [next(grads) if need else None for need in needs]
+
+
+def _owner_exists(module: nn.Module, name: str) -> bool:
+    owner = name.rpartition(".")[0]
+    try:
+        module.get_submodule(owner)
+    except AttributeError:
+        return False
+    return True
 
 
 def _same_bits(a: Tensor, b: Tensor) -> bool:
@@ -141,7 +151,10 @@ class _ForwardState:
     replay it: the training flags of the module's submodules and its buffers (with their
     versions, so that a change in place after the forward is seen)."""
 
-    __slots__ = ("flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast")
+    __slots__ = (
+        "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
+        "submodules",
+    )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
         self.flags = tuple([m.training for m in module.modules()])
@@ -154,11 +167,26 @@ class _ForwardState:
         self.values = tuple([p.detach() for p in params.values()])
         # The autocast the forward ran under (the flush runs under its backward's, or none).
         self.autocast = _autocast_now()
+        # Tensors held as plain attributes (neither parameters nor buffers), which the forward
+        # reads: what a forward pre-hook sets at each call (prune's masked ``weight``,
+        # ``weight_norm``'s and ``spectral_norm``'s rebuilt weights). The replay takes the
+        # forward's, as plain autograd's backward uses the tensors its forward saved.
+        self.submodules = tuple([(n, id(m)) for n, m in module.named_modules()])
+        self.attributes = {
+            f"{prefix}.{name}" if prefix else name: value.detach()
+            for prefix, m in module.named_modules()
+            for name, value in vars(m).items()
+            if isinstance(value, Tensor)
+        }
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
         storages = tuple([v.data_ptr() if type(v) is Tensor else None for v in self.values])
-        return (self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast)
+        attributes = tuple([(n, v.data_ptr() if type(v) is Tensor else id(v)) for n, v in self.attributes.items()])
+        return (
+            self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast,
+            attributes,
+        )
 
     def changed_in_place(self) -> list[str]:
         return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
@@ -192,6 +220,15 @@ class _ForwardState:
         return dict(self.named_buffers)
 
     def check_unchanged(self, module: nn.Module) -> None:
+        gone = [n for n in self.params if not _owner_exists(module, n)]
+        if gone or tuple([(n, id(m)) for n, m in module.named_modules()]) != self.submodules:
+            gone = gone or ["(its submodules were replaced)"]
+            raise RuntimeError(
+                f"twobp: parameter(s) {gone} that the forward of a {type(module).__name__} computed with "
+                "are no longer where they were (a parametrization removed, a submodule deleted) between "
+                "its forward and the flush; the recompute rule re-runs that forward at the flush and cannot. "
+                "Flush the weight gradients before changing the module's structure."
+            )
         changed = self.changed_in_place() + [
             n for (n, p), v in zip(self.params.items(), self.param_versions, strict=True) if p._version != v
         ]
