@@ -1714,6 +1714,36 @@ def test_a_rule_of_ones_own_that_misuses_the_tap_is_told_so():
         twobp.patch(Scale())(torch.randn(3, 4))
 
 
+def _scale_grad(saved, grad_outputs, needs):
+    return [(grad_outputs[0] * saved[0]).sum(0)]
+
+
+@pytest.mark.parametrize("tied_upstream", [False, True], ids=["alone", "weight-also-used-upstream"])
+def test_a_rule_of_ones_own_computing_with_a_deferred_parameter_itself_is_refused(tied_upstream):
+    """A rule that forgot ``detached`` on a parameter it defers: autograd gave that gradient in
+    backward and the kernel again at the flush, twice plain's, silently. Refused on the module's
+    first call; a use of the same parameter upstream, on plain autograd, is not the rule's."""
+
+    @twobp.register(Scale)
+    def forgot_detached(module, x):
+        return twobp.deferral.defer_weight_grads(x * module.weight, (module.weight,), (x.detach(),), _scale_grad)
+
+    def detaches(module, x):
+        output = x * twobp.deferral.detached(module.weight)
+        return twobp.deferral.defer_weight_grads(output, (module.weight,), (x.detach(),), _scale_grad)
+
+    model = twobp.patch(Scale().double())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="twobp: a deferred op computed its output with a parameter of shape"):
+        model(x * model.weight if tied_upstream else x)
+    twobp.register(Scale, detaches)
+    patched, reference = patched_and_reference(Scale().double())
+    for net in (patched, reference):
+        (net(x * net.weight) if tied_upstream else net(x)).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 class ScaleShift(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -25,9 +25,11 @@ graph lacks the detached weights, so a backward through it to them is refused (:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
-from collections.abc import Callable, Hashable, Sequence
+import threading
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any, Literal, NamedTuple, overload
 
 import torch
@@ -44,6 +46,7 @@ __all__ = [
     "single_node_applies",
     "defer_weight_grads",
     "detached",
+    "first_call_checked",
     "guard_tangent",
     "kernel_group",
     "param_inputs",
@@ -502,6 +505,7 @@ def defer_weight_grads(
         deferral=deferral,
         saves_reached=saves_reached and len(outs) > 1,
     )
+    _refuse_undetached_params(outs, deferral.params)
     # The leaf parameters are inputs of the tap so that its node has an edge to each one's
     # gradient accumulator: that is what the engine is asked about in backward. (The others,
     # as `detached` leaves them, keep their graph through the op itself.)
@@ -548,6 +552,58 @@ def defer_weight_grads(
         raise
     _restore_versions(outs, output_versions, saved_tensors, saved_versions)
     return tapped
+
+
+@contextlib.contextmanager
+def first_call_checked() -> Iterator[None]:
+    """Around a patched module's first deferred call: its rule's :func:`defer_weight_grads`
+    check that the op computed with its deferred parameters detached. The autograd nodes made
+    since this block began are the rule's (sequence numbers grow per thread)."""
+    # The next node's number (no op run for it: an op would enter selective checkpointing's cache).
+    previous, _first_call.floor = getattr(_first_call, "floor", None), torch._C._autograd._get_sequence_nr() - 1
+    try:
+        yield
+    finally:
+        _first_call.floor = previous
+
+
+_first_call = threading.local()
+_CUSTOM_FUNCTION_NODE = torch.autograd.function.BackwardCFunction
+
+
+def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor | None]) -> None:
+    """A rule that computed its output with a deferred parameter itself, not ``detached``: its
+    gradient would come from autograd in backward *and* from the kernel at the flush (twice,
+    silently). Checked in a module's first deferred call (:func:`first_call_checked`): the
+    rule's ATen nodes must not reach the parameter's accumulator (an upstream use of a tied
+    weight is older than the rule)."""
+    floor = getattr(_first_call, "floor", None)
+    deferred = {id(p) for p in params if p is not None}
+    if floor is None or not deferred:
+        return
+    stack = [t.grad_fn for t in outputs if t.grad_fn is not None and t.grad_fn._sequence_nr() > floor]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        # A custom Function's node (a deferring node of this package, a compiled region's) has
+        # edges to parameters whatever it returns for them: only ATen's nodes tell a use.
+        custom = isinstance(node, _CUSTOM_FUNCTION_NODE)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            variable = getattr(child, "variable", None)  # an AccumulateGrad's parameter
+            if variable is not None and not custom and id(variable) in deferred:
+                raise RuntimeError(
+                    f"twobp: a deferred op computed its output with a parameter of shape {tuple(variable.shape)} "
+                    "itself, not detached: its gradient would be added twice (by autograd in backward and "
+                    "by the kernel at the flush). Compute with twobp_autograd.deferral.detached(param) "
+                    "for every parameter passed to defer_weight_grads."
+                )
+            if variable is None and child._sequence_nr() > floor:
+                stack.append(child)
 
 
 def _restore_versions(

@@ -20,6 +20,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
+from .deferral import first_call_checked
 from .grad_guard import install_grad_guards
 from .registry import DeferredForward, module_class, rule_for, unregistered_why
 from .warn_once import warn_once
@@ -49,6 +50,10 @@ class DeferredForwardCall:
     one differentiating (inside a ``torch.func`` transform), ``torch.export`` traces it or the
     module has a deprecated non-full backward hook; else the rule's (the class's forward once
     unpatched under a wrapper added since, such as accelerate's hooks, which keep calling it)."""
+
+    #: Set after the first deferred call, which checks that the rule's op computed with its
+    #: deferred parameters detached (a class default: calls pickled before it existed load too).
+    first_call_checked = False
 
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         # Weak: the module holds this call in its __dict__; a strong reference back would make
@@ -141,7 +146,12 @@ class DeferredForwardCall:
             ):
                 _warn_class_changed_once(module)
                 return type(module).forward(module, *args, **kwargs)
-            return self.deferred(module, *args, **kwargs)
+            if self.first_call_checked or _is_compiling():
+                return self.deferred(module, *args, **kwargs)
+            with first_call_checked():  # the rule computed with its deferred parameters detached
+                output = self.deferred(module, *args, **kwargs)
+            self.first_call_checked = True
+            return output
         return type(module).forward(module, *args, **kwargs)
 
 
