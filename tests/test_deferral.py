@@ -2083,3 +2083,155 @@ def test_recompute_rule_refuses_a_flush_after_the_module_changed_structure(chang
         twobp.flush_weight_grads()
     assert twobp.pending().jobs > 0
     twobp.discard_weight_grads()
+
+
+class _Rotary(nn.Module):
+    """A rotary cache kept in plain attributes, grown when a longer sequence comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.max_len, self.cos, self.sin = 0, None, None
+
+    def forward(self, x):
+        steps = x.shape[1]
+        if steps > self.max_len:
+            angles = torch.arange(steps, dtype=x.dtype)[:, None] * torch.arange(1, 3, dtype=x.dtype)
+            self.cos, self.sin, self.max_len = angles.cos().repeat(1, 2), angles.sin().repeat(1, 2), steps
+        x1, x2 = x.chunk(2, -1)
+        return x * self.cos[:steps] + torch.cat([-x2, x1], -1) * self.sin[:steps]
+
+
+class _RotaryAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.rotary = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), _Rotary()
+
+    def forward(self, x):
+        q, k = self.rotary(self.q(x)), self.rotary(self.k(x))
+        return torch.softmax(q @ k.transpose(1, 2), -1) @ self.v(x)
+
+
+class _RunningScale(nn.Module):
+    """Divides by a running mean of |x| kept in a plain attribute (not a buffer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.running = torch.ones(4, dtype=torch.float64)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.running.mul_(0.5).add_(0.5 * x.abs().mean(0))
+        return x * self.weight / self.running
+
+
+class _SparseAdjacency(nn.Module):
+    """A graph convolution whose adjacency is a sparse plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+        self.adjacency = torch.eye(4, dtype=torch.float64).flip(0).to_sparse()
+
+    def forward(self, x):
+        return torch.sparse.mm(self.adjacency, (x @ self.weight).t()).t()
+
+
+@pytest.mark.parametrize(
+    ("make", "shapes"),
+    [
+        (_RotaryAttention, [(3, 5, 4), (2, 8, 4), (2, 5, 4)]),
+        (_RunningScale, [(3, 4), (2, 4), (4, 4)]),
+        (_SparseAdjacency, [(3, 4), (2, 4)]),
+    ],
+    ids=["cache-grown-by-the-forward", "statistic-updated-in-place-by-the-forward", "sparse-attribute"],
+)
+def test_recompute_rule_with_tensors_kept_as_plain_attributes(make, shapes):
+    """A cache the forward grows was replayed with the one the forward found (a size error at the
+    flush); a statistic updated in place was neither rewound after the first call's trials nor seen
+    as state (outputs 0.1-0.24 off, gradients up to 5.8); a sparse attribute crashed every call."""
+    twobp.register(make, twobp.ops.recompute)
+    model = nn.Sequential(nn.Linear(4, 4), make()).double()
+    patched, reference = patched_and_reference(model)
+    for shape in shapes:
+        x = torch.randn(shape, dtype=torch.float64)
+        for net in (patched, reference):
+            net(x).pow(2).sum().backward()
+        torch.testing.assert_close(patched(x).detach(), reference(x).detach(), rtol=1e-10, atol=1e-12)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+def test_recompute_rule_refuses_a_flush_after_a_tensor_attribute_changed_in_place():
+    """A temperature kept in a plain attribute, annealed in place after each micro-batch: the
+    replay read the new one (1.51 off, silently). Refused, as for a buffer."""
+
+    class Tempered(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+            self.temperature = torch.ones((), dtype=torch.float64)
+
+        def forward(self, x):
+            return torch.tanh(x * self.weight / self.temperature)
+
+    twobp.register(Tempered, twobp.ops.recompute)
+    model = twobp.patch(Tempered())
+    model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    model.temperature.mul_(0.5)
+    with pytest.raises(RuntimeError, match=r"twobp: buffer\(s\) or parameter\(s\) \['temperature'\]"):
+        twobp.flush_weight_grads()
+    twobp.discard_weight_grads()
+
+
+class _TrimmedEmbedding(nn.Module):
+    """Token ids (N, L) padded with 0 at the end, trimmed to the batch's longest sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.randn(10, 4, dtype=torch.float64))
+
+    def forward(self, ids):
+        return self.table[ids[:, : int((ids != 0).sum(1).max())]]
+
+
+def test_recompute_rule_trial_on_token_ids_whose_output_length_follows_the_batch():
+    """The halves' outputs, shorter than the whole batch's, were compared by broadcasting: a size
+    error on the first call."""
+    twobp.register(_TrimmedEmbedding, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_TrimmedEmbedding())
+    ids = torch.tensor([[1, 2, 3, 4, 0], [5, 6, 0, 0, 0], [7, 8, 9, 0, 0], [3, 0, 0, 0, 0]])
+    for net in (patched, reference):
+        net(ids).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _CountedRMSNorm(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim) + 0.1 * torch.randn(dim))
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_recompute_rule_joins_a_bf16_module_whose_outputs_round_otherwise_at_another_batch_size():
+    """A bf16 RMSNorm-like module: a row's mean rounded otherwise at another batch size moves its
+    outputs by 2 ulps (1.6% at the bottom of a binade), over the trial's 1% tolerance: its
+    micro-batches were replayed one by one (4 replays for 4, measured), where they join."""
+    twobp.register(_CountedRMSNorm, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_CountedRMSNorm().bfloat16())
+    queue = twobp.WeightGradQueue("concat")
+    for _ in range(4):
+        x = torch.randn(5, 16, 64).bfloat16()
+        for net in (patched, reference):
+            with twobp.use_queue(queue):
+                out = net(x)
+            out.float().pow(2).sum().backward()
+    calls = patched.calls
+    queue.flush()
+    assert patched.calls - calls == 1, "one joined replay"
+    assert_grads_match(patched, reference, torch.bfloat16)
