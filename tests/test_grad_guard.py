@@ -285,6 +285,26 @@ def test_zero_grad_keeping_zeros_makes_them_in_the_grad_dtype(discard_first: boo
         assert p.grad.dtype == q.grad.dtype == torch.float64 and torch.equal(p.grad, q.grad), name
 
 
+class _CountedTwoHeads(_TwoHeads):
+    calls = 0
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+def test_zero_grad_to_none_runs_no_queued_replay() -> None:
+    """Telling which dropped parameters plain would have given a gradient may run a replay; a
+    zero_grad() to None needs no answer, and ran every queued job's (50x slower, measured)."""
+    twobp.register(_CountedTwoHeads, twobp.ops.recompute)
+    model = twobp.patch(_CountedTwoHeads())
+    for _ in range(3):
+        model(torch.randn(3, 4))[0].sum().backward()
+    before = _CountedTwoHeads.calls
+    model.zero_grad()
+    assert _CountedTwoHeads.calls == before and twobp.pending().jobs == 0
+
+
 def test_zero_grad_of_one_batch_norm_parameter_frees_its_finished_gradient() -> None:
     """BatchNorm's job holds both finished gradients: dropping one frees it (the other stays)."""
     model = twobp.patch(nn.Sequential(nn.Linear(6, 256), nn.BatchNorm1d(256)))

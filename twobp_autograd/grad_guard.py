@@ -165,7 +165,7 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
             f"that work{_other_queues_hint(holding)}."
         )
     for queue in queues:
-        for param in queue.discard_work_for(tensors):
+        for param in queue.discard_work_for(tensors, given_grads=not set_to_none):
             _zeros_as_plain_zero_grad_leaves(param, set_to_none)
 
 

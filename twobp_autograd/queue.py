@@ -344,19 +344,21 @@ class WeightGradQueue:
             # Plain backward would have given these a .grad: a zero_grad(set_to_none=False)
             # after the discard must leave zeros there, as plain's does (grad_guard).
             for job in self._jobs:
-                for p in job.params_given_grads():
-                    if p.grad is None:
-                        dropped_without_grad[id(p)] = p
+                if any(p is not None and p.grad is None for p in job.params):
+                    for p in job.params_given_grads():
+                        if p.grad is None:
+                            dropped_without_grad[id(p)] = p
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
             # Running backwards stay recorded: one still running elsewhere keeps queuing work, and
             # one that raised is forgotten when autograd frees its graph task (_BackwardEnd).
 
-    def discard_work_for(self, params: Sequence[Tensor]) -> list[Tensor]:
+    def discard_work_for(self, params: Sequence[Tensor], *, given_grads: bool = True) -> list[Tensor]:
         """Drop the queued work of ``params`` (what ``zero_grad`` does to a gradient plain
         backward has computed); jobs left without a parameter go whole. Returns the parameters
-        that had work (plain backward would have given each a ``.grad``)."""
+        that had work and whose ``.grad`` is None (plain backward would have given each one),
+        where ``given_grads`` asks for them (it may run a kernel: see ``params_given_grads``)."""
         dropped = {id(p) for p in params}
         with self._lock:
             # Gradients another thread's flush is computing for them must land first, so that
@@ -364,10 +366,10 @@ class WeightGradQueue:
             self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
             had_work = {
                 id(p): p
-                for job in self._jobs
-                if any(p is not None and id(p) in dropped for p in job.params)
+                for job in (self._jobs if given_grads else ())
+                if any(p is not None and id(p) in dropped and p.grad is None for p in job.params)
                 for p in job.params_given_grads()
-                if id(p) in dropped
+                if id(p) in dropped and p.grad is None
             }
             kept: list[WeightGradJob] = []
             for job in self._jobs:
