@@ -423,3 +423,28 @@ def test_a_pipeline_stage_scaling_over_queued_work_flushes_it_first_and_says_why
         p.grad.div_(2)
     assert twobp.pending().jobs == 0
     assert_grads_match(module, reference)
+
+
+@pytest.mark.parametrize("model", [_model, _model_with_batch_norm], ids=["linear", "batch-norm"])
+def test_a_hook_on_a_parameters_accumulator_registered_without_keeping_the_node_sees_the_flush(
+    model: Callable[[], nn.Module],
+) -> None:
+    """A parameter holds its AccumulateGrad node weakly; in plain autograd the backward's graph
+    keeps it, and a prehook registered on it after the forward, alive until the gradient comes.
+    The graph is freed after backward-p1, and the flush delivered through a new node without the
+    hook (a halving hook's weight gradient 0.55 off, silently)."""
+
+    def halve(grads: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | None:
+        return None if grads[0] is None else (grads[0] * 0.5,)
+
+    patched = model()
+    reference = copy.deepcopy(patched)
+    twobp.patch(patched)
+    x = torch.randn(4, 6)
+    for net in (patched, reference):
+        output = net(x)
+        for param in net.parameters():
+            torch.autograd.graph.get_gradient_edge(param).node.register_prehook(halve)  # not kept
+        output.pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

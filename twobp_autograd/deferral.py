@@ -123,13 +123,16 @@ class ParamDeferral(NamedTuple):
             return ["now" if d == "defer" else d for d in decisions]
         return decisions
 
-    def defer_finished(self, decisions: Sequence[Decision], grads: Sequence[Tensor | None]) -> list[Tensor | None]:
+    def defer_finished(
+        self, ctx: Any, decisions: Sequence[Decision], grads: Sequence[Tensor | None]
+    ) -> list[Tensor | None]:
         """Queue the 'defer' gradients (already computed) as one job whose kernel hands them
         back at the flush, summed there per micro-batch like any job; return what autograd
         gets now: the 'now' gradients, None for the rest."""
         deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions, strict=True)]
         if any(deferring):
-            self.queue.enqueue(
+            self._enqueue(
+                ctx,
                 WeightGradJob(
                     kernel=finished_grads,
                     group=finished_grads,
@@ -142,9 +145,15 @@ class ParamDeferral(NamedTuple):
                     ),
                     grad_outputs=(),
                     tag=self.tag,
-                )
+                ),
             )
         return [g if d == "now" else None for g, d in zip(grads, decisions, strict=True)]
+
+    def _enqueue(self, ctx: Any, job: WeightGradJob) -> None:
+        # The parameters' accumulators, from the node's own edges to them (see WeightGradJob).
+        edges = ctx.next_functions[len(ctx.next_functions) - len(self.params) :]
+        job.accumulators = tuple([node for (node, _), p in zip(edges, job.params, strict=True) if p is not None])
+        self.queue.enqueue(job)
 
     def route(
         self,
@@ -174,7 +183,8 @@ class ParamDeferral(NamedTuple):
             grads = kernel(saved, grad_outputs, needs)
             param_grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
         if "defer" in decisions:
-            self.queue.enqueue(
+            self._enqueue(
+                ctx,
                 WeightGradJob(
                     kernel=kernel,
                     group=group,
@@ -183,7 +193,7 @@ class ParamDeferral(NamedTuple):
                     saved=tuple([t.detach() for t in saved]),
                     grad_outputs=tuple([g.detach() for g in grad_outputs]),
                     tag=self.tag,
-                )
+                ),
             )
         return param_grads
 

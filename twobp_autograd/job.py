@@ -34,7 +34,7 @@ class WeightGradJob:
 
     __slots__ = (
         "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
-        "versions", "parked",
+        "versions", "parked", "accumulators",
     )
 
     def __init__(
@@ -59,6 +59,10 @@ class WeightGradJob:
         self.autocast: torch.dtype | None = None  # that backward's autocast dtype on the job's device, set on enqueue
         self.versions = self._versions()
         self.parked: ParkedTensors | None = None  # set when offloaded to host memory
+        # The parameters' AccumulateGrad nodes, set in backward: a parameter refers to its node
+        # weakly; the backward's graph kept it, and the hooks registered on it, alive in plain
+        # autograd, and is freed before the flush hands the gradients over through it.
+        self.accumulators: tuple[Any, ...] = ()
 
     def _versions(self) -> tuple[int, ...]:
         watched = [*self.saved, *self.grad_outputs, *[p for p in self.params if p is not None]]

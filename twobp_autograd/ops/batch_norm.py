@@ -115,6 +115,7 @@ class _TrainingBatchNorm(torch.autograd.Function):
                     ctx.eps, mask, reserve,
                 )  # fmt: skip
         param_grads = deferral.defer_finished(
+            ctx,
             [weight_decision, bias_decision],
             [grad_weight if need_weight else None, grad_bias if need_bias else None],
         )
