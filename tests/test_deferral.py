@@ -6,12 +6,13 @@ vmapped backward, the recompute rule)."""
 import contextlib
 import copy
 import functools
+import threading
 import warnings
 
 import pytest
 import torch
 import torch.nn.utils.prune
-from torch import nn
+from torch import Tensor, nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
@@ -1742,6 +1743,84 @@ def test_a_rule_of_ones_own_computing_with_a_deferred_parameter_itself_is_refuse
         (net(x * net.weight) if tied_upstream else net(x)).pow(2).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+class _Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 6))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight)
+
+
+def test_a_rule_that_forgot_detached_is_refused_where_autocast_cast_its_weight_upstream():
+    """Autocast caches the cast of a parameter: the rule got the copy made by a use upstream
+    (an older node, where the walk stops), and its doubled gradient went through."""
+
+    def kernel(saved, grad_outputs, needs):
+        return [grad_outputs[0].t().float() @ saved[0].float()]
+
+    @twobp.register(_Projection)
+    def forgot_detached(module, x):
+        output = torch.nn.functional.linear(x, module.weight)
+        return twobp.deferral.defer_weight_grads(output, (module.weight,), (x.detach().to(output.dtype),), kernel)
+
+    model = twobp.patch(_Projection())
+    x = torch.randn(4, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x + torch.nn.functional.linear(x, model.weight).sum()  # the weight cast upstream (a tied use)
+        with pytest.raises(RuntimeError, match="twobp: a deferred op computed its output with a parameter"):
+            model(h)
+
+
+class _TiedAutoencoder(nn.Module):
+    """The decoder's weight is the encoder's: one parameter under two names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Parameter(torch.randn(3, 5, dtype=torch.float64))
+        self.decoder = self.encoder
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, self.encoder)), self.decoder.t())
+
+
+def test_recompute_rule_substitutes_a_parameter_under_each_of_its_names():
+    """Its second name read the parameter itself (correct, half in backward, half deferred), which
+    the first-call check took for a rule that forgot ``detached``: the step was refused."""
+    twobp.register(_TiedAutoencoder, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_TiedAutoencoder())
+    for _ in range(2):
+        x = torch.randn(4, 5, dtype=torch.float64)
+        for net in (patched, reference):
+            net(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+def test_a_first_call_on_another_thread_than_its_inputs_upstream_is_not_refused():
+    """Autograd numbers its nodes per thread: a tied weight used upstream on the main thread has
+    higher numbers than a worker thread's first call, whose check took that use for its own."""
+    head = nn.Linear(8, 11, bias=False)
+    patched, reference = patched_and_reference(head)
+    ids = torch.randint(0, 11, (4, 6))
+    for _ in range(50):  # the main thread's numbers run ahead
+        torch.randn(2, requires_grad=True).exp()
+    for net in (patched, reference):
+        hidden = torch.nn.functional.embedding(ids, net.weight)  # tied, on plain autograd
+        outputs: list[Tensor] = []
+
+        def first_call(net: nn.Module = net, hidden: Tensor = hidden, outputs: list[Tensor] = outputs) -> None:
+            with torch.autocast("cpu", dtype=torch.bfloat16):  # Linear's tap path: the check runs
+                outputs.append(net(hidden))
+
+        worker = threading.Thread(target=first_call)
+        worker.start()
+        worker.join()
+        outputs[0].float().pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16)
 
 
 class ScaleShift(nn.Module):

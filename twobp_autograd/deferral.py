@@ -565,16 +565,26 @@ def defer_weight_grads(
 
 
 @contextlib.contextmanager
-def first_call_checked() -> Iterator[None]:
+def first_call_checked(args: Any = (), kwargs: Any = None) -> Iterator[None]:
     """Around a patched module's first deferred call: its rule's :func:`defer_weight_grads`
     check that the op computed with its deferred parameters detached. The autograd nodes made
     since this block began are the rule's (sequence numbers grow per thread)."""
     # The next node's number (no op run for it: an op would enter selective checkpointing's cache).
     previous, _first_call.floor = getattr(_first_call, "floor", None), torch._C._autograd._get_sequence_nr() - 1
+    # Sequence numbers are per thread: an input made on another thread may carry higher ones.
+    # Its node (and, read here, a view's node regenerated on access) is where the walk stops.
+    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+    stops = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+    previous_stops, _first_call.stops = getattr(_first_call, "stops", None), stops
+    # Autocast's cache would hand the rule a cast of a parameter made upstream (an older node):
+    # off for this call, so a cast of a parameter not detached is the rule's own node.
+    cache_enabled = torch.is_autocast_cache_enabled()
+    torch.set_autocast_cache_enabled(False)
     try:
         yield
     finally:
-        _first_call.floor = previous
+        torch.set_autocast_cache_enabled(cache_enabled)
+        _first_call.floor, _first_call.stops = previous, previous_stops
 
 
 _first_call = threading.local()
@@ -588,10 +598,12 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
     rule's ATen nodes must not reach the parameter's accumulator (an upstream use of a tied
     weight is older than the rule)."""
     floor = getattr(_first_call, "floor", None)
+    stops = getattr(_first_call, "stops", None) or set()
     deferred = {id(p) for p in params if p is not None}
     if floor is None or not deferred:
         return
-    stack = [t.grad_fn for t in outputs if t.grad_fn is not None and t.grad_fn._sequence_nr() > floor]
+    nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
+    stack = [node for node in nodes if node._sequence_nr() > floor and node not in stops]
     seen: set[Any] = set()
     while stack:
         node = stack.pop()
@@ -612,7 +624,7 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
                     "by the kernel at the flush). Compute with twobp_autograd.deferral.detached(param) "
                     "for every parameter passed to defer_weight_grads."
                 )
-            if variable is None and child._sequence_nr() > floor:
+            if variable is None and child._sequence_nr() > floor and child not in stops:
                 stack.append(child)
 
 

@@ -148,7 +148,7 @@ class DeferredForwardCall:
                 return type(module).forward(module, *args, **kwargs)
             if self.first_call_checked or _is_compiling():
                 return self.deferred(module, *args, **kwargs)
-            with first_call_checked():  # the rule computed with its deferred parameters detached
+            with first_call_checked(args, kwargs):  # the rule computed with its deferred parameters detached
                 output = self.deferred(module, *args, **kwargs)
             self.first_call_checked = True
             return output

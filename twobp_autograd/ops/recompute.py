@@ -49,7 +49,8 @@ __all__ = ["recompute"]
 
 
 def _plain_forward(module: nn.Module, inputs: Sequence[Tensor], params: dict[str, Tensor]) -> Any:
-    with _reparametrize_module(module, params):
+    # tie_weights: a parameter reachable under two names (a tied decoder) is substituted under both.
+    with _reparametrize_module(module, params, tie_weights=True):
         # The class's forward: a patched instance forward would come back here.
         return type(module).forward(module, *inputs)
 
