@@ -1823,6 +1823,44 @@ def test_a_first_call_on_another_thread_than_its_inputs_upstream_is_not_refused(
     assert_grads_match(patched, reference, torch.bfloat16)
 
 
+class _SharedConvBlock(nn.Module):
+    """Uses a shared conv's weight itself (a tied transposed conv, plain autograd), then the conv."""
+
+    def __init__(self, conv: nn.Conv1d) -> None:
+        super().__init__()
+        self.conv, self.gamma = conv, nn.Parameter(torch.ones(8, 1))
+
+    def forward(self, x, *, scale=1.0):  # a keyword argument: the recompute rule keeps plain autograd
+        tied = torch.nn.functional.conv1d(x, self.conv.weight.transpose(0, 1), padding="same")
+        return self.conv(torch.tanh(tied * scale)) * self.gamma
+
+
+def test_the_first_call_check_of_one_module_is_not_applied_to_anothers_later_call_inside_it():
+    """A conv shared by two blocks, its first call made in the first block: inside the second
+    block's first call, its later call was checked against the block's start, where the block's
+    own tied use of the conv's weight looked like the conv's rule not detaching it: refused."""
+    twobp.register(_SharedConvBlock, twobp.ops.recompute)
+    conv = nn.Conv1d(8, 8, 3, padding="same")
+    patched, reference = patched_and_reference(nn.Sequential(_SharedConvBlock(conv), _SharedConvBlock(conv)))
+    x = torch.randn(4, 8, 5)
+    for net in (patched, reference):
+        net[1](net[0](x, scale=0.5), scale=0.5).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_a_module_given_its_own_parameter_as_input_is_not_refused():
+    """``lin(lin.weight)`` (a Gram term): the input's edge reaches the weight's accumulator, as
+    in plain autograd, which the first-call check took for a rule that forgot ``detached``."""
+    patched, reference = patched_and_reference(nn.Linear(4, 4))
+    for net in (patched, reference):
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # Linear's tap path: the check runs
+            output = net(net.weight)
+        output.float().pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16)
+
+
 class ScaleShift(nn.Module):
     def __init__(self) -> None:
         super().__init__()

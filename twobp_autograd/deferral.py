@@ -47,6 +47,8 @@ __all__ = [
     "defer_weight_grads",
     "detached",
     "first_call_checked",
+    "first_call_unchecked",
+    "inside_first_call_check",
     "guard_tangent",
     "kernel_group",
     "param_inputs",
@@ -574,7 +576,10 @@ def first_call_checked(args: Any = (), kwargs: Any = None) -> Iterator[None]:
     # Sequence numbers are per thread: an input made on another thread may carry higher ones.
     # Its node (and, read here, a view's node regenerated on access) is where the walk stops.
     leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    stops = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+    stops: set[Any] = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+    # A leaf given as an input (a parameter passed to its own module: lin(lin.weight)) is used
+    # through the input's edge, as plain autograd uses it.
+    stops |= {id(t) for t in leaves if isinstance(t, Tensor) and t.grad_fn is None}
     previous_stops, _first_call.stops = getattr(_first_call, "stops", None), stops
     # Autocast's cache would hand the rule a cast of a parameter made upstream (an older node):
     # off for this call, so a cast of a parameter not detached is the rule's own node.
@@ -585,6 +590,25 @@ def first_call_checked(args: Any = (), kwargs: Any = None) -> Iterator[None]:
     finally:
         torch.set_autocast_cache_enabled(cache_enabled)
         _first_call.floor, _first_call.stops = previous, previous_stops
+
+
+def inside_first_call_check() -> bool:
+    return getattr(_first_call, "floor", None) is not None
+
+
+@contextlib.contextmanager
+def first_call_unchecked() -> Iterator[None]:
+    """Around a patched module's later calls: no check, even inside another's first call."""
+    floor = getattr(_first_call, "floor", None)
+    if floor is None:
+        yield
+        return
+    stops = getattr(_first_call, "stops", None)
+    _first_call.floor = None
+    try:
+        yield
+    finally:
+        _first_call.floor, _first_call.stops = floor, stops
 
 
 _first_call = threading.local()
@@ -617,7 +641,7 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
             if child is None:
                 continue
             variable = getattr(child, "variable", None)  # an AccumulateGrad's parameter
-            if variable is not None and not custom and id(variable) in deferred:
+            if variable is not None and not custom and id(variable) in deferred and id(variable) not in stops:
                 raise RuntimeError(
                     f"twobp: a deferred op computed its output with a parameter of shape {tuple(variable.shape)} "
                     "itself, not detached: its gradient would be added twice (by autograd in backward and "

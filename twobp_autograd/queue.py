@@ -449,6 +449,7 @@ class WeightGradQueue:
             tag=jobs[0].tag,
         )
         job.task = torch._C._current_graph_task_id()
+        job.accumulators = tuple([node for held_from in jobs for node in held_from.accumulators])
         with self._lock:
             self._jobs.append(job)
             self._count([job], +1)
