@@ -2098,7 +2098,8 @@ def test_the_recompute_rule_refuses_a_forward_that_starts_changing_its_input_in_
     """A module whose first calls left their inputs alone runs later calls on the inputs
     themselves: one that changes them then cannot be undone, and is refused."""
     twobp.register(ChangesItsInput, twobp.ops.recompute)
-    model = twobp.patch(ChangesItsInput(from_call=3))  # the first call runs its forward thrice (two trials)
+    # The first call's forward and the flush's replay: the two trials' runs are rewound, counter too.
+    model = twobp.patch(ChangesItsInput(from_call=2))
     model(torch.randn(3, 4)).sum().backward()
     twobp.flush_weight_grads()
     with pytest.raises(RuntimeError, match="twobp: ChangesItsInput's forward changed its input in place"):
@@ -2300,6 +2301,63 @@ def test_recompute_rule_with_tensors_kept_as_plain_attributes(make, shapes):
         torch.testing.assert_close(patched(x).detach(), reference(x).detach(), rtol=1e-10, atol=1e-12)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+class _MemoryBank(nn.Module):
+    """Keeps the last rows it saw in a plain attribute, rebound by each forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.memory = torch.zeros(0, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        self.memory = torch.cat([self.memory, x.detach()])[-32:]
+        return x * self.weight + self.memory.mean(0)
+
+
+def test_recompute_rule_runs_a_forward_that_rebinds_an_attribute_once():
+    """The first call's trials and its run again on plain autograd each grew the bank (26 rows
+    where plain has 6; outputs 0.2 and gradients 0.8 off): rebound attributes are put back."""
+    twobp.register(_MemoryBank, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_MemoryBank())
+    for _ in range(3):
+        x = torch.randn(6, 4, dtype=torch.float64)
+        outputs = [net(x) for net in (patched, reference)]
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
+        for output in outputs:
+            output.pow(2).sum().backward()
+        twobp.flush_weight_grads()
+        assert patched.memory.shape == reference.memory.shape
+        assert_grads_match(patched, reference, torch.float64)
+
+
+class _CountsLargeInputs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.seen = torch.zeros((), dtype=torch.float64)
+
+    def forward(self, x):
+        if x.abs().max() > 10:
+            with torch.no_grad():
+                self.seen.add_(1)
+        return x * self.weight + self.seen
+
+
+def test_recompute_rule_refuses_a_later_call_that_changes_an_attribute_in_place():
+    """Attributes are copied only on a module's first calls: a later call that changes one in
+    place was run again on plain autograd, the change applied twice (outputs 1.0 off). Refused,
+    as a later call that changes its input is; plain autograd from then on."""
+    twobp.register(_CountsLargeInputs, twobp.ops.recompute)
+    model = twobp.patch(_CountsLargeInputs())
+    model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    twobp.flush_weight_grads()
+    with pytest.raises(RuntimeError, match="twobp: _CountsLargeInputs's forward changed a tensor kept as a plain"):
+        model(torch.full((3, 4), 20.0, dtype=torch.float64))
+    assert model.seen.item() == 1
+    model(torch.full((3, 4), 20.0, dtype=torch.float64)).sum().backward()
+    assert model.seen.item() == 2 and twobp.pending().jobs == 0
 
 
 def test_recompute_rule_refuses_a_flush_after_a_tensor_attribute_changed_in_place():

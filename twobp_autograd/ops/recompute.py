@@ -208,9 +208,13 @@ class _ForwardState:
         )
 
     def changed_in_place(self) -> list[str]:
-        return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v] + [
+        """Buffers and tensor attributes changed in place since this state was taken."""
+        return self._buffers_changed_in_place() + [
             n for n, v in self.attribute_versions.items() if self.attributes[n]._version != v
         ]
+
+    def _buffers_changed_in_place(self) -> list[str]:
+        return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
 
     def attribute_values(self) -> dict[str, Tensor]:
         """Copies of the tensor attributes' contents, to put back after a trial forward."""
@@ -242,7 +246,7 @@ class _ForwardState:
         statistics, a fused fake-quant's observer), or replaced, added or removed."""
         now = tuple(module.named_buffers())
         return (
-            bool(self.changed_in_place())
+            bool(self._buffers_changed_in_place())
             or [(n, id(b)) for n, b in now] != [(n, id(b)) for n, b in self.named_buffers]
             or any(not _same_bits(b, v) for (_, b), v in zip(self.named_buffers, values, strict=True))
         )
@@ -317,6 +321,7 @@ def _autocast_now() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 _RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
 _STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
+_MISSING = object()
 _STATEFUL_ATTRIBUTES = (
     "a forward that changes or rebinds tensors kept as plain attributes (the flush's recomputation "
     "cannot replay that; keep a tensor the forward only writes, such as a stashed attention map, "
@@ -410,6 +415,9 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # calls see a change in place by its version (a cache held in an attribute is not copied).
     trials = module not in _leaves_inputs or module not in _rows_apart
     attribute_values = state.attribute_values() if trials else {}
+    # Each submodule's attributes as bound now (a shallow copy): a forward that rebinds one (a
+    # memory bank grown by cat, a cache and its length) is put back with what goes with it.
+    bound = [(m, dict(vars(m))) for m in module.modules()]
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
@@ -420,6 +428,11 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         set_device_states(devices, device_states)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
+        for submodule, attributes in bound:
+            now = vars(submodule)
+            for name in [n for n in now if n not in attributes]:
+                del now[name]
+            now.update((n, v) for n, v in attributes.items() if now.get(n, _MISSING) is not v)
 
     trial_output = None
     if module not in _leaves_inputs:
@@ -455,6 +468,15 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
             "call on. Exclude it from patch() (exclude=[...]) to train it as before."
         )
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
+    if not attribute_values and any(state.attributes[n]._version != v for n, v in state.attribute_versions.items()):
+        _unreplayable[module] = _STATEFUL_ATTRIBUTES
+        raise RuntimeError(
+            f"twobp: {type(module).__name__}'s forward changed a tensor kept as a plain attribute in "
+            "place, which its first calls did not: the recompute rule cannot replay that at the flush, "
+            "nor undo it to run the forward again on plain autograd. This call is refused (the change "
+            "is made already); the module keeps plain autograd from its next call on. Register the "
+            "tensor as a buffer, or exclude the module from patch() (exclude=[...])."
+        )
     why = (
         _RANDOM if random
         else _STATEFUL if state.changed_by_forward(module, values)
@@ -469,6 +491,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         return plain_forward(module, _unreplayable[module], *inputs)
     values.clear()  # the buffers' copies are not needed past here
     attribute_values.clear()
+    bound.clear()
     _leaves_inputs.add(module)
     outputs = _as_tensors(output)
     several = len(outputs) > 1
