@@ -11,9 +11,11 @@ from twobp_autograd.pipeline.actions import F, I
 from twobp_autograd.pipeline.metrics import RankMetrics, StepReport, StepTimer
 
 
-def _rank(rank: int, step_time: float, receive_wait: float, loss: float | None = None) -> RankMetrics:
+def _rank(
+    rank: int, step_time: float, receive_wait: float, loss: float | None = None, first: int = 0
+) -> RankMetrics:
     return RankMetrics(
-        rank=rank, step_time=step_time, receive_wait=receive_wait, events=[], samples=8 if rank == 0 else 0,
+        rank=rank, step_time=step_time, receive_wait=receive_wait, events=[], samples=8 if rank == first else 0,
         deferred_jobs=0, peak_bytes=0, peak_rss=0, loss=loss,
     )  # fmt: skip
 
@@ -25,6 +27,12 @@ def test_step_report_idle_is_waits_plus_finishing_early() -> None:
     assert report.bubble_ratio == pytest.approx(1.25 / 4.0)
     assert report.throughput == 4.0  # 8 samples in 2 s
     assert report.loss == 0.75
+
+
+def test_step_report_counts_the_samples_of_the_rank_holding_stage_0_wherever_it_is() -> None:
+    """A placement with stage 0 on rank 1: the throughput read rank 0's samples, none."""
+    report = StepReport([_rank(0, 2.0, 0.5, loss=0.75, first=1), _rank(1, 1.5, 0.25, first=1)])
+    assert report.throughput == 4.0
 
 
 def test_step_timer_starts_an_event_when_its_message_arrived() -> None:

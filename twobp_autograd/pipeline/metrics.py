@@ -49,7 +49,7 @@ class StepReport:
         self.step_time = max(m.step_time for m in self.ranks)
         self.idle = [m.receive_wait + (self.step_time - m.step_time) for m in self.ranks]
         self.bubble_ratio = sum(self.idle) / (len(self.ranks) * self.step_time)
-        self.throughput = self.ranks[0].samples / self.step_time
+        self.throughput = sum(r.samples for r in self.ranks) / self.step_time  # the rank holding stage 0
         self.loss = next((m.loss for m in reversed(self.ranks) if m.loss is not None), None)  # the last stage's rank
 
 

@@ -293,7 +293,7 @@ class PipelineRuntime:
             step_time=step.timer.elapsed(),
             receive_wait=step.timer.receive_wait,
             events=step.timer.events,
-            samples=0 if inputs is None else len(inputs),
+            samples=len(inputs) if self.first and inputs is not None else 0,
             deferred_jobs=step.memory.deferred_jobs,
             peak_bytes=step.memory.peak_bytes(),
             peak_rss=peak_rss(),
@@ -498,9 +498,12 @@ class PipelineRuntime:
                 header[0] = _REFUSED
         header[2 + _MAX_DIMS + self.rank] = _autocast_code(self.device)
         work = dist.all_reduce(header, group=self.group, async_op=True)
-        self._wait(work, "the step's input shape from rank 0", timer=None)
+        first = self.placement[0]
+        self._wait(work, f"the step's input shape from rank {first}", timer=None)
         if int(header[0]) == _REFUSED:
-            raise refusal or TypeError(f"twobp: rank {self.rank}: rank 0 refused this step's inputs (see its error)")
+            raise refusal or TypeError(
+                f"twobp: rank {self.rank}: rank {first} refused this step's inputs (it holds stage 0; see its error)"
+            )
         key = tuple(header[: 3 + _MAX_DIMS].tolist())  # rank 0's inputs and autocast
         autocasts = header[2 + _MAX_DIMS :].tolist()
         if len(set(autocasts)) > 1:
