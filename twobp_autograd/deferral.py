@@ -47,6 +47,7 @@ __all__ = [
     "defer_weight_grads",
     "detached",
     "first_call_checked",
+    "first_calls_open",
     "first_call_unchecked",
     "inside_first_call_check",
     "guard_tangent",
@@ -585,11 +586,22 @@ def first_call_checked(args: Any = (), kwargs: Any = None) -> Iterator[None]:
     # off for this call, so a cast of a parameter not detached is the rule's own node.
     cache_enabled = torch.is_autocast_cache_enabled()
     torch.set_autocast_cache_enabled(False)
+    thread = threading.get_ident()
+    first_calls_open[thread] = first_calls_open.get(thread, 0) + 1  # only this thread writes its entry
     try:
         yield
     finally:
         torch.set_autocast_cache_enabled(cache_enabled)
         _first_call.floor, _first_call.stops = previous, previous_stops
+        if first_calls_open[thread] == 1:
+            del first_calls_open[thread]
+        else:
+            first_calls_open[thread] -= 1
+
+
+#: Thread id -> first-call checks open on it: empty, the usual case, says no call needs
+#: :func:`first_call_unchecked` without a thread-local lookup.
+first_calls_open: dict[int, int] = {}
 
 
 def inside_first_call_check() -> bool:

@@ -20,7 +20,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
-from .deferral import first_call_checked, first_call_unchecked, inside_first_call_check
+from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
 from .grad_guard import install_grad_guards
 from .registry import DeferredForward, module_class, rule_for, unregistered_why
 from .warn_once import warn_once
@@ -146,15 +146,15 @@ class DeferredForwardCall:
             ):
                 _warn_class_changed_once(module)
                 return type(module).forward(module, *args, **kwargs)
-            if _is_compiling():
-                return self.deferred(module, *args, **kwargs)
             if self.first_call_checked:
-                if not inside_first_call_check():
+                if not first_calls_open or not inside_first_call_check():
                     return self.deferred(module, *args, **kwargs)
                 # Not under an enclosing module's first-call check either (that check covers the
                 # enclosing module's rule, not this module's later calls).
                 with first_call_unchecked():
                     return self.deferred(module, *args, **kwargs)
+            if _is_compiling():
+                return self.deferred(module, *args, **kwargs)
             with first_call_checked(args, kwargs):  # the rule computed with its deferred parameters detached
                 output = self.deferred(module, *args, **kwargs)
             self.first_call_checked = True
