@@ -2332,6 +2332,56 @@ def test_recompute_rule_runs_a_forward_that_rebinds_an_attribute_once():
         assert_grads_match(patched, reference, torch.float64)
 
 
+class _HooksItsChildOnce(nn.Module):
+    """Registers a forward hook on its child on its first call, guarded by a flag attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = nn.Linear(4, 4).double()
+        self.scale = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.hooked = False
+
+    def forward(self, x):
+        if not self.hooked:
+            self.child.register_forward_hook(lambda module, args, output: output * 2)
+            self.hooked = True
+        return self.child(x) * self.scale
+
+
+class _BuildsItsHeadsOnce(nn.Module):
+    """Builds its heads on its first call (sized by the input), guarded by a flag attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.heads = nn.ModuleList()
+        self.built = False
+
+    def forward(self, x):
+        if not self.built:
+            torch.manual_seed(7)  # the same heads for the patched module and its plain copy
+            self.heads.extend(nn.Linear(x.shape[-1], 4).double() for _ in range(2))
+            self.built = True
+        return sum(head(x) for head in self.heads) * self.scale
+
+
+@pytest.mark.parametrize("make", [_HooksItsChildOnce, _BuildsItsHeadsOnce], ids=["hook", "submodules"])
+def test_recompute_rule_rewinds_what_a_guarded_first_forward_adds_with_its_flag(make):
+    """Rewinding the first call's trials put the flag back but not the hook or heads it guarded
+    (dicts nn.Module changes in place): three hooks or six heads where plain has one or two,
+    outputs and gradients off by 6-280, silently."""
+    twobp.register(make, twobp.ops.recompute)
+    patched, reference = patched_and_reference(make())
+    for _ in range(2):
+        x = torch.randn(5, 4, dtype=torch.float64)
+        outputs = [net(x) for net in (patched, reference)]
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=1e-12, atol=1e-12)
+        for output in outputs:
+            output.pow(2).sum().backward()
+        twobp.flush_weight_grads()
+        assert_grads_match(patched, reference, torch.float64)
+
+
 class _CountsLargeInputs(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -391,6 +392,11 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
     )
 
 
+def _module_dicts(module: nn.Module) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
+    """nn.Module's own dicts (submodules, parameters, buffers, hooks) with copies of their contents."""
+    return [(v, dict(v)) for n, v in vars(module).items() if n.startswith("_") and type(v) in (dict, OrderedDict)]
+
+
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
@@ -417,7 +423,10 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     attribute_values = state.attribute_values() if trials else {}
     # Each submodule's attributes as bound now (a shallow copy): a forward that rebinds one (a
     # memory bank grown by cat, a cache and its length) is put back with what goes with it.
-    bound = [(m, dict(vars(m))) for m in module.modules()]
+    # With them, the contents of the dicts nn.Module mutates in place (a submodule, parameter or
+    # hook added by a forward guarded by a flag kept as an attribute): the flag put back alone
+    # would let the trials and the run again add them once more each.
+    bound = [(m, dict(vars(m)), _module_dicts(m)) for m in module.modules()]
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
@@ -428,11 +437,15 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         set_device_states(devices, device_states)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
-        for submodule, attributes in bound:
+        for submodule, attributes, dicts in bound:
             now = vars(submodule)
             for name in [n for n in now if n not in attributes]:
                 del now[name]
             now.update((n, v) for n, v in attributes.items() if now.get(n, _MISSING) is not v)
+            for held, contents in dicts:
+                if len(held) != len(contents) or any(held.get(k, _MISSING) is not v for k, v in contents.items()):
+                    held.clear()
+                    held.update(contents)
 
     trial_output = None
     if module not in _leaves_inputs:
