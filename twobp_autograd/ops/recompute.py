@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
-from collections import OrderedDict
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -322,7 +321,6 @@ def _autocast_now() -> tuple[tuple[str, bool, torch.dtype], ...]:
 
 _RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
 _STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
-_MISSING = object()
 _STATEFUL_ATTRIBUTES = (
     "a forward that changes or rebinds tensors kept as plain attributes (the flush's recomputation "
     "cannot replay that; keep a tensor the forward only writes, such as a stashed attention map, "
@@ -392,11 +390,6 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
     )
 
 
-def _module_dicts(module: nn.Module) -> list[tuple[dict[Any, Any], dict[Any, Any]]]:
-    """nn.Module's own dicts (submodules, parameters, buffers, hooks) with copies of their contents."""
-    return [(v, dict(v)) for n, v in vars(module).items() if n.startswith("_") and type(v) in (dict, OrderedDict)]
-
-
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
@@ -421,12 +414,6 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # calls see a change in place by its version (a cache held in an attribute is not copied).
     trials = module not in _leaves_inputs or module not in _rows_apart
     attribute_values = state.attribute_values() if trials else {}
-    # Each submodule's attributes as bound now (a shallow copy): a forward that rebinds one (a
-    # memory bank grown by cat, a cache and its length) is put back with what goes with it.
-    # With them, the contents of the dicts nn.Module mutates in place (a submodule, parameter or
-    # hook added by a forward guarded by a flag kept as an attribute): the flag put back alone
-    # would let the trials and the run again add them once more each.
-    bound = [(m, dict(vars(m)), _module_dicts(m)) for m in module.modules()]
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
@@ -437,15 +424,6 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         set_device_states(devices, device_states)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
-        for submodule, attributes, dicts in bound:
-            now = vars(submodule)
-            for name in [n for n in now if n not in attributes]:
-                del now[name]
-            now.update((n, v) for n, v in attributes.items() if now.get(n, _MISSING) is not v)
-            for held, contents in dicts:
-                if len(held) != len(contents) or any(held.get(k, _MISSING) is not v for k, v in contents.items()):
-                    held.clear()
-                    held.update(contents)
 
     trial_output = None
     if module not in _leaves_inputs:
@@ -504,7 +482,9 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         return plain_forward(module, _unreplayable[module], *inputs)
     values.clear()  # the buffers' copies are not needed past here
     attribute_values.clear()
-    bound.clear()
+    # The structure the replay will run with: what the forward built (heads made on a first call)
+    # is part of it; a change after it is what the flush refuses.
+    state.submodules = tuple([(n, id(m)) for n, m in module.named_modules()])
     _leaves_inputs.add(module)
     outputs = _as_tensors(output)
     several = len(outputs) > 1
