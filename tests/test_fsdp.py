@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -527,6 +527,13 @@ def test_a_module_under_the_recompute_rule_inside_sharded_blocks_keeps_plain_aut
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 
+def _per_block_and_root(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
 def _hsdp(rank: int) -> dict:
     """FSDP2's post-backward reduce-scatters within a shard group, then all-reduces across the
     replicas: the flush runs that same post-backward, group by group."""
@@ -536,10 +543,7 @@ def _hsdp(rank: int) -> dict:
         setting, grads, queued = Setting(accumulate=accumulate), {}, 0
         for patched in (False, True):
             torch.manual_seed(0)
-            model = twobp.patch(Net()) if patched else Net()
-            for block in model.blocks:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+            model = _per_block_and_root(twobp.patch(Net()) if patched else Net(), mesh)
             _train_step(model, setting, rank)
             queued = twobp.pending().jobs
             twobp.flush_weight_grads()
@@ -551,10 +555,7 @@ def _hsdp(rank: int) -> dict:
     # while flushing, or on but with backward's partial reduction pending: refused.
     for refused in ("all_reduce_off", "partial_pending"):
         torch.manual_seed(0)
-        model = twobp.patch(Net())
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _per_block_and_root(twobp.patch(Net()), mesh)
         model.set_requires_all_reduce(False)  # type: ignore[operator]
         _loss(model, *_data(rank, 0)).backward()
         model.set_requires_all_reduce(refused == "all_reduce_off")  # type: ignore[operator]
@@ -570,10 +571,7 @@ def _hsdp(rank: int) -> dict:
     grads, queued = {}, 0
     for patched in (False, True):
         torch.manual_seed(0)
-        model = twobp.patch(DeferredNet()) if patched else DeferredNet()
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        model = _per_block_and_root(twobp.patch(DeferredNet()) if patched else DeferredNet(), mesh)
         for micro in range(MICRO_BATCHES):
             model.set_requires_all_reduce(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
             _loss(model, *_data(rank, micro)).backward()
