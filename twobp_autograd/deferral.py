@@ -576,12 +576,12 @@ def first_call_checked(args: Any = (), kwargs: Any = None) -> Iterator[None]:
     previous, _first_call.floor = getattr(_first_call, "floor", None), torch._C._autograd._get_sequence_nr() - 1
     # Sequence numbers are per thread: an input made on another thread may carry higher ones.
     # Its node (and, read here, a view's node regenerated on access) is where the walk stops.
-    leaves = torch.utils._pytree.tree_leaves((args, kwargs))
-    stops: set[Any] = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+    tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, Tensor)]
+    stops = {t.grad_fn for t in tensors if t.grad_fn is not None}
     # A leaf given as an input (a parameter passed to its own module: lin(lin.weight)) is used
     # through the input's edge, as plain autograd uses it.
-    stops |= {id(t) for t in leaves if isinstance(t, Tensor) and t.grad_fn is None}
-    previous_stops, _first_call.stops = getattr(_first_call, "stops", None), stops
+    input_leaves = {id(t) for t in tensors if t.grad_fn is None}
+    previous_stops, _first_call.stops = getattr(_first_call, "stops", None), (stops, input_leaves)
     # Autocast's cache would hand the rule a cast of a parameter made upstream (an older node):
     # off for this call, so a cast of a parameter not detached is the rule's own node.
     cache_enabled = torch.is_autocast_cache_enabled()
@@ -634,10 +634,11 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
     rule's ATen nodes must not reach the parameter's accumulator (an upstream use of a tied
     weight is older than the rule)."""
     floor = getattr(_first_call, "floor", None)
-    stops = getattr(_first_call, "stops", None) or set()
     deferred = {id(p) for p in params if p is not None}
     if floor is None or not deferred:
         return
+    stops, input_leaves = _first_call.stops
+    deferred -= input_leaves
     nodes = [t.grad_fn for t in outputs if t.grad_fn is not None]
     stack = [node for node in nodes if node._sequence_nr() > floor and node not in stops]
     seen: set[Any] = set()
@@ -653,7 +654,7 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
             if child is None:
                 continue
             variable = getattr(child, "variable", None)  # an AccumulateGrad's parameter
-            if variable is not None and not custom and id(variable) in deferred and id(variable) not in stops:
+            if variable is not None and not custom and id(variable) in deferred:
                 raise RuntimeError(
                     f"twobp: a deferred op computed its output with a parameter of shape {tuple(variable.shape)} "
                     "itself, not detached: its gradient would be added twice (by autograd in backward and "

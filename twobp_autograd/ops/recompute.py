@@ -127,18 +127,17 @@ def recompute_weight_grad(
     return [next(grads) if need else None for need in needs]
 
 
-def _owner_exists(module: nn.Module, name: str) -> bool:
-    owner = name.rpartition(".")[0]
+def _owner(module: nn.Module, name: str) -> nn.Module | None:
+    """The submodule holding the member ``name`` (dotted, from ``module``), None if it is gone."""
     try:
-        module.get_submodule(owner)
+        return module.get_submodule(name.rpartition(".")[0])
     except AttributeError:
-        return False
-    return True
+        return None
 
 
 def _attribute(module: nn.Module, name: str) -> Any:
-    owner, _, attribute = name.rpartition(".")
-    return vars(module.get_submodule(owner)).get(attribute)
+    owner = _owner(module, name)
+    return None if owner is None else vars(owner).get(name.rpartition(".")[2])
 
 
 def _storage_key(v: Tensor) -> int:
@@ -187,11 +186,10 @@ class _ForwardState:
         # autograd's backward uses the tensors its forward saved. A forward that changes or
         # rebinds one (a running statistic kept without register_buffer, a cache it grows) is
         # stateful, and a change in place before the flush is refused, as for buffers.
-        modules = tuple(module.named_modules())
-        self.submodules = tuple([(n, id(m)) for n, m in modules])
+        self.submodules: tuple[tuple[str, int], ...] = ()  # set once the forward ran: see recompute
         self.attribute_objects = {
             f"{prefix}.{name}" if prefix else name: value
-            for prefix, m in modules
+            for prefix, m in module.named_modules()
             for name, value in vars(m).items()
             if isinstance(value, Tensor)
         }
@@ -209,12 +207,13 @@ class _ForwardState:
 
     def changed_in_place(self) -> list[str]:
         """Buffers and tensor attributes changed in place since this state was taken."""
-        return self._buffers_changed_in_place() + [
-            n for n, v in self.attribute_versions.items() if self.attributes[n]._version != v
-        ]
+        return self._buffers_changed_in_place() + self.attributes_changed_in_place()
 
     def _buffers_changed_in_place(self) -> list[str]:
         return [n for (n, b), v in zip(self.named_buffers, self.versions, strict=True) if b._version != v]
+
+    def attributes_changed_in_place(self) -> list[str]:
+        return [n for n, v in self.attribute_versions.items() if self.attributes[n]._version != v]
 
     def attribute_values(self) -> dict[str, Tensor]:
         """Copies of the tensor attributes' contents, to put back after a trial forward."""
@@ -225,7 +224,7 @@ class _ForwardState:
         (by version, and by content where ``values`` holds their copies)."""
         return (
             any(_attribute(module, n) is not v for n, v in self.attribute_objects.items())
-            or any(self.attributes[n]._version != v for n, v in self.attribute_versions.items())
+            or bool(self.attributes_changed_in_place())
             or any(not _same_bits(self.attributes[n], v) for n, v in values.items())
         )
 
@@ -270,7 +269,7 @@ class _ForwardState:
         return dict(self.named_buffers)
 
     def check_unchanged(self, module: nn.Module) -> None:
-        gone = [n for n in self.params if not _owner_exists(module, n)]
+        gone = [n for n in self.params if _owner(module, n) is None]
         if gone or tuple([(n, id(m)) for n, m in module.named_modules()]) != self.submodules:
             gone = gone or ["(its submodules were replaced)"]
             raise RuntimeError(
@@ -459,7 +458,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
             "call on. Exclude it from patch() (exclude=[...]) to train it as before."
         )
     random = _random_numbers_drawn(cpu_state, device_states, tensors)
-    if not attribute_values and any(state.attributes[n]._version != v for n, v in state.attribute_versions.items()):
+    if not attribute_values and state.attributes_changed_in_place():
         _unreplayable[module] = _STATEFUL_ATTRIBUTES
         raise RuntimeError(
             f"twobp: {type(module).__name__}'s forward changed a tensor kept as a plain attribute in "
@@ -555,7 +554,7 @@ def _treats_rows_apart(
     recurrence carries the row before into the batch, a hidden state of (layers, N, H) does not
     grow, batch statistics move)."""
     if not any(t.is_floating_point() for t in inputs):
-        return _split_trial(module, inputs, substitutes)
+        return _split_trial(module, inputs, substitutes, short)
     with torch.no_grad():
         try:
             if short is None:
@@ -577,17 +576,20 @@ def _treats_rows_apart(
     )
 
 
-def _split_trial(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor]) -> bool | None:
+def _split_trial(
+    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], whole: Any = None
+) -> bool | None:
     """Index inputs alone have no rows of other values to put around the batch (a copy of a row
     moves no max, nor the mean of one row): the batch's halves run apart must give the whole
-    batch's outputs. None (no verdict yet) for a batch of one."""
+    batch's outputs (``whole``, if made already). None (no verdict yet) for a batch of one."""
     n = inputs[0].shape[0]
     if n < 2:
         return None
     k = n // 2
     with torch.no_grad():
         try:
-            whole = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
+            if whole is None:
+                whole = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
             first = _plain_forward(module, [t[:k] for t in inputs], substitutes)
             second = _plain_forward(module, [t[k:] for t in inputs], substitutes)
         except Exception:
