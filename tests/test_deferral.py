@@ -8,6 +8,7 @@ import copy
 import functools
 import threading
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -1099,6 +1100,54 @@ def test_recompute_rule_replays_the_forward_in_its_training_mode_and_refuses_cha
         twobp.flush_weight_grads()
     assert twobp.pending().jobs == 2
     twobp.discard_weight_grads()
+
+
+def _noise_around_the_forward(net: nn.Module, forward: Callable[[], Tensor]) -> Tensor:
+    """Weight noise by rebinding ``.data``: perturbed for the forward, restored before backward."""
+    clean = [p.data for p in net.parameters()]
+    for p in net.parameters():
+        p.data = p.data + 0.3
+    output = forward()
+    for p, data in zip(net.parameters(), clean, strict=True):
+        p.data = data
+    return output
+
+
+def _to_fp64_after_the_forward(net: nn.Module, forward: Callable[[], Tensor]) -> Tensor:
+    output = forward()
+    net.double()
+    return output
+
+
+@pytest.mark.parametrize("change", [_noise_around_the_forward, _to_fp64_after_the_forward], ids=["noise", "to-fp64"])
+@pytest.mark.parametrize("layer", ["linear", "attention"])
+def test_a_weights_data_rebound_between_forward_and_backward_leaves_plains_input_gradient(change, layer):
+    """Plain's addmm saves a view of the weight (``weight.t()``), so its input gradient uses the
+    storage the forward read even after ``p.data = t`` (weight noise restored before backward,
+    ``.double()``); the patched Linear saved the parameter itself and read the new data (0.6
+    off on a Linear, 8.7 through MultiheadAttention's projections; ``.double()`` crashed)."""
+    if layer == "linear":
+        model: nn.Module = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    else:
+        model = nn.MultiheadAttention(6, 2, batch_first=True)
+    patched, reference = patched_and_reference(model)
+    x = torch.randn(2, 4, 6)
+    input_grads = []
+    for net in (patched, reference):
+        source = x.clone().requires_grad_()
+        if layer == "linear":
+            output = change(net, lambda net=net, source=source: net(source))
+        else:
+            output = change(net, lambda net=net, source=source: net(source, source, source, need_weights=False)[0])
+        output.square().sum().backward()
+        input_grads.append(source.grad)
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(input_grads[0], input_grads[1], rtol=1e-5, atol=1e-6)
+    if change is _noise_around_the_forward:
+        assert_grads_match(patched, reference)
+    else:  # plain's .grad keeps the forward's dtype (fp32), the flush's is the parameter's (README)
+        for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad.double(), rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_recompute_rule_refuses_a_parameter_changed_between_forward_and_backward():

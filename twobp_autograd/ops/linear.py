@@ -72,7 +72,10 @@ class _DeferredLinear(torch.autograd.Function):
         # weight's. A first layer's weight may change in place before backward (an EMA of the
         # weights), and so may a frozen layer's input (a residual added in place), as in plain.
         needs_input, needs_weight = ctx.needs_input_grad[2:4]
-        ctx.save_for_backward(rows if needs_weight else None, weight if needs_input else None)
+        # The weight as plain's addmm saves it (a view, weight.t()): an alias that keeps the
+        # storage the forward read, so `p.data = t` / `.to(dtype)` between forward and backward
+        # leaves the input gradient as plain computes it (the version counter is shared).
+        ctx.save_for_backward(rows if needs_weight else None, weight.detach() if needs_input else None)
         ctx.column_major = rows.stride(0) == 1 and rows.stride(1) == rows.shape[0]
         bias = param_from_input(bias_input)
         if transposed:
