@@ -1931,6 +1931,9 @@ BAD_KERNELS = {
     "wrong-shape": lambda saved, grad_outputs, needs: [g[None] for g in _scale_shift_grads(saved, grad_outputs, needs)],
     "a-float": lambda saved, grad_outputs, needs: [1.0, None],
     "a-generator": lambda saved, grad_outputs, needs: (g for g in _scale_shift_grads(saved, grad_outputs, needs)),
+    "another-device": lambda saved, grad_outputs, needs: [
+        g.to("meta") for g in _scale_shift_grads(saved, grad_outputs, needs)
+    ],
 }
 
 
@@ -1941,8 +1944,9 @@ def test_a_kernel_returning_other_than_one_gradient_per_parameter_is_refused_wit
     kernel, micro_batches, strategy
 ):
     """With several micro-batches one kernel call each, a gradient too few left the bias None
-    (silently); a gradient of the wrong shape failed in the hand-over, reported as partly
-    delivered, and dropped the work. Each is now refused before anything reaches .grad."""
+    (silently); a gradient of the wrong shape or on another device failed in the hand-over,
+    reported as partly delivered, and dropped the work. Each is now refused before anything
+    reaches .grad."""
 
     @twobp.register(ScaleShift)
     def deferred(module, x):

@@ -146,6 +146,39 @@ def test_torch_export_of_a_patched_model_records_the_plain_forward(strict):
     torch.testing.assert_close(program.module()(x), plain_program.module()(x))
 
 
+class _Gain(nn.Module):
+    """A layer fx traces into (not one of torch.nn's leaf modules), with a rule of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.weight
+
+
+def test_fx_symbolic_trace_of_a_patched_model_records_plains_ops_for_what_it_traces_into():
+    """fx traces into a module with a user rule (its inputs are Proxies there): the rule ran on
+    them and failed (a Proxy in control flow). It records the plain forward's ops, as export does;
+    torch.nn's layers stay calls of the patched modules, which still defer."""
+
+    @twobp.register(_Gain)
+    def deferred(module, x):
+        output = x * twobp.deferral.detached(module.weight)
+        kernel = lambda saved, grad_outputs, needs: [(grad_outputs[0] * saved[0]).sum(0)]  # noqa: E731
+        return twobp.deferral.defer_weight_grads(output, (module.weight,), (x.detach(),), kernel)
+
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _Gain(), nn.Tanh(), nn.Linear(4, 2)))
+    traced = torch.fx.symbolic_trace(patched)
+    assert [node.target for node in traced.graph.nodes if node.op == "call_module"] == ["0", "2", "3"]
+    x = torch.randn(3, 4)
+    traced(x).square().sum().backward()
+    reference(x).square().sum().backward()
+    assert twobp.pending().jobs == 2 and patched[0].weight.grad is None
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 def test_unpatch_restores_plain_autograd():
     model = twobp.patch(mlp())
     assert "forward" in vars(model[0])

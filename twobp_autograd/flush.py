@@ -641,24 +641,36 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
     error, raised before anything reaches ``.grad`` (the work stays queued)."""
     params = job.params
     wrong = not isinstance(grads, (list, tuple)) or len(grads) != len(params) or any(
-        grad is not None and (not isinstance(grad, Tensor) or (param is not None and grad.shape != param.shape))
+        grad is not None
+        and (
+            not isinstance(grad, Tensor)
+            or (param is not None and (grad.shape != param.shape or _on_another_device(grad, param)))
+        )
         for param, grad in zip(params, grads, strict=False)
     )
     if wrong:
         raise RuntimeError(
             f"twobp: the weight-gradient kernel '{_kernel_name(job)}' returned {_described(grads)} for "
             f"{len(params)} parameters of shapes {[None if p is None else tuple(p.shape) for p in params]}: a "
-            "kernel returns a list or tuple of one gradient per parameter, shaped like it (None where it is "
-            "not needed); or a parameter's shape changed since the backward (a .data assignment)."
+            "kernel returns a list or tuple of one gradient per parameter, shaped like it and on its device "
+            "(None where it is not needed); or a parameter's shape changed since the backward (a .data assignment)."
         )
     return grads
+
+
+def _on_another_device(grad: Tensor, param: Tensor) -> bool:
+    """As the engine's own check: a 0-d gradient is moved to its parameter's device, any other refused."""
+    return grad.device != param.device and grad.dim() != 0
 
 
 def _described(grads: object) -> str:
     """What a kernel returned, for an error: how many gradients and their shapes."""
     if not isinstance(grads, (list, tuple)):
         return f"a {type(grads).__name__}"
-    shapes = [None if g is None else tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__ for g in grads]
+    shapes = [
+        None if g is None else f"{tuple(g.shape)} on {g.device}" if isinstance(g, Tensor) else type(g).__name__
+        for g in grads
+    ]
     return f"{len(grads)} gradients {shapes}"
 
 

@@ -136,6 +136,7 @@ class DeferredForwardCall:
             and module.training
             and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
             and not _is_exporting()  # torch.export records the plain forward's ops
+            and not _is_fx_symbolic_tracing()  # fx tracing a non-leaf module: its inputs are Proxies
             and _wants_grad(module)
         ):
             if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
@@ -199,6 +200,7 @@ def _warn_class_changed_once(module: nn.Module) -> None:
 
 _maybe_current_level = torch._C._functorch.maybe_current_level
 _is_exporting = torch.compiler.is_exporting
+_is_fx_symbolic_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
 _is_compiling = torch.compiler.is_compiling
 _CALL_IMPL = nn.Module._call_impl.__code__
 
