@@ -2505,3 +2505,95 @@ def test_recompute_rule_keeps_a_bf16_batch_statistic_over_many_rows_apart():
             out.backward(grad)
     queue.flush()
     assert_grads_match(patched, reference, torch.bfloat16)
+
+
+class _TemperedByAnAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, dtype=torch.float64))
+        self.temperature = 2.0
+
+    def forward(self, x):
+        return torch.tanh(x * self.weight / self.temperature)
+
+
+@pytest.mark.parametrize("strategy", ["concat", "loop"])
+def test_recompute_rule_replays_the_python_values_its_forward_read(strategy):
+    """A temperature set per micro-batch and annealed after the last backward: the flush replayed
+    with the value it found (1.5 off), and joined calls that read other values."""
+    twobp.register(_TemperedByAnAttribute, twobp.ops.recompute)
+    patched, reference = patched_and_reference(
+        nn.Sequential(nn.Linear(6, 6), _TemperedByAnAttribute(), nn.Linear(6, 2)).double()
+    )
+    queue = twobp.WeightGradQueue(strategy)
+    for step in range(3):
+        x = torch.randn(4, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            model[1].temperature = 2.0 + step
+            with twobp.use_queue(queue):
+                model(x).pow(2).sum().backward()
+            model[1].temperature = 0.5
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _StandardizesInTraining(nn.Module):
+    def forward(self, x):
+        return (x - x.mean(0, keepdim=True)) / (x.std(0, keepdim=True) + 1e-5) if self.training else x
+
+
+class _BlockWithABatchNormChild(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm, self.gain = nn.Linear(6, 6), _StandardizesInTraining(), nn.Parameter(torch.ones(6))
+
+    def forward(self, x):
+        return self.gain * torch.tanh(self.norm(self.fc(x)))
+
+
+def test_recompute_rule_tries_rows_apart_again_for_other_training_flags():
+    """First called with its batch-statistic child in eval (rows apart), then trained: its
+    calls were joined and standardized over all micro-batches (3.15 off)."""
+    twobp.register(_BlockWithABatchNormChild, twobp.ops.recompute)
+    patched, reference = patched_and_reference(
+        nn.Sequential(nn.Linear(6, 6), _BlockWithABatchNormChild(), nn.Linear(6, 2)).double()
+    )
+    queue = twobp.WeightGradQueue("concat")
+    for step in range(4):
+        x = torch.randn(4, 6, dtype=torch.float64) * (1 + step)
+        for model in (patched, reference):
+            model[1].norm.train(step > 0)
+            with twobp.use_queue(queue):
+                model(x).pow(2).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _HooksAnIntermediate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        h = x * self.weight
+        h.register_hook(lambda g: g * 0.5)
+        return torch.tanh(h)
+
+
+@pytest.mark.parametrize("first", [True, False], ids=["first-layer", "inner"])
+def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_needs_a_graph(first):
+    """A tensor hook on an intermediate: the first-call trial runs without a graph, where
+    register_hook raises (plain trains)."""
+    twobp.register(_HooksAnIntermediate, twobp.ops.recompute)
+    layers = [_HooksAnIntermediate(), nn.Linear(6, 2)]
+    if not first:
+        layers.insert(0, nn.Linear(6, 6))
+    patched, reference = patched_and_reference(nn.Sequential(*layers))
+    for _ in range(2):
+        x = torch.randn(4, 6)
+        for model in (patched, reference):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

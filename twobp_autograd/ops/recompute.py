@@ -135,9 +135,13 @@ def _owner(module: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def _attribute(module: nn.Module, name: str) -> Any:
+def _attribute(module: nn.Module, name: str, missing: Any = None) -> Any:
     owner = _owner(module, name)
-    return None if owner is None else vars(owner).get(name.rpartition(".")[2])
+    return missing if owner is None else vars(owner).get(name.rpartition(".")[2], missing)
+
+
+def _same_value(now: object, then: object) -> bool:
+    return now is then or (type(now) is type(then) and now == then)
 
 
 def _storage_key(v: Tensor) -> int:
@@ -166,7 +170,7 @@ class _ForwardState:
 
     __slots__ = (
         "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
-        "submodules", "attribute_objects", "attribute_versions",
+        "submodules", "attribute_objects", "attribute_versions", "scalars",
     )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -187,14 +191,26 @@ class _ForwardState:
         # rebinds one (a running statistic kept without register_buffer, a cache it grows) is
         # stateful, and a change in place before the flush is refused, as for buffers.
         self.submodules: tuple[tuple[str, int], ...] = ()  # set once the forward ran: see recompute
-        self.attribute_objects = {
-            f"{prefix}.{name}" if prefix else name: value
-            for prefix, m in module.named_modules()
-            for name, value in vars(m).items()
-            if isinstance(value, Tensor)
-        }
+        # Plain Python numbers, flags and strings held as public attributes (a temperature, a
+        # scale a schedule sets) likewise: the replay runs with the values the forward read, and
+        # calls that read other values are not joined.
+        self.attribute_objects: dict[str, Tensor] = {}
+        scalars: list[tuple[str, object]] = []
+        for prefix, m in module.named_modules():
+            for name, value in vars(m).items():
+                qualified = f"{prefix}.{name}" if prefix else name
+                if isinstance(value, Tensor):
+                    self.attribute_objects[qualified] = value
+                elif type(value) in _SCALAR_TYPES and not name.startswith("_") and name != "training":
+                    scalars.append((qualified, value))
+        self.scalars = tuple(scalars)
         self.attributes = {n: v.detach() for n, v in self.attribute_objects.items()}
         self.attribute_versions = {n: v._version for n, v in self.attributes.items()}
+
+    def keep_scalars_the_forward_left(self, module: nn.Module) -> None:
+        """Drop the Python values the forward itself changed (a call counter): the replay reads
+        them as it finds them (README), and they do not keep calls apart."""
+        self.scalars = tuple([(n, v) for n, v in self.scalars if _same_value(_attribute(module, n, _MISSING), v)])
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
@@ -202,7 +218,7 @@ class _ForwardState:
         attributes = tuple([(n, _storage_key(v)) for n, v in self.attributes.items()])
         return (
             self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast,
-            attributes,
+            attributes, self.scalars,
         )
 
     def changed_in_place(self) -> list[str]:
@@ -295,8 +311,25 @@ class _ForwardState:
         with contextlib.ExitStack() as stack:
             for device, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
-            with self._flags_restored(module):
+            with self._flags_restored(module), self._scalars_restored(module):
                 yield
+
+    @contextmanager
+    def _scalars_restored(self, module: nn.Module) -> Iterator[None]:
+        found = []
+        for qualified, value in self.scalars:
+            owner, name = _owner(module, qualified), qualified.rpartition(".")[2]
+            if owner is not None:
+                found.append((owner, name, vars(owner).get(name, _MISSING)))
+                setattr(owner, name, value)
+        try:
+            yield
+        finally:
+            for owner, name, value in reversed(found):
+                if value is _MISSING:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, value)
 
     @contextmanager
     def _flags_restored(self, module: nn.Module) -> Iterator[None]:
@@ -310,6 +343,9 @@ class _ForwardState:
             for submodule, flag in zip(submodules, now, strict=True):
                 submodule.training = flag
 
+
+_SCALAR_TYPES = (int, float, bool, str, type(None))
+_MISSING = object()
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
 
@@ -328,6 +364,10 @@ _STATEFUL_ATTRIBUTES = (
 _NOT_TENSORS = "outputs other than a tensor or a tuple or list of tensors"
 _ALIASES = "outputs that are its inputs, parameters or buffers, views of them, or views of one another"
 _VIEW_AMONG_SEVERAL = "several outputs, one of them a view (return a copy, or the tensor it views)"
+_FAILS_WITHOUT_GRAPH = (
+    "a forward that fails run without a graph or on detached parameters (a tensor hook registered on "
+    "an intermediate): the recompute rule's trial and deferred forward run it so"
+)
 _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
 
 #: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
@@ -360,7 +400,7 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 #: Whether a module's forward, tried once on a batch, treats the rows of dim 0 apart (the flush
 #: may then join its calls' rows).
-_rows_apart: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+_rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[tuple[bool, ...], bool]] = weakref.WeakKeyDictionary()
 
 
 _HOOKED_SUBMODULES = (
@@ -411,7 +451,8 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     # Copies only where trials will run (a module's first calls), which must be rewound; later
     # calls see a change in place by its version (a cache held in an attribute is not copied).
-    trials = module not in _leaves_inputs or module not in _rows_apart
+    verdicts = _rows_apart.setdefault(module, {})  # per training flags of its submodules
+    trials = module not in _leaves_inputs or state.flags not in verdicts
     attribute_values = state.attribute_values() if trials else {}
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
@@ -426,17 +467,23 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
 
     trial_output = None
     if module not in _leaves_inputs:
-        with _outside_selective_checkpointing():
-            changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
+        try:
+            with _outside_selective_checkpointing():
+                changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
+        except Exception:  # needs a graph (a tensor hook on an intermediate): plain's forward decides
+            rewind()
+            output = plain_forward(module, _FAILS_WITHOUT_GRAPH, *inputs)
+            _unreplayable[module] = _FAILS_WITHOUT_GRAPH
+            return output
         rewind()  # the trial's draws and buffer changes
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
-    if module not in _rows_apart and _batched_alike(inputs) and inputs[0].shape[0] > 0:
+    if state.flags not in verdicts and _batched_alike(inputs) and inputs[0].shape[0] > 0:
         with _outside_selective_checkpointing():
             verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
         if verdict is not None:  # None: no verdict from this call (replayed on its own)
-            _rows_apart[module] = verdict
+            verdicts[state.flags] = verdict
         rewind()
     versions = [t._version for t in inputs]
     try:
@@ -484,12 +531,13 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     # The structure the replay will run with: what the forward built (heads made on a first call)
     # is part of it; a change after it is what the flush refuses.
     state.submodules = tuple([(n, id(m)) for n, m in module.named_modules()])
+    state.keep_scalars_the_forward_left(module)
     _leaves_inputs.add(module)
     outputs = _as_tensors(output)
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
     leaves_some_grads_none(kernel)
-    joinable = _rows_apart.get(module, False) and _batched_alike([*inputs, *outputs])
+    joinable = verdicts.get(state.flags, False) and _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key(), joinable)
