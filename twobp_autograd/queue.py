@@ -343,11 +343,7 @@ class WeightGradQueue:
             self._wait_for_flights_elsewhere(_ANY_WORK)
             # Plain backward would have given these a .grad: a zero_grad(set_to_none=False)
             # after the discard must leave zeros there, as plain's does (grad_guard).
-            for job in self._jobs:
-                if any(p is not None and p.grad is None for p in job.params):
-                    for p in job.params_given_grads():
-                        if p.grad is None:
-                            dropped_without_grad[id(p)] = p
+            dropped_without_grad.update(_given_grads_but_none_yet(self._jobs))
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
@@ -364,13 +360,7 @@ class WeightGradQueue:
             # Gradients another thread's flush is computing for them must land first, so that
             # the zero_grad after this drops them too.
             self._wait_for_flights_elsewhere(lambda flight: flight.has_params(dropped))
-            had_work = {
-                id(p): p
-                for job in (self._jobs if given_grads else ())
-                if any(p is not None and id(p) in dropped and p.grad is None for p in job.params)
-                for p in job.params_given_grads()
-                if id(p) in dropped and p.grad is None
-            }
+            had_work = _given_grads_but_none_yet(self._jobs, among=dropped) if given_grads else {}
             kept: list[WeightGradJob] = []
             for job in self._jobs:
                 if not any(p is not None and id(p) in dropped for p in job.params):
@@ -525,6 +515,17 @@ class WeightGradQueue:
 
 #: id -> parameter whose queued work clear() dropped while its .grad was None.
 dropped_without_grad: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
+
+
+def _given_grads_but_none_yet(jobs: Sequence[WeightGradJob], among: set[int] | None = None) -> dict[int, Tensor]:
+    """The parameters (of ``among``, by id, where given) with a ``.grad`` of None that plain
+    backward would have given one through ``jobs`` (asked only of jobs holding such a parameter:
+    :meth:`WeightGradJob.params_given_grads` may run a kernel)."""
+
+    def wanted(p: Tensor | None) -> bool:
+        return p is not None and p.grad is None and (among is None or id(p) in among)
+
+    return {id(p): p for job in jobs if any(map(wanted, job.params)) for p in job.params_given_grads() if wanted(p)}
 
 
 def _tag_list(tags: Sequence[Hashable] | None) -> Sequence[Hashable] | None:
