@@ -2597,3 +2597,26 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_needs_a_graph(fi
                 model(x).pow(2).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class _GainAfterRelu(nn.Module):
+    """Plain saves relu's output and the gain, never the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.full((6,), 0.1))
+
+    def forward(self, x):
+        return self.gain * torch.relu(x)
+
+
+def test_recompute_rule_names_the_fix_for_an_input_changed_in_place_after_its_forward():
+    """``h += block(h)``: plain trains (it saved no input of the block); the rule saves the block's
+    input for its replay, and backward failed with autograd's own in-place error, naming no fix."""
+    twobp.register(_GainAfterRelu, twobp.ops.recompute)
+    inner, block, head = twobp.patch(nn.Linear(6, 6)), twobp.patch(_GainAfterRelu()), nn.Linear(6, 2)
+    h = inner(torch.randn(4, 6))
+    h += block(h)
+    with pytest.raises(RuntimeError, match=r"twobp: a tensor a patched layer saved .*`h = h \+ block\(h\)`"):
+        head(h).sum().backward()
+    twobp.discard_weight_grads()

@@ -321,7 +321,7 @@ class _WeightGradTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _TapSpec = ctx.spec
-        deferral, saved = spec.deferral, ctx.saved_tensors
+        deferral, saved = spec.deferral, _saved_for_weight_grads(ctx)
         if None in grad_outputs and not spec.saves_reached:
             # An output this backward does not reach: its kernel takes zeros for it, so unless
             # it is told which were reached, a parameter reached only through that output would
@@ -337,6 +337,24 @@ class _WeightGradTap(torch.autograd.Function):
             saved = (*saved, reached.expand(max(rows, 1), len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
+
+
+def _saved_for_weight_grads(ctx: Any) -> tuple[Tensor, ...]:
+    """The tap's saved tensors; autograd's in-place error told in terms of the split where one
+    changed since the forward (plain may not have saved that tensor: a rule saves what its
+    weight kernel needs, the recompute rule its module's inputs)."""
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as error:
+        if "modified by an inplace operation" not in str(error):
+            raise
+        raise RuntimeError(
+            "twobp: a tensor a patched layer saved for its deferred weight gradients was changed in place "
+            "after its forward (a rule registered with twobp_autograd.ops.recompute saves its module's "
+            "inputs to replay the forward, where plain autograd may save none of them: `h += block(h)` "
+            "around such a block changes its input). Write it out of place (`h = h + block(h)`), or keep "
+            f"that module on plain autograd (patch(model, exclude=...)). ({error})"
+        ) from error
 
 
 def _zeros_where_none(ctx: Any, values: Sequence[Tensor | None]) -> Sequence[Tensor]:
