@@ -413,3 +413,74 @@ def test_selective_checkpoint_of_recompute_rule_modules_on_their_first_call(wrap
             loss_of(model[1](WRAPS[wrap](model[0], x))).backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+def _square_layers() -> nn.Module:
+    """Square Linear layers: both paths save tensors of the same shapes, so the checkpoint's own
+    shape check cannot tell one path's from the other's."""
+    return nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)).double()
+
+
+@pytest.mark.parametrize("backwards", [1, 2], ids=["one-backward", "retained-graph-twice"])
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-recomputation"])
+@pytest.mark.parametrize("forward_mode", ["eval", "train"])
+def test_a_checkpoint_recomputed_after_a_mode_switch_takes_its_forwards_path(forward_mode, early_stop, backwards):
+    """``eval(); y = checkpoint(model, x); train(); y.backward()``: the recomputation took the
+    deferred path and handed its tensors to the plain path's nodes (x.grad 0.5 off, weights up
+    to 1.7 off, no error where shapes coincide); and the other way round. Each patched call now
+    takes the path its forward took."""
+    patched, reference = patched_and_reference(_square_layers())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    input_grads = []
+    for model in (patched, reference):
+        source = x.clone().requires_grad_()
+        model.train(forward_mode == "train")
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            output = checkpoint(model, source, use_reentrant=False)
+        model.train(forward_mode != "train")
+        for k in range(backwards):
+            output.square().sum().backward(retain_graph=k + 1 < backwards)
+        input_grads.append(source.grad)
+    if forward_mode == "eval":  # plain's path, as plain: gradients at once
+        assert twobp.pending().jobs == 0
+    else:
+        assert twobp.pending().jobs == 3 * backwards and patched[0].weight.grad is None
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(input_grads[0], input_grads[1], rtol=1e-12, atol=1e-12)
+    assert_grads_match(patched, reference)
+
+
+def test_nested_checkpoints_recomputed_after_a_mode_switch_take_their_forwards_paths():
+    inner = _square_layers()
+    outer = nn.Sequential(nn.Linear(4, 4).double(), inner)
+    patched, reference = patched_and_reference(outer)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        model[1].eval()
+
+        def region(t, model=model):
+            return checkpoint(model[1], model[0](t), use_reentrant=False)
+
+        output = checkpoint(region, x, use_reentrant=False)
+        model.train()
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_the_checkpoint_frame_is_found_through_pytorchs_hooks():
+    """torch.utils.checkpoint's pack hooks (private) lead to its frame, in the forward and in the
+    recomputation: if PyTorch changes them, this fails before a mode switch goes unseen."""
+    from twobp_autograd.checkpoint_paths import checkpoint_frame
+
+    seen = []
+
+    def region(t):
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(True)
+        assert hooks is not None and getattr(hooks[0], "_checkpoint_internal", False)
+        seen.append(checkpoint_frame(hooks[0]))
+        return t.sin()
+
+    checkpoint(region, torch.randn(3, requires_grad=True), use_reentrant=False).sum().backward()
+    (forward_frame, forward_backward), (recomputed_frame, recomputing) = seen
+    assert forward_frame is recomputed_frame and forward_backward is None and recomputing is not None

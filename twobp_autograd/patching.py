@@ -19,6 +19,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
+from .checkpoint_paths import path_under_checkpoint
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
 from .grad_guard import install_grad_guards
@@ -131,14 +132,18 @@ class DeferredForwardCall:
                     module = _adopt(called, self)
         if module is None:
             module = self.module  # raises: only this forward was kept
-        if (
-            torch.is_grad_enabled()
+        grad_enabled = torch.is_grad_enabled()
+        deferring = (
+            grad_enabled
             and module.training
             and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
             and not _is_exporting()  # torch.export records the plain forward's ops
             and not _is_fx_symbolic_tracing()  # fx tracing a non-leaf module: its inputs are Proxies
             and _wants_grad(module)
-        ):
+        )
+        if grad_enabled and not _is_compiling():
+            deferring = path_under_checkpoint(deferring)  # a recomputation takes its forward's path
+        if deferring:
             if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
                 _warn_non_full_backward_hook_once(module)
                 return type(module).forward(module, *args, **kwargs)
