@@ -10,6 +10,7 @@ import threading
 import warnings
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.utils.prune
@@ -2517,10 +2518,12 @@ class _TemperedByAnAttribute(nn.Module):
         return torch.tanh(x * self.weight / self.temperature)
 
 
+@pytest.mark.parametrize("number", [float, np.float64, np.float32], ids=["float", "np.float64", "np.float32"])
 @pytest.mark.parametrize("strategy", ["concat", "loop"])
-def test_recompute_rule_replays_the_python_values_its_forward_read(strategy):
-    """A temperature set per micro-batch and annealed after the last backward: the flush replayed
-    with the value it found (1.5 off), and joined calls that read other values."""
+def test_recompute_rule_replays_the_python_values_its_forward_read(strategy, number):
+    """A temperature set per micro-batch (from a NumPy schedule too) and annealed after the last
+    backward: the flush replayed with the value it found (1.5 off), and joined calls that read
+    other values."""
     twobp.register(_TemperedByAnAttribute, twobp.ops.recompute)
     patched, reference = patched_and_reference(
         nn.Sequential(nn.Linear(6, 6), _TemperedByAnAttribute(), nn.Linear(6, 2)).double()
@@ -2529,7 +2532,7 @@ def test_recompute_rule_replays_the_python_values_its_forward_read(strategy):
     for step in range(3):
         x = torch.randn(4, 6, dtype=torch.float64)
         for model in (patched, reference):
-            model[1].temperature = 2.0 + step
+            model[1].temperature = number(2.0 + step)
             with twobp.use_queue(queue):
                 model(x).pow(2).sum().backward()
             model[1].temperature = 0.5
@@ -2620,3 +2623,58 @@ def test_recompute_rule_names_the_fix_for_an_input_changed_in_place_after_its_fo
     with pytest.raises(RuntimeError, match=r"twobp: a tensor a patched layer saved .*`h = h \+ block\(h\)`"):
         head(h).sum().backward()
     twobp.discard_weight_grads()
+
+
+def test_recompute_rule_replays_a_scalar_whose_name_became_a_parameter_and_puts_every_value_back():
+    """Between backward and flush a public float became a parameter of that name: the replay's
+    setattr was refused by nn.Module (a TypeError), leaving the values it had set so far in
+    place of the user's. The replay reads what the forward read, and leaves the module as it was."""
+
+    class TwoScalars(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6, dtype=torch.float64))
+            self.temperature, self.scale = 2.0, 0.5
+
+        def forward(self, x):
+            return torch.tanh(x * self.weight / self.temperature) * self.scale
+
+    twobp.register(TwoScalars, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), TwoScalars()).double())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for model in (patched, reference):
+        model(x).pow(2).sum().backward()
+        model[1].temperature = 9.0
+        del model[1].scale
+        model[1].scale = nn.Parameter(torch.tensor(0.25, dtype=torch.float64))
+    twobp.flush_weight_grads()
+    assert patched[1].temperature == 9.0 and isinstance(patched[1].scale, nn.Parameter)
+    assert patched[1].scale.grad is None
+    assert_grads_match(patched[0], reference[0])
+    torch.testing.assert_close(patched[1].weight.grad, reference[1].weight.grad)
+
+
+def test_recompute_rule_leaves_a_first_calls_own_error_to_the_user_and_stays_deferred():
+    """A first call with a wrong input shape: the trial's failure was taken for a forward that
+    needs a graph, with a warning saying so, before the user's own error."""
+
+    class Gain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(6))
+
+        def forward(self, x):
+            return torch.tanh(x * self.weight)
+
+    twobp.register(Gain, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), Gain()))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(RuntimeError, match="must match the size"):
+            patched[1](torch.randn(4, 5, requires_grad=True))
+    x = torch.randn(4, 6)
+    for model in (patched, reference):
+        model(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 2
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

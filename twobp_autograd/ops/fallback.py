@@ -21,7 +21,7 @@ from torch.utils._device import DeviceContext
 
 from ..warn_once import warn_once
 
-__all__ = ["plain_forward", "unsupported_tensors"]
+__all__ = ["plain_forward", "unsupported_tensors", "warn_plain_call"]
 
 
 def unsupported_tensors(*tensors: Tensor | None) -> str | None:
@@ -61,11 +61,16 @@ def _overriding_subclass(tensors: tuple[Tensor | None, ...]) -> bool:
 
 def plain_forward(module: nn.Module, reason: str, *args: Any, **kwargs: Any) -> Any:
     """The class's forward (an instance forward would be the patched one, coming back here)."""
+    warn_plain_call(module, reason, stacklevel=4)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def warn_plain_call(module: nn.Module, reason: str, *, stacklevel: int = 3) -> None:
+    """The one warning per module type and reason that its calls keep plain autograd."""
     warn_once(
         ("plain call", type(module), reason),
         f"twobp: {type(module).__name__} called with {reason} is not deferred; such calls keep "
         "plain autograd (correct gradients, computed in backward). To silence this, leave the "
         "module unpatched: twobp.patch(model, exclude=[...]).",
-        stacklevel=3,
+        stacklevel=stacklevel,
     )
-    return type(module).forward(module, *args, **kwargs)

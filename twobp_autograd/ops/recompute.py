@@ -26,7 +26,9 @@ views of one tensor), keeps plain autograd: the tap re-parents each output in pl
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import numbers
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,7 +45,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from .. import fsdp_hooks
 from ..deferral import defer_weight_grads, detached
 from ..job import leaves_some_grads_none
-from .fallback import plain_forward, unsupported_tensors
+from .fallback import plain_forward, unsupported_tensors, warn_plain_call
 
 __all__ = ["recompute"]
 
@@ -170,7 +172,7 @@ class _ForwardState:
 
     __slots__ = (
         "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
-        "submodules", "attribute_objects", "attribute_versions", "scalars",
+        "submodules", "attribute_objects", "attribute_versions", "scalars", "scalar_homes",
     )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -196,21 +198,30 @@ class _ForwardState:
         # calls that read other values are not joined.
         self.attribute_objects: dict[str, Tensor] = {}
         scalars: list[tuple[str, object]] = []
+        homes: list[tuple[dict[str, Any], str]] = []  # each scalar's owner's __dict__, and its name there
         for prefix, m in module.named_modules():
-            for name, value in vars(m).items():
-                qualified = f"{prefix}.{name}" if prefix else name
+            attrs = vars(m)
+            for name, value in attrs.items():
                 if isinstance(value, Tensor):
-                    self.attribute_objects[qualified] = value
-                elif type(value) in _SCALAR_TYPES and not name.startswith("_") and name != "training":
-                    scalars.append((qualified, value))
+                    self.attribute_objects[f"{prefix}.{name}" if prefix else name] = value
+                elif not name.startswith("_") and name != "training" and _is_scalar(value):
+                    scalars.append((f"{prefix}.{name}" if prefix else name, value))
+                    homes.append((attrs, name))
         self.scalars = tuple(scalars)
+        self.scalar_homes = homes
         self.attributes = {n: v.detach() for n, v in self.attribute_objects.items()}
         self.attribute_versions = {n: v._version for n, v in self.attributes.items()}
 
     def keep_scalars_the_forward_left(self, module: nn.Module) -> None:
         """Drop the Python values the forward itself changed (a call counter): the replay reads
         them as it finds them (README), and they do not keep calls apart."""
-        self.scalars = tuple([(n, v) for n, v in self.scalars if _same_value(_attribute(module, n, _MISSING), v)])
+        kept = [
+            (scalar, home)
+            for scalar, home in zip(self.scalars, self.scalar_homes, strict=True)
+            if _same_value(home[0].get(home[1], _MISSING), scalar[1])
+        ]
+        self.scalars = tuple([scalar for scalar, _ in kept])
+        self.scalar_homes = [home for _, home in kept]
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
@@ -316,20 +327,21 @@ class _ForwardState:
 
     @contextmanager
     def _scalars_restored(self, module: nn.Module) -> Iterator[None]:
-        found = []
-        for qualified, value in self.scalars:
-            owner, name = _owner(module, qualified), qualified.rpartition(".")[2]
-            if owner is not None:
-                found.append((owner, name, vars(owner).get(name, _MISSING)))
-                setattr(owner, name, value)
+        # Set in the owners' __dict__ (check_unchanged saw the same submodules): as the forward
+        # read them, even where a parameter or buffer of that name came since (nn.Module's
+        # __setattr__ would refuse a number there), and each put back whatever happens.
+        found: list[tuple[dict[str, Any], str, object]] = []
         try:
+            for (_, value), (attrs, name) in zip(self.scalars, self.scalar_homes, strict=True):
+                found.append((attrs, name, attrs.get(name, _MISSING)))
+                attrs[name] = value
             yield
         finally:
-            for owner, name, value in reversed(found):
+            for attrs, name, value in reversed(found):
                 if value is _MISSING:
-                    delattr(owner, name)
+                    attrs.pop(name, None)
                 else:
-                    setattr(owner, name, value)
+                    attrs[name] = value
 
     @contextmanager
     def _flags_restored(self, module: nn.Module) -> Iterator[None]:
@@ -344,7 +356,15 @@ class _ForwardState:
                 submodule.training = flag
 
 
+def _is_scalar(value: object) -> bool:
+    """A Python (or NumPy) number, flag, string, enum member or None: values a forward may read
+    that its replay must see again (a temperature from a NumPy schedule is an np.float64)."""
+    return type(value) in _SCALAR_TYPES or isinstance(value, (numbers.Number, str, enum.Enum))
+
+
 _SCALAR_TYPES = (int, float, bool, str, type(None))
+
+
 _MISSING = object()
 
 _AUTOCAST_DEVICES = ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
@@ -472,8 +492,10 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
                 changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
         except Exception:  # needs a graph (a tensor hook on an intermediate): plain's forward decides
             rewind()
-            output = plain_forward(module, _FAILS_WITHOUT_GRAPH, *inputs)
+            # Plain's own error first (a bad input shape): no warning, and the module stays deferred.
+            output = type(module).forward(module, *inputs)
             _unreplayable[module] = _FAILS_WITHOUT_GRAPH
+            warn_plain_call(module, _FAILS_WITHOUT_GRAPH)
             return output
         rewind()  # the trial's draws and buffer changes
         if changes_inputs:  # its replay at the flush would see the changed values
