@@ -23,6 +23,7 @@ __all__ = [
     "rule_for",
     "module_class",
     "unregistered_why",
+    "suggest_rule",
 ]
 
 #: ``forward(module, *args, **kwargs)``: the module's forward, computing the output with the
@@ -72,11 +73,13 @@ def register(
     types = module_type if isinstance(module_type, tuple) else (module_type,)
     for t in types:
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
-            raise TypeError(f"register expects an nn.Module subclass (or a tuple of them), got {t!r}")
+            raise TypeError(f"twobp: register expects an nn.Module subclass (or a tuple of them), got {t!r}")
 
     def decorator(fn: DeferredForward) -> DeferredForward:
         if not callable(fn):
-            raise TypeError(f"register({', '.join(t.__name__ for t in types)}) needs a callable forward, got {fn!r}")
+            raise TypeError(
+                f"twobp: register({', '.join(t.__name__ for t in types)}) needs a callable forward, got {fn!r}"
+            )
         for t in types:
             _rules[t] = Rule(fn, unsupported or _always_supported, getattr(t, "forward", None))
         return fn
@@ -112,13 +115,30 @@ def rule_for(module: nn.Module) -> Rule | None:
     return _rules.get(type(module)) or _rules.get(module_class(module))
 
 
+#: Rules to name for a class that is not registered: (whether the class computes what the rule
+#: does, how the rule is spelled for ``register``).
+_suggested: list[tuple[Callable[[type], bool], str]] = []
+
+
+def suggest_rule(fits: Callable[[type], bool], spelled: str) -> None:
+    """Have ``patch``'s report name the rule ``spelled`` for an unregistered class that ``fits``
+    (Hugging Face's classes, judged by their forward: see :mod:`.ops.verdicts`)."""
+    _suggested.append((fits, spelled))
+
+
 def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
     """What ``patch`` reports for a module with parameters and no rule: a subclass of a covered
-    type says (where ``suggest``) which rule would fit it, where its forward is the covered type's."""
+    type, or a class a suggested rule fits, says (where ``suggest``) which rule would fit it."""
     name = f"{module_type.__module__}.{module_type.__qualname__}"
     why = f"{name} is not registered (plain autograd)"
+    if not suggest:
+        return why
+    for fits, spelled in _suggested:
+        if fits(module_type):
+            registration = f"twobp.register({module_type.__name__}, {spelled})"
+            return f"{why}; it computes what a rule of this package does: {registration}"
     base = next((b for b in module_type.__mro__[1:] if b in _rules), None)
-    if base is None or not suggest:
+    if base is None:
         return why
     if issubclass(module_type, LazyModuleMixin):  # its first forward makes it the covered class
         return f"{why}; a lazy module: run one forward to make it a {base.__name__}, then patch again"

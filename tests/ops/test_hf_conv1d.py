@@ -149,3 +149,12 @@ def test_a_stale_nf_fails_as_in_plain() -> None:
         model.weight, model.bias = nn.Parameter(torch.randn(5, 4)), nn.Parameter(torch.zeros(4))
         with pytest.raises(RuntimeError, match="is invalid"):
             model(torch.randn(2, 4, 5))
+
+
+def test_patchs_report_names_the_rule_for_an_unregistered_conv1d() -> None:
+    """GPT-2 patched without the registration: its projections were reported only as "not
+    registered", where a subclass of a covered type is told its rule."""
+    with twobp.registry.rules_restored_after():
+        twobp.registry.unregister(Conv1D)
+        report = twobp.patch(nn.Sequential(Conv1D(3, 4)), report=True)
+    assert report.skipped["0"].endswith("twobp.register(Conv1D, twobp_autograd.ops.hf_conv1d)")
