@@ -322,7 +322,7 @@ class _WeightGradTap(torch.autograd.Function):
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _TapSpec = ctx.spec
         deferral, saved = spec.deferral, _saved_for_weight_grads(ctx)
-        if None in grad_outputs and not spec.saves_reached:
+        if _has_none(grad_outputs) and not spec.saves_reached:
             # An output this backward does not reach: its kernel takes zeros for it, so unless
             # it is told which were reached, a parameter reached only through that output would
             # get zeros where plain leaves None.
@@ -357,10 +357,16 @@ def _saved_for_weight_grads(ctx: Any) -> tuple[Tensor, ...]:
         ) from error
 
 
+def _has_none(values: Sequence[Tensor | None]) -> bool:
+    """``None in values`` without comparing: ``tensor == None`` goes through Tensor.__eq__'s
+    failing dispatch, about 10 us per tensor."""
+    return any(value is None for value in values)
+
+
 def _zeros_where_none(ctx: Any, values: Sequence[Tensor | None]) -> Sequence[Tensor]:
     """The tap's output gradients (or tangents), zeros for those not given: a tap with several
     outputs does not have autograd materialise them (see its forward)."""
-    if None not in values:
+    if not _has_none(values):
         return values  # type: ignore[return-value]
     return [
         torch.zeros(shape, dtype=dtype, device=device) if value is None else value
