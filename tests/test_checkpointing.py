@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -484,3 +485,33 @@ def test_the_checkpoint_frame_is_found_through_pytorchs_hooks():
     checkpoint(region, torch.randn(3, requires_grad=True), use_reentrant=False).sum().backward()
     (forward_frame, forward_backward), (recomputed_frame, recomputing) = seen
     assert forward_frame is recomputed_frame and forward_backward is None and recomputing is not None
+
+
+class _DropsInside(nn.Module):
+    """Patched children around a dropout: under the recompute rule its first call is tried on
+    detached parameters, found to draw random numbers, and run again on plain autograd."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.drop, self.b = nn.Linear(4, 4), nn.Dropout(0.3), nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.drop(self.a(x))))
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-recomputation"])
+def test_a_recompute_rule_modules_discarded_first_attempt_inside_a_checkpoint_is_forgotten(early_stop):
+    """The discarded attempt's patched children recorded their paths on the checkpoint's frame
+    too, and the recomputation (no first call any more) read those: the children's weights
+    1.7-3.4 off."""
+    twobp.register(_DropsInside, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(_DropsInside()).double())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        torch.manual_seed(1)
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            output = checkpoint(model, x, use_reentrant=False)
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

@@ -2678,3 +2678,29 @@ def test_recompute_rule_leaves_a_first_calls_own_error_to_the_user_and_stays_def
     assert twobp.pending().jobs == 2
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class _BranchesOnAFlag(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, dtype=torch.float64))
+        self.flag = np.bool_(True)
+
+    def forward(self, x):
+        h = x * self.weight
+        return h.sin() if self.flag else h.cos()
+
+
+def test_recompute_rule_replays_a_numpy_flag_its_forward_read():
+    """``np.random.rand() < p`` is an np.bool_, no numbers.Number: a flag set per micro-batch
+    was read as at the flush (3.08 off)."""
+    twobp.register(_BranchesOnAFlag, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), _BranchesOnAFlag()).double())
+    for step in range(3):
+        x = torch.randn(4, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            model[1].flag = np.bool_(step % 2 == 0)
+            model(x).pow(2).sum().backward()
+            model[1].flag = np.bool_(False)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["path_under_checkpoint"]
+__all__ = ["path_under_checkpoint", "recorded_so_far", "forget_since"]
 
 #: Per checkpoint frame, the path (deferred or not) of each patched call of its forward, in order.
 _paths: weakref.WeakKeyDictionary[Any, list[bool]] = weakref.WeakKeyDictionary()
@@ -66,3 +66,23 @@ def _closure(function: Any) -> dict[str, Any]:
     function = getattr(function, "__wrapped__", function)  # the recomputation's is wrapped by Dynamo's disable
     code, cells = getattr(function, "__code__", None), getattr(function, "__closure__", None) or ()
     return {} if code is None else dict(zip(code.co_freevars, (cell.cell_contents for cell in cells), strict=False))
+
+
+def recorded_so_far() -> tuple[Any, int] | None:
+    """Where the innermost checkpoint's forward record stands (None outside one, or in its
+    recomputation): a call that runs its forward again after a discarded attempt (the recompute
+    rule's first call turning out unreplayable) forgets the attempt's records with
+    :func:`forget_since`, as its recomputation runs the forward once."""
+    hooks = _top_saved_tensors_hooks(True)
+    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+        return None
+    found = checkpoint_frame(hooks[0])
+    if found is None or found[1] is not None:
+        return None
+    return found[0], len(_paths.get(found[0], ()))
+
+
+def forget_since(mark: tuple[Any, int] | None) -> None:
+    if mark is not None:
+        frame, length = mark
+        del _paths.get(frame, [])[length:]

@@ -126,6 +126,15 @@ def suggest_rule(fits: Callable[[type], bool], spelled: str) -> None:
     _suggested.append((fits, spelled))
 
 
+def _fits(fits: Callable[[type], bool], module_type: type) -> bool:
+    """A suggestion's judge, which builds a reference class: any failure of it is no suggestion
+    (patch runs this for every unregistered class)."""
+    try:
+        return fits(module_type)
+    except Exception:
+        return False
+
+
 def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
     """What ``patch`` reports for a module with parameters and no rule: a subclass of a covered
     type, or a class a suggested rule fits, says (where ``suggest``) which rule would fit it."""
@@ -134,7 +143,7 @@ def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
     if not suggest:
         return why
     for fits, spelled in _suggested:
-        if fits(module_type):
+        if _fits(fits, module_type):
             registration = f"twobp.register({module_type.__name__}, {spelled})"
             return f"{why}; it computes what a rule of this package does: {registration}"
     base = next((b for b in module_type.__mro__[1:] if b in _rules), None)

@@ -158,3 +158,18 @@ def test_patchs_report_names_the_rule_for_an_unregistered_conv1d() -> None:
         twobp.registry.unregister(Conv1D)
         report = twobp.patch(nn.Sequential(Conv1D(3, 4)), report=True)
     assert report.skipped["0"].endswith("twobp.register(Conv1D, twobp_autograd.ops.hf_conv1d)")
+
+
+def test_a_suggestion_whose_judge_fails_leaves_patch_alone(monkeypatch) -> None:
+    """The judge builds the reference class; where that raises, patch raised it (it asks for
+    every unregistered class, report or not)."""
+
+    def failing_init(self, *args, **kwargs):
+        raise RuntimeError("a reference class that cannot be built")
+
+    twobp.registry.unregister(Conv1D)
+    layer = Conv1D(3, 4)
+    monkeypatch.setattr(pytorch_utils.Conv1D, "__init__", failing_init)
+    monkeypatch.setattr(importlib.import_module("twobp_autograd.ops.hf_conv1d"), "_verdicts", {})  # judged again
+    report = twobp.patch(nn.Sequential(layer), report=True)
+    assert report.skipped["0"].endswith("is not registered (plain autograd)")

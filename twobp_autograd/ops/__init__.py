@@ -12,7 +12,10 @@ from .recompute import recompute
 
 def _from_hugging_face(judge: Callable[[type], bool]) -> Callable[[type], bool]:
     """``judge`` asked only of Hugging Face's classes (a judge imports transformers)."""
-    return lambda module_type: module_type.__module__.startswith("transformers.") and judge(module_type)
+    def asked(module_type: type) -> bool:
+        return str(getattr(module_type, "__module__", "")).startswith("transformers.") and judge(module_type)
+
+    return asked
 
 
 suggest_rule(_from_hugging_face(computes_like_hf_conv1d), "twobp_autograd.ops.hf_conv1d")

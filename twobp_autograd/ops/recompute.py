@@ -29,6 +29,7 @@ import contextlib
 import enum
 import functools
 import numbers
+import sys
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .. import fsdp_hooks
+from ..checkpoint_paths import forget_since, recorded_so_far
 from ..deferral import defer_weight_grads, detached
 from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
@@ -359,7 +361,10 @@ class _ForwardState:
 def _is_scalar(value: object) -> bool:
     """A Python (or NumPy) number, flag, string, enum member or None: values a forward may read
     that its replay must see again (a temperature from a NumPy schedule is an np.float64)."""
-    return type(value) in _SCALAR_TYPES or isinstance(value, (numbers.Number, str, enum.Enum))
+    if type(value) in _SCALAR_TYPES or isinstance(value, (numbers.Number, str, enum.Enum)):
+        return True
+    numpy = sys.modules.get("numpy")  # np.bool_ is no numbers.Number (a flag drawn by np.random.rand() < p)
+    return numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.void)
 
 
 _SCALAR_TYPES = (int, float, bool, str, type(None))
@@ -508,6 +513,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
             verdicts[state.flags] = verdict
         rewind()
     versions = [t._version for t in inputs]
+    mark = recorded_so_far()
     try:
         with _no_saved_tensors_hooks_pushed():
             output = _plain_forward(module, inputs, substitutes)
@@ -547,6 +553,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
         # Run again on plain autograd from the same random state and buffers, so that the
         # output is plain's and generators and buffers end where one plain forward leaves them.
         rewind()
+        forget_since(mark)  # the attempt's patched calls: the recomputation runs only the plain forward
         return plain_forward(module, _unreplayable[module], *inputs)
     values.clear()  # the buffers' copies are not needed past here
     attribute_values.clear()
