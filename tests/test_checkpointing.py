@@ -515,3 +515,59 @@ def test_a_recompute_rule_modules_discarded_first_attempt_inside_a_checkpoint_is
         output.square().sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+def test_an_old_style_backward_hook_added_before_a_checkpoints_backward_leaves_plains_gradients():
+    """The hook attaches only to the recomputed graph, which the checkpoint discards: plain's
+    gradients are the hook-free ones. The recomputation took plain's path because of the hook
+    and handed its tensors to the deferred path's nodes (0.96 off, silently on square layers)."""
+    patched, reference = patched_and_reference(_square_layers())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    input_grads = []
+    for model in (patched, reference):
+        source = x.clone().requires_grad_()
+        output = checkpoint(model, source, use_reentrant=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # register_backward_hook is deprecated
+            model[2].register_backward_hook(lambda module, grad_input, grad_output: None)
+        output.square().sum().backward()
+        input_grads.append(source.grad)
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(input_grads[0], input_grads[1], rtol=1e-12, atol=1e-12)
+    assert_grads_match(patched, reference)
+
+
+class _GainBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.gain = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return self.gain * torch.tanh(self.inner(x))
+
+
+def test_a_checkpoints_recomputation_that_cannot_take_its_forwards_path_is_refused():
+    """A global forward hook added between the checkpointed forward and its backward: the
+    recompute rule keeps plain autograd while hooks exist, so the recomputation took plain's
+    path where the forward deferred (3.66 off, silently). Refused, naming the cause."""
+    twobp.register(_GainBlock, twobp.ops.recompute)
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), _GainBlock()).double())
+    output = checkpoint(model, torch.randn(3, 4, dtype=torch.float64, requires_grad=True), use_reentrant=False)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+    try:
+        with pytest.raises(RuntimeError, match="twobp: an activation checkpoint's recomputation found a patched"):
+            output.square().sum().backward()
+    finally:
+        handle.remove()
+    twobp.discard_weight_grads()
+
+
+def test_patching_between_a_checkpointed_forward_and_its_backward_is_refused():
+    """The forward ran unpatched; the recomputation's patched calls took the deferred path
+    (0.9-7.3 off, silently on square layers)."""
+    model = _square_layers()
+    output = checkpoint(model, torch.randn(3, 4, dtype=torch.float64, requires_grad=True), use_reentrant=False)
+    twobp.patch(model)
+    with pytest.raises(RuntimeError, match="twobp: an activation checkpoint's recomputation runs other patched calls"):
+        output.square().sum().backward()
+    twobp.discard_weight_grads()

@@ -2704,3 +2704,15 @@ def test_recompute_rule_replays_a_numpy_flag_its_forward_read():
             model[1].flag = np.bool_(False)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+def test_a_backward_run_under_inference_mode_gives_its_gradients_at_once():
+    """Plain allows it; the queue's version check crashed on the inference-mode output gradients."""
+    patched, reference = patched_and_reference(mlp(torch.float64))
+    x = torch.randn(3, 6, dtype=torch.float64)
+    for model in (patched, reference):
+        loss = model(x).square().sum()
+        with torch.inference_mode():
+            loss.backward()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(patched, reference)

@@ -14,41 +14,97 @@ the path its module's mode says.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 
-__all__ = ["path_under_checkpoint", "recorded_so_far", "forget_since"]
+__all__ = ["CallRecord", "record_under_checkpoint", "running", "took_plain", "recorded_so_far", "forget_since"]
 
-#: Per checkpoint frame, the path (deferred or not) of each patched call of its forward, in order.
-_paths: weakref.WeakKeyDictionary[Any, list[bool]] = weakref.WeakKeyDictionary()
+
+class CallRecord:
+    """One patched call of a checkpointed forward: its module and whether it deferred, as it
+    ended (a rule may fall back to plain autograd after the call chose to defer)."""
+
+    __slots__ = ("module_id", "deferred", "replaying")
+
+    def __init__(self, module_id: int, deferred: bool, replaying: bool = False) -> None:
+        self.module_id, self.deferred, self.replaying = module_id, deferred, replaying
+
+
+#: Per checkpoint frame, a record of each patched call of its forward, in order.
+_paths: weakref.WeakKeyDictionary[Any, list[CallRecord]] = weakref.WeakKeyDictionary()
 #: Per checkpoint frame, per backward (graph task) recomputing it, how many of those calls ran again.
 _replayed: weakref.WeakKeyDictionary[Any, dict[Hashable, int]] = weakref.WeakKeyDictionary()
+#: The records of the patched calls in progress on each thread, innermost last.
+_in_progress = threading.local()
 
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
-def path_under_checkpoint(deferred: bool) -> bool:
-    """Whether a patched call with grad enabled defers: ``deferred`` (what its module's mode
-    says) outside a non-reentrant checkpoint and in its forward, where it is recorded; in its
-    recomputation, what the same call of the forward did."""
+def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
+    """For a patched call with grad enabled, ``deferred`` being what its module's mode says:
+    None outside a non-reentrant checkpoint; in its forward, the call's new record; in its
+    recomputation, the forward's record of the same call (marked ``replaying``), whose path the
+    call takes. A recomputation whose calls are not its forward's (the model patched or
+    unpatched in between) is refused: the checkpoint would hand one path's tensors to the other's."""
     hooks = _top_saved_tensors_hooks(True)
     if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
-        return deferred
+        return None
     found = checkpoint_frame(hooks[0])
     if found is None:
-        return deferred
+        return None
     frame, recomputing = found
     if recomputing is None:
-        _paths.setdefault(frame, []).append(deferred)
-        return deferred
+        record = CallRecord(id(module), deferred)
+        _paths.setdefault(frame, []).append(record)
+        return record
     counts = _replayed.setdefault(frame, {})
     index = counts.get(recomputing, 0)
     counts[recomputing] = index + 1
     recorded = _paths.get(frame, ())
-    return recorded[index] if index < len(recorded) else deferred
+    if index >= len(recorded) or recorded[index].module_id != id(module):
+        raise RuntimeError(
+            "twobp: an activation checkpoint's recomputation runs other patched calls than its forward "
+            f"did (a {type(module).__name__} here): the model was patched or unpatched, or a module "
+            "swapped, between the checkpointed forward and its backward. Do that before the forward, "
+            "or after the backward."
+        )
+    return CallRecord(id(module), recorded[index].deferred, replaying=True)
+
+
+@contextlib.contextmanager
+def running(record: CallRecord) -> Iterator[None]:
+    """The call of ``record`` in progress (see :func:`took_plain`)."""
+    stack = _in_progress.__dict__.setdefault("records", [])
+    stack.append(record)
+    try:
+        yield
+    finally:
+        stack.pop()
+
+
+def took_plain(module: Any) -> None:
+    """``module``'s patched call in progress runs on plain autograd after all: under a
+    checkpoint, its forward's record says so, for its recomputation; a recomputation of a call
+    that deferred cannot follow (what the rule found changed since: hooks added), and is refused."""
+    stack = getattr(_in_progress, "records", None)
+    if not stack or stack[-1].module_id != id(module):
+        return
+    record = stack[-1]
+    if not record.replaying:
+        record.deferred = False
+    elif record.deferred:
+        raise RuntimeError(
+            "twobp: an activation checkpoint's recomputation found a patched module that deferred in "
+            "the checkpointed forward now on plain autograd (hooks added, or its inputs or state "
+            "changed, between that forward and its backward): the checkpoint would hand plain's "
+            "saved tensors to the deferred path's nodes. Add or remove such hooks before the forward "
+            "or after the backward."
+        )
 
 
 def checkpoint_frame(pack_hook: Any) -> tuple[Any, Hashable | None] | None:

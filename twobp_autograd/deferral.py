@@ -119,10 +119,11 @@ class ParamDeferral(NamedTuple):
         if "defer" in decisions and getattr(ctx, _POST_HOOKED, False):
             _warn_post_hooked_once()
             return ["now" if d == "defer" else d for d in decisions]
-        if "defer" in decisions and _traced():
+        if "defer" in decisions and (_traced() or torch.is_inference_mode_enabled()):
             # Dynamo traces this backward (compiled autograd, or a compiled function that calls
             # backward): the queue's bookkeeping (version counters, None for a parameter's
-            # gradient that compiled autograd then adds) does not survive tracing.
+            # gradient that compiled autograd then adds) does not survive tracing. A backward run
+            # under inference_mode makes inference tensors, which have no version counter to check.
             return ["now" if d == "defer" else d for d in decisions]
         return decisions
 

@@ -19,7 +19,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
-from .checkpoint_paths import path_under_checkpoint
+from .checkpoint_paths import record_under_checkpoint, running, took_plain
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
 from .grad_guard import install_grad_guards
@@ -142,15 +142,30 @@ class DeferredForwardCall:
             and _wants_grad(module)
         )
         if grad_enabled and not _is_compiling():
-            deferring = path_under_checkpoint(deferring)  # a recomputation takes its forward's path
+            # Under a non-reentrant checkpoint: recorded, and its recomputation takes that path.
+            record = record_under_checkpoint(module, deferring)
+            if record is not None:
+                with running(record):
+                    return self._forward(module, record.deferred, record.replaying, args, kwargs)
+        return self._forward(module, deferring, False, args, kwargs)
+
+    def _forward(self, module: nn.Module, deferring: bool, replaying: bool, args: Any, kwargs: Any) -> Any:
+        """The deferred forward where ``deferring``, else plain's. ``replaying``: a checkpoint's
+        recomputation of a call that deferred, whose hooks see only the discarded recomputed graph."""
         if deferring:
-            if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
+            non_full_hook = module._is_full_backward_hook is False or (
+                _GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()
+            )
+            if non_full_hook and not replaying:
                 _warn_non_full_backward_hook_once(module)
+                took_plain(module)
                 return type(module).forward(module, *args, **kwargs)
-            if type(module).forward is not self.class_forward or (
-                type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module)
+            if not replaying and (
+                type(module).forward is not self.class_forward
+                or (type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module))
             ):
                 _warn_class_changed_once(module)
+                took_plain(module)
                 return type(module).forward(module, *args, **kwargs)
             if self.first_call_checked:
                 if not first_calls_open or not inside_first_call_check():

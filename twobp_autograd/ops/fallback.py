@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.overrides import _get_current_function_mode_stack, has_torch_function_variadic
 from torch.utils._device import DeviceContext
 
+from ..checkpoint_paths import took_plain
 from ..warn_once import warn_once
 
 __all__ = ["plain_forward", "unsupported_tensors", "warn_plain_call"]
@@ -62,6 +63,7 @@ def _overriding_subclass(tensors: tuple[Tensor | None, ...]) -> bool:
 def plain_forward(module: nn.Module, reason: str, *args: Any, **kwargs: Any) -> Any:
     """The class's forward (an instance forward would be the patched one, coming back here)."""
     warn_plain_call(module, reason, stacklevel=4)
+    took_plain(module)
     return type(module).forward(module, *args, **kwargs)
 
 

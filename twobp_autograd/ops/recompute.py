@@ -44,7 +44,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _get_current_di
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .. import fsdp_hooks
-from ..checkpoint_paths import forget_since, recorded_so_far
+from ..checkpoint_paths import forget_since, recorded_so_far, took_plain
 from ..deferral import defer_weight_grads, detached
 from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
@@ -501,6 +501,7 @@ def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
             output = type(module).forward(module, *inputs)
             _unreplayable[module] = _FAILS_WITHOUT_GRAPH
             warn_plain_call(module, _FAILS_WITHOUT_GRAPH)
+            took_plain(module)
             return output
         rewind()  # the trial's draws and buffer changes
         if changes_inputs:  # its replay at the flush would see the changed values
