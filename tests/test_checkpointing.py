@@ -571,3 +571,21 @@ def test_patching_between_a_checkpointed_forward_and_its_backward_is_refused():
     with pytest.raises(RuntimeError, match="twobp: an activation checkpoint's recomputation runs other patched calls"):
         output.square().sum().backward()
     twobp.discard_weight_grads()
+
+
+def test_a_rules_fallback_to_plain_in_a_checkpointed_forward_is_what_its_recomputation_replays():
+    """A global forward hook during the forward only (a FLOP counter): the recompute rule kept
+    plain autograd there, but the call was recorded as deferred, and the recomputation (hooks
+    gone) deferred: CheckpointError where plain trains."""
+    twobp.register(_GainBlock, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _GainBlock()).double())
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    for model in (patched, reference):
+        handle = torch.nn.modules.module.register_module_forward_hook(lambda module, args, out: None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            output = checkpoint(model, x, use_reentrant=False)
+        handle.remove()
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
