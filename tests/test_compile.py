@@ -230,3 +230,36 @@ def test_fullgraph_over_a_patched_model_fails_saying_why():
     with pytest.raises(Exception, match=r"twobp: torch.compile cannot trace a patched layer's deferred backward"):
         torch.compile(model, backend="eager", fullgraph=True)(torch.randn(3, 4)).sum().backward()
     twobp.discard_weight_grads()
+
+
+class _Activated(nn.Module):
+    """A module for the recompute rule whose last op may keep its own output for backward."""
+
+    def __init__(self, activation) -> None:
+        super().__init__()
+        self.weight, self.activation = nn.Parameter(torch.randn(8)), activation
+
+    def forward(self, x):
+        return self.activation(x * self.weight)
+
+
+@pytest.mark.parametrize(
+    ("activation", "backend"),
+    [(torch.tanh, "aot_eager"), (torch.relu, "aot_eager"), (torch.sin, "inductor"), (torch.tanh, "inductor")],
+    ids=["tanh-aot_eager", "relu-aot_eager", "sin-inductor", "tanh-inductor"],
+)
+def test_a_compiled_recompute_rule_module_matches_autograd(activation, backend):
+    """tanh keeps its output for backward: the tap's version reset, traced, was dropped by
+    Dynamo and the compiled backward refused the output as changed in place; under inductor any
+    such module failed to compile (the saved-tensor-hooks guard traced to a lone side-effect node)."""
+    torch._dynamo.reset()
+    twobp.register(_Activated, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(8, 8), _Activated(activation), nn.Linear(8, 2)))
+    compiled = torch.compile(patched, backend=backend)
+    for _ in range(2):
+        x = torch.randn(4, 8)
+        compiled(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 2 * 3
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

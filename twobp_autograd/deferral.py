@@ -690,6 +690,7 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
                 stack.append(child)
 
 
+@torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
 def _restore_versions(
     outs: Sequence[Tensor], output_versions: list[int], saved: Sequence[Tensor], saved_versions: list[int]
 ) -> None:

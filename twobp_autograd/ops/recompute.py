@@ -594,7 +594,8 @@ def _no_saved_tensors_hooks_pushed() -> contextlib.AbstractContextManager[None]:
     """Pushing saved-tensor hooks inside raises (:data:`_SAVES_THROUGH_HOOKS`). Where hooks are
     active already (``save_on_cpu`` around the model, a checkpoint around this module), disabling
     would refuse their own packing too: such a call is not checked (README)."""
-    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if torch.compiler.is_compiling() or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # Traced, disable_saved_tensors_hooks becomes a lone side-effect node that inductor cannot compile.
         return contextlib.nullcontext()
     return torch.autograd.graph.disable_saved_tensors_hooks(_SAVES_THROUGH_HOOKS)
 
