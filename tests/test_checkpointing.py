@@ -589,3 +589,45 @@ def test_a_rules_fallback_to_plain_in_a_checkpointed_forward_is_what_its_recompu
         output.square().sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class _CopiesItsLayer(nn.Module):
+    """Calls a shallow copy of a patched layer, made anew at each run of the checkpointed forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return copy.copy(self.layer)(torch.tanh(self.layer(x)))
+
+
+class _GradientInside(nn.Module):
+    """Takes an input gradient inside its forward: autograd recomputes the checkpoint's region
+    while its forward still runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = torch.tanh(self.first(x))
+        (g,) = torch.autograd.grad(y.sum(), x, retain_graph=True)
+        return self.second(y) * g
+
+
+@pytest.mark.parametrize("early_stop", [True, False], ids=["early-stop", "full-recomputation"])
+@pytest.mark.parametrize("make", [_CopiesItsLayer, _GradientInside], ids=["shallow-copy-inside", "grad-inside"])
+def test_checkpointed_regions_whose_calls_are_theirs_are_not_refused(make, early_stop):
+    """The check that a recomputation runs the forward's calls refused a shallow copy made anew
+    inside the region (another object each run) and the calls a recomputation from inside the
+    forward reaches past where the forward stands (autograd.grad, no early stop)."""
+    patched, reference = patched_and_reference(make().double())
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        source = x.clone().requires_grad_()
+        with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+            output = checkpoint(model, source, use_reentrant=False)
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

@@ -29,10 +29,16 @@ class CallRecord:
     """One patched call of a checkpointed forward: its module and whether it deferred, as it
     ended (a rule may fall back to plain autograd after the call chose to defer)."""
 
-    __slots__ = ("module_id", "deferred", "replaying")
+    __slots__ = ("module_id", "origin", "deferred", "replaying")
 
-    def __init__(self, module_id: int, deferred: bool, replaying: bool = False) -> None:
-        self.module_id, self.deferred, self.replaying = module_id, deferred, replaying
+    def __init__(self, module_id: int, deferred: bool, replaying: bool = False, origin: int = 0) -> None:
+        self.module_id, self.deferred, self.replaying, self.origin = module_id, deferred, replaying, origin
+
+
+def _origin(module: Any) -> int:
+    """What a call's module is, for its recomputation: its parameters' dict, which its shallow
+    copies share (a ``copy.copy`` made inside the checkpointed function is a new object each run)."""
+    return id(module.__dict__.get("_parameters", module))
 
 
 #: Per checkpoint frame, a record of each patched call of its forward, in order.
@@ -59,14 +65,18 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
         return None
     frame, recomputing = found
     if recomputing is None:
-        record = CallRecord(id(module), deferred)
+        record = CallRecord(id(module), deferred, origin=_origin(module))
         _paths.setdefault(frame, []).append(record)
         return record
     counts = _replayed.setdefault(frame, {})
     index = counts.get(recomputing, 0)
     counts[recomputing] = index + 1
     recorded = _paths.get(frame, ())
-    if index >= len(recorded) or recorded[index].module_id != id(module):
+    if index >= len(recorded) and not getattr(frame, "forward_completed", True):
+        # Recomputed from inside its own forward (autograd.grad in the checkpointed function,
+        # no early stop): the calls past where the forward stands are not its to check.
+        return None
+    if index >= len(recorded) or recorded[index].origin != _origin(module):
         raise RuntimeError(
             "twobp: an activation checkpoint's recomputation runs other patched calls than its forward "
             f"did (a {type(module).__name__} here): the model was patched or unpatched, or a module "
