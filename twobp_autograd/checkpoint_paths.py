@@ -14,15 +14,22 @@ the path its module's mode says.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 from typing import Any
 
 import torch
 
-__all__ = ["CallRecord", "record_under_checkpoint", "running", "took_plain", "recorded_so_far", "forget_since"]
+__all__ = [
+    "CallRecord",
+    "record_under_checkpoint",
+    "enter_call",
+    "leave_call",
+    "took_plain",
+    "recorded_so_far",
+    "forget_since",
+]
 
 
 class CallRecord:
@@ -86,15 +93,13 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
     return CallRecord(id(module), recorded[index].deferred, replaying=True)
 
 
-@contextlib.contextmanager
-def running(record: CallRecord) -> Iterator[None]:
-    """The call of ``record`` in progress (see :func:`took_plain`)."""
-    stack = _in_progress.__dict__.setdefault("records", [])
-    stack.append(record)
-    try:
-        yield
-    finally:
-        stack.pop()
+def enter_call(record: CallRecord) -> None:
+    """The call of ``record`` is in progress (see :func:`took_plain`) until :func:`leave_call`."""
+    _in_progress.__dict__.setdefault("records", []).append(record)
+
+
+def leave_call() -> None:
+    _in_progress.records.pop()
 
 
 def took_plain(module: Any) -> None:

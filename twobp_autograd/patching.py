@@ -19,7 +19,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
-from .checkpoint_paths import record_under_checkpoint, running, took_plain
+from .checkpoint_paths import enter_call, leave_call, record_under_checkpoint, took_plain
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
 from .grad_guard import install_grad_guards
@@ -138,49 +138,52 @@ class DeferredForwardCall:
             and module.training
             and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
             and not _is_exporting()  # torch.export records the plain forward's ops
-            and not _is_fx_symbolic_tracing()  # fx tracing a non-leaf module: its inputs are Proxies
+            # fx tracing into a module: its inputs are Proxies (the first one tells, where there is
+            # one: cheaper than fx's thread-local flag)
+            and not (isinstance(args[0], _Proxy) if args else _is_fx_symbolic_tracing())
             and _wants_grad(module)
         )
-        if grad_enabled and not _is_compiling():
-            # Under a non-reentrant checkpoint: recorded, and its recomputation takes that path.
+        replaying, record = False, None
+        if grad_enabled and not _is_compiling() and _top_saved_tensors_hooks(True) is not None:
+            # Under a non-reentrant checkpoint: recorded, and its recomputation takes that path
+            # (``replaying`` a call that deferred: its hooks see only the discarded recomputed graph).
             record = record_under_checkpoint(module, deferring)
             if record is not None:
-                with running(record):
-                    return self._forward(module, record.deferred, record.replaying, args, kwargs)
-        return self._forward(module, deferring, False, args, kwargs)
-
-    def _forward(self, module: nn.Module, deferring: bool, replaying: bool, args: Any, kwargs: Any) -> Any:
-        """The deferred forward where ``deferring``, else plain's. ``replaying``: a checkpoint's
-        recomputation of a call that deferred, whose hooks see only the discarded recomputed graph."""
-        if deferring:
-            non_full_hook = module._is_full_backward_hook is False or (
-                _GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()
-            )
-            if non_full_hook and not replaying:
-                _warn_non_full_backward_hook_once(module)
-                took_plain(module)
-                return type(module).forward(module, *args, **kwargs)
-            if not replaying and (
-                type(module).forward is not self.class_forward
-                or (type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module))
-            ):
-                _warn_class_changed_once(module)
-                took_plain(module)
-                return type(module).forward(module, *args, **kwargs)
-            if self.first_call_checked:
-                if not first_calls_open or not inside_first_call_check():
+                deferring, replaying = record.deferred, record.replaying
+                enter_call(record)
+        try:
+            if deferring:
+                non_full_hook = module._is_full_backward_hook is False or (
+                    _GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()
+                )
+                if non_full_hook and not replaying:
+                    _warn_non_full_backward_hook_once(module)
+                    took_plain(module)
+                    return type(module).forward(module, *args, **kwargs)
+                if not replaying and (
+                    type(module).forward is not self.class_forward
+                    or (type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module))
+                ):
+                    _warn_class_changed_once(module)
+                    took_plain(module)
+                    return type(module).forward(module, *args, **kwargs)
+                if self.first_call_checked:
+                    if not first_calls_open or not inside_first_call_check():
+                        return self.deferred(module, *args, **kwargs)
+                    # Not under an enclosing module's first-call check either (that check covers the
+                    # enclosing module's rule, not this module's later calls).
+                    with first_call_unchecked():
+                        return self.deferred(module, *args, **kwargs)
+                if _is_compiling():
                     return self.deferred(module, *args, **kwargs)
-                # Not under an enclosing module's first-call check either (that check covers the
-                # enclosing module's rule, not this module's later calls).
-                with first_call_unchecked():
-                    return self.deferred(module, *args, **kwargs)
-            if _is_compiling():
-                return self.deferred(module, *args, **kwargs)
-            with first_call_checked(args, kwargs):  # the rule computed with its deferred parameters detached
-                output = self.deferred(module, *args, **kwargs)
-            self.first_call_checked = True
-            return output
-        return type(module).forward(module, *args, **kwargs)
+                with first_call_checked(args, kwargs):  # the rule computed with its deferred parameters detached
+                    output = self.deferred(module, *args, **kwargs)
+                self.first_call_checked = True
+                return output
+            return type(module).forward(module, *args, **kwargs)
+        finally:
+            if record is not None:
+                leave_call()
 
 
 def _rule_forward(module: nn.Module) -> tuple[Any, set[type]]:
@@ -221,7 +224,9 @@ def _warn_class_changed_once(module: nn.Module) -> None:
 _maybe_current_level = torch._C._functorch.maybe_current_level
 _is_exporting = torch.compiler.is_exporting
 _is_fx_symbolic_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
+_Proxy = torch.fx.Proxy
 _is_compiling = torch.compiler.is_compiling
+_top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
