@@ -36,10 +36,10 @@ class CallRecord:
     """One patched call of a checkpointed forward: its module and whether it deferred, as it
     ended (a rule may fall back to plain autograd after the call chose to defer)."""
 
-    __slots__ = ("module_id", "origin", "deferred", "replaying")
+    __slots__ = ("origin", "deferred", "replaying")
 
-    def __init__(self, module_id: int, deferred: bool, replaying: bool = False, origin: int = 0) -> None:
-        self.module_id, self.deferred, self.replaying, self.origin = module_id, deferred, replaying, origin
+    def __init__(self, origin: int, deferred: bool, replaying: bool = False) -> None:
+        self.origin, self.deferred, self.replaying = origin, deferred, replaying
 
 
 def _origin(module: Any) -> int:
@@ -64,15 +64,12 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
     recomputation, the forward's record of the same call (marked ``replaying``), whose path the
     call takes. A recomputation whose calls are not its forward's (the model patched or
     unpatched in between) is refused: the checkpoint would hand one path's tensors to the other's."""
-    hooks = _top_saved_tensors_hooks(True)
-    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
-        return None
-    found = checkpoint_frame(hooks[0])
+    found = _innermost_frame()
     if found is None:
         return None
     frame, recomputing = found
     if recomputing is None:
-        record = CallRecord(id(module), deferred, origin=_origin(module))
+        record = CallRecord(_origin(module), deferred)
         _paths.setdefault(frame, []).append(record)
         return record
     counts = _replayed.setdefault(frame, {})
@@ -90,7 +87,7 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
             "swapped, between the checkpointed forward and its backward. Do that before the forward, "
             "or after the backward."
         )
-    return CallRecord(id(module), recorded[index].deferred, replaying=True)
+    return CallRecord(recorded[index].origin, recorded[index].deferred, replaying=True)
 
 
 def enter_call(record: CallRecord) -> None:
@@ -107,7 +104,7 @@ def took_plain(module: Any) -> None:
     checkpoint, its forward's record says so, for its recomputation; a recomputation of a call
     that deferred cannot follow (what the rule found changed since: hooks added), and is refused."""
     stack = getattr(_in_progress, "records", None)
-    if not stack or stack[-1].module_id != id(module):
+    if not stack or stack[-1].origin != _origin(module):
         return
     record = stack[-1]
     if not record.replaying:
@@ -120,6 +117,14 @@ def took_plain(module: Any) -> None:
             "saved tensors to the deferred path's nodes. Add or remove such hooks before the forward "
             "or after the backward."
         )
+
+
+def _innermost_frame() -> tuple[Any, Hashable | None] | None:
+    """The checkpoint whose saved-tensor hooks are on top, as :func:`checkpoint_frame` tells it."""
+    hooks = _top_saved_tensors_hooks(True)
+    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+        return None
+    return checkpoint_frame(hooks[0])
 
 
 def checkpoint_frame(pack_hook: Any) -> tuple[Any, Hashable | None] | None:
@@ -144,10 +149,7 @@ def recorded_so_far() -> tuple[Any, int] | None:
     recomputation): a call that runs its forward again after a discarded attempt (the recompute
     rule's first call turning out unreplayable) forgets the attempt's records with
     :func:`forget_since`, as its recomputation runs the forward once."""
-    hooks = _top_saved_tensors_hooks(True)
-    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
-        return None
-    found = checkpoint_frame(hooks[0])
+    found = _innermost_frame()
     if found is None or found[1] is not None:
         return None
     return found[0], len(_paths.get(found[0], ()))

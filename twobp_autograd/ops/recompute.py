@@ -139,9 +139,9 @@ def _owner(module: nn.Module, name: str) -> nn.Module | None:
         return None
 
 
-def _attribute(module: nn.Module, name: str, missing: Any = None) -> Any:
+def _attribute(module: nn.Module, name: str) -> Any:
     owner = _owner(module, name)
-    return missing if owner is None else vars(owner).get(name.rpartition(".")[2], missing)
+    return None if owner is None else vars(owner).get(name.rpartition(".")[2])
 
 
 def _same_value(now: object, then: object) -> bool:
@@ -174,7 +174,7 @@ class _ForwardState:
 
     __slots__ = (
         "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
-        "submodules", "attribute_objects", "attribute_versions", "scalars", "scalar_homes",
+        "submodules", "attribute_objects", "attribute_versions", "scalars",
     )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -199,31 +199,22 @@ class _ForwardState:
         # scale a schedule sets) likewise: the replay runs with the values the forward read, and
         # calls that read other values are not joined.
         self.attribute_objects: dict[str, Tensor] = {}
-        scalars: list[tuple[str, object]] = []
-        homes: list[tuple[dict[str, Any], str]] = []  # each scalar's owner's __dict__, and its name there
+        # Each scalar as (its owner's __dict__, its name there, its value), in the modules' order.
+        self.scalars: list[tuple[dict[str, Any], str, object]] = []
         for prefix, m in module.named_modules():
             attrs = vars(m)
             for name, value in attrs.items():
                 if isinstance(value, Tensor):
                     self.attribute_objects[f"{prefix}.{name}" if prefix else name] = value
                 elif not name.startswith("_") and name != "training" and _is_scalar(value):
-                    scalars.append((f"{prefix}.{name}" if prefix else name, value))
-                    homes.append((attrs, name))
-        self.scalars = tuple(scalars)
-        self.scalar_homes = homes
+                    self.scalars.append((attrs, name, value))
         self.attributes = {n: v.detach() for n, v in self.attribute_objects.items()}
         self.attribute_versions = {n: v._version for n, v in self.attributes.items()}
 
     def keep_scalars_the_forward_left(self, module: nn.Module) -> None:
         """Drop the Python values the forward itself changed (a call counter): the replay reads
         them as it finds them (README), and they do not keep calls apart."""
-        kept = [
-            (scalar, home)
-            for scalar, home in zip(self.scalars, self.scalar_homes, strict=True)
-            if _same_value(home[0].get(home[1], _MISSING), scalar[1])
-        ]
-        self.scalars = tuple([scalar for scalar, _ in kept])
-        self.scalar_homes = [home for _, home in kept]
+        self.scalars = [(attrs, n, v) for attrs, n, v in self.scalars if _same_value(attrs.get(n, _MISSING), v)]
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
@@ -231,7 +222,7 @@ class _ForwardState:
         attributes = tuple([(n, _storage_key(v)) for n, v in self.attributes.items()])
         return (
             self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast,
-            attributes, self.scalars,
+            attributes, tuple([(n, v) for _, n, v in self.scalars]),
         )
 
     def changed_in_place(self) -> list[str]:
@@ -334,7 +325,7 @@ class _ForwardState:
         # __setattr__ would refuse a number there), and each put back whatever happens.
         found: list[tuple[dict[str, Any], str, object]] = []
         try:
-            for (_, value), (attrs, name) in zip(self.scalars, self.scalar_homes, strict=True):
+            for attrs, name, value in self.scalars:
                 found.append((attrs, name, attrs.get(name, _MISSING)))
                 attrs[name] = value
             yield
