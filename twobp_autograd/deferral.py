@@ -99,14 +99,22 @@ class ParamDeferral(NamedTuple):
         into it), 'now' (``autograd.grad`` asks for it, it is no leaf, or a tensor hook waits for
         each backward's gradient of it: its gradient flows on through autograd) or 'skip' (not
         wanted, frozen, even since the forward, or not reached by this backward)."""
+        return self._decisions(ctx, self._param_nodes(ctx))
+
+    def _param_nodes(self, ctx: Any) -> list[Any]:
+        """The nodes the parameter inputs' edges lead to (a leaf's AccumulateGrad), after
+        refusing ``create_graph=True``. (``next_functions`` builds a new tuple per read: read once.)"""
         _refuse_create_graph()
-        if not hasattr(ctx, "next_functions"):  # Dynamo speculating this backward (fullgraph=True ends here)
+        edges = getattr(ctx, "next_functions", None)
+        if edges is None:  # Dynamo speculating this backward (fullgraph=True ends here)
             raise RuntimeError(
                 "twobp: torch.compile cannot trace a patched layer's deferred backward into one graph: "
                 "fullgraph=True is not supported over a patched model (each patched layer ends a graph). "
                 "Compile without fullgraph, or compile the unpatched model (twobp.unpatch)."
             )
-        first = len(ctx.next_functions) - len(self.params)
+        return [node for node, _ in edges[len(edges) - len(self.params) :]]
+
+    def _decisions(self, ctx: Any, nodes: Sequence[Any]) -> list[Decision]:
         needed = ctx.needs_input_grad[len(ctx.needs_input_grad) - len(self.params) :]
         # A leaf frozen since the forward gets nothing, as autograd's accumulator skips a
         # variable that no longer requires grad when backward reaches it.
@@ -114,7 +122,7 @@ class ParamDeferral(NamedTuple):
             "skip" if not need or (param is not None and not param.requires_grad)
             else "now" if param is None
             else _decide_param(param, node)
-            for param, (node, _), need in zip(self.params, ctx.next_functions[first:], needed, strict=True)
+            for param, node, need in zip(self.params, nodes, needed, strict=True)
         ]
         if "defer" in decisions and getattr(ctx, _POST_HOOKED, False):
             _warn_post_hooked_once()
@@ -136,7 +144,7 @@ class ParamDeferral(NamedTuple):
         deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions, strict=True)]
         if any(deferring):
             self._enqueue(
-                ctx,
+                self._param_nodes(ctx),
                 WeightGradJob(
                     kernel=finished_grads,
                     group=finished_grads,
@@ -153,10 +161,9 @@ class ParamDeferral(NamedTuple):
             )
         return [g if d == "now" else None for g, d in zip(grads, decisions, strict=True)]
 
-    def _enqueue(self, ctx: Any, job: WeightGradJob) -> None:
+    def _enqueue(self, nodes: Sequence[Any], job: WeightGradJob) -> None:
         # The parameters' accumulators, from the node's own edges to them (see WeightGradJob).
-        edges = ctx.next_functions[len(ctx.next_functions) - len(self.params) :]
-        job.accumulators = tuple([node for (node, _), p in zip(edges, job.params, strict=True) if p is not None])
+        job.accumulators = tuple([node for node, p in zip(nodes, job.params, strict=True) if p is not None])
         self.queue.enqueue(job)
 
     def route(
@@ -171,7 +178,8 @@ class ParamDeferral(NamedTuple):
         """In the backward of a Function whose last inputs are the parameters: queue
         ``kernel``'s work for the 'defer' parameters (one job), run it now for the 'now' ones
         and return what autograd gets: their gradients, None for the rest."""
-        decisions = self.decide(ctx)
+        nodes = self._param_nodes(ctx)
+        decisions = self._decisions(ctx, nodes)
         if "now" in decisions and _carries_tangents(ctx, grad_outputs):
             raise RuntimeError(
                 "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
@@ -188,7 +196,7 @@ class ParamDeferral(NamedTuple):
             param_grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
         if "defer" in decisions:
             self._enqueue(
-                ctx,
+                nodes,
                 WeightGradJob(
                     kernel=kernel,
                     group=group,

@@ -152,26 +152,33 @@ def run_jobs(
             return run_jobs(jobs, options, early=early)
     for job in jobs:
         job.check_unmodified()
-    grouped: dict[Hashable, list[WeightGradJob]] = {}  # (kernel group, parameters, shapes) -> jobs
-    for job in jobs:
-        shapes = tuple([(t.shape[1:], t.dtype, t.device) for t in job.tensors()])
-        grouped.setdefault((job.group, tuple(map(id, job.params)), shapes, job.autocast), []).append(job)
-    groups = list(grouped.values())
-    last_group = {id(p): index for index, group in enumerate(groups) for p in group[0].params if p is not None}
-    watches = _watches_for(groups, early) if any(active() for _, active in _watchers) else []
+    groups = _grouped(jobs)
+    last_group: dict[int, int] = {}  # id(param) -> the last group computing for it
+    hooked = False
+    for index, group in enumerate(groups):
+        for param in group[0].params:
+            if param is not None:
+                last_group[id(param)] = index
+                hooked = hooked or has_user_hooks(param)
+    watches = _watches_for(groups, early) if _watchers and any(active() for _, active in _watchers) else []
     # Per group, as plain autograd checks the nodes of backwards run under anomaly mode only (or
     # every group, where the flush itself runs under it).
     check_all = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
-    running = _RunningFlush(jobs, _HookedDelivery.of(groups))
-    hooked = running.hooked
-    _running.append(running)
+    check_some = check_all or any(job.check_nan for job in jobs)
+    delivery = _HookedDelivery(groups) if hooked else None
+    deliver = delivery.deliver if delivery is not None else _deliver
+    if delivery is not None:
+        _hooked_flushes.append(delivery)
 
     summing: dict[int, tuple[Tensor, _Sum]] = {}  # id(param) -> (param, gradient so far)
     ready: list[tuple[Tensor, Tensor]] = []
     ready_bytes = 0
+    bucket_bytes = options.delivery_bucket_bytes
     handed_over = False
+    grad_was_enabled = torch.is_grad_enabled()
     try:
-        with torch.no_grad():
+        torch._C._set_grad_enabled(False)  # torch.no_grad() costs a microsecond more per flush
+        try:
             launched = None
             if options.weight_grad_streams > 1:
                 launched = LaunchedGroups(
@@ -181,23 +188,27 @@ def run_jobs(
                 )
             for index, group in enumerate(groups):
                 grads = _run_group(group, options) if launched is None else launched.take(index)
-                if check_all or any(job.check_nan for job in group):
+                if check_some and (check_all or any(job.check_nan for job in group)):
                     _refuse_nan(group[0], grads)
                 readied = len(ready)
-                ready_bytes += _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
+                _take_group_grads(group[0].params, grads, index, last_group, summing, ready)
                 del grads
-                if hooked is not None:
-                    hooked.forget_undeliverable(group[0].params, index, last_group, ready[readied:])
-                bucket_full = options.delivery_bucket_bytes is not None and ready_bytes >= options.delivery_bucket_bytes
+                if delivery is not None:
+                    delivery.forget_undeliverable(group[0].params, index, last_group, ready[readied:])
+                if bucket_bytes is not None:
+                    ready_bytes += sum(param.numel() * param.element_size() for param, _ in ready[readied:])
                 if early:
                     _hold_back(ready, watches, held)
+                bucket_full = bucket_bytes is not None and ready_bytes >= bucket_bytes
                 if ready and (bucket_full or _completes_a_watch(ready, watches)):
                     handed_over = True
-                    (hooked.deliver if hooked is not None else _deliver)(ready, watches)
+                    deliver(ready, watches)
                     ready_bytes = 0
+        finally:
+            torch._C._set_grad_enabled(grad_was_enabled)
         # From here a failure (a hook raising) may leave part of the gradients in .grad.
         handed_over = handed_over or bool(ready)
-        (hooked.deliver if hooked is not None else _deliver)(ready, watches)
+        deliver(ready, watches)
     except BaseException as error:
         if handed_over and not isinstance(error, Exception):
             # KeyboardInterrupt, SystemExit: keep the exception as it is, but say that part of
@@ -218,10 +229,23 @@ def run_jobs(
             ) from error
         raise
     finally:
-        del _running[next(i for i, other in enumerate(_running) if other is running)]
+        if delivery is not None:
+            del _hooked_flushes[next(i for i, other in enumerate(_hooked_flushes) if other is delivery)]
     for watch in watches:
         watch.finished()
     return held
+
+
+def _grouped(jobs: Sequence[WeightGradJob]) -> list[list[WeightGradJob]]:
+    """``jobs`` grouped by kernel group, parameters, trailing shapes and autocast dtype: each
+    group can be one kernel call (a flush of one job, one layer's, needs no grouping)."""
+    if len(jobs) == 1:
+        return [list(jobs)]
+    grouped: dict[Hashable, list[WeightGradJob]] = {}
+    for job in jobs:
+        shapes = tuple([(t.shape[1:], t.dtype, t.device) for t in job.tensors()])
+        grouped.setdefault((job.group, tuple(map(id, job.params)), shapes, job.autocast), []).append(job)
+    return list(grouped.values())
 
 
 def _hold_back(
@@ -251,11 +275,6 @@ class _HookedDelivery:
                         calls.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)  # id(param): gradients not handed over yet
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
-
-    @classmethod
-    def of(cls, groups: list[list[WeightGradJob]]) -> _HookedDelivery | None:
-        hooked = any(p is not None and has_user_hooks(p) for g in groups for p in g[0].params)
-        return cls(groups) if hooked else None
 
     def forget_undeliverable(
         self,
@@ -349,13 +368,8 @@ def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandl
     return handle
 
 
-class _RunningFlush(NamedTuple):
-    jobs: Sequence[WeightGradJob]
-    hooked: _HookedDelivery | None
-
-
-#: The flushes running now (in any thread: on CUDA, hooks run on autograd's threads).
-_running: list[_RunningFlush] = []
+#: The flushes to hooked parameters running now (in any thread: on CUDA, hooks run on autograd's threads).
+_hooked_flushes: list[_HookedDelivery] = []
 
 
 class _Delivered(NamedTuple):
@@ -400,7 +414,7 @@ def forget_deliveries(params: Iterable[Tensor]) -> None:
 def undelivered(params: Iterable[Tensor]) -> list[Tensor]:
     """Those of ``params`` whose gradient a running flush with post-accumulate-grad hooks has
     yet to hand over (asked by the guards, from such a hook)."""
-    pending = [running.hooked.pending for running in list(_running) if running.hooked is not None]
+    pending = [delivery.pending for delivery in list(_hooked_flushes)]
     if not pending:
         return []
     return [param for param in params if any(id(param) in ids for ids in pending)]
@@ -411,7 +425,7 @@ def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
     backward call, counting those earlier flushes put into its ``.grad`` (asked by the
     optimizer step guard: a step in a post-accumulate-grad hook, which only a flush with such
     hooks runs)."""
-    hooked = [running.hooked for running in list(_running) if running.hooked is not None]
+    hooked = list(_hooked_flushes)
     if not hooked:  # every step asks
         return False
     for param in params:
@@ -460,13 +474,11 @@ def _take_group_grads(
     last_group: dict[int, int],
     summing: dict[int, tuple[Tensor, _Sum]],
     ready: list[tuple[Tensor, Tensor]],
-) -> int:
+) -> None:
     """Add group ``index``'s gradients, each cast to its parameter's dtype first as autograd
     casts each path before summing; a parameter whose last group this is goes to ``ready``
-    (most have one group: their gradient goes as the kernel made it). Returns the bytes made
-    ready. (A frame of its own: no local outlives it to hold a gradient, so AccumulateGrad can
-    take each without a copy.)"""
-    made_ready = 0
+    (most have one group: their gradient goes as the kernel made it). (A frame of its own: no
+    local outlives it to hold a gradient, so AccumulateGrad can take each without a copy.)"""
     for param, grad in zip(params, grads, strict=True):  # a kernel returns one per parameter
         if param is None:
             continue
@@ -485,10 +497,8 @@ def _take_group_grads(
             made = (entry[1] if grad is None else entry[1].add(grad)).tensor  # summed in place in `summing`
         if last:
             ready.append((param, made))
-            made_ready += param.numel() * param.element_size()
         elif entry is None:
             summing[key] = (param, _Sum(made))
-    return made_ready
 
 
 def accumulated_dtype(param: Tensor) -> torch.dtype:
@@ -506,13 +516,21 @@ def _deliver(ready: list[tuple[Tensor, Tensor]], watches: Sequence[DeliveryWatch
     """Hand ``ready``'s gradients to their parameters, tell ``watches``, and empty ``ready``."""
     if not ready:
         return
-    params = [param for param, _ in ready]
-    copies_are_cheap = all(p.grad is not None or g.numel() * g.element_size() <= _COPY_BYTES for p, g in ready)
-    grads = [grad for _, grad in ready]
-    ready.clear()
+    params: list[Tensor] = []
+    grads: list[Tensor] = []
     # A parameter frozen (requires_grad_(False)) between backward and flush still gets the
     # gradient plain autograd gave it during backward: it is unfrozen for the hand-over.
-    frozen = [p for p in params if not p.requires_grad]
+    frozen: list[Tensor] = []
+    copies_are_cheap = True
+    for param, grad in ready:
+        params.append(param)
+        grads.append(grad)
+        if not param.requires_grad:
+            frozen.append(param)
+        if copies_are_cheap and param.grad is None and grad.numel() * grad.element_size() > _COPY_BYTES:
+            copies_are_cheap = False
+    ready.clear()
+    del grad
     try:
         for param in frozen:
             param.requires_grad_(True)
@@ -640,14 +658,14 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
     """``grads`` if they are one tensor (or None) per parameter, shaped like it; else a clear
     error, raised before anything reaches ``.grad`` (the work stays queued)."""
     params = job.params
-    wrong = not isinstance(grads, (list, tuple)) or len(grads) != len(params) or any(
-        grad is not None
-        and (
+    wrong = not isinstance(grads, (list, tuple)) or len(grads) != len(params)
+    for param, grad in zip(params, () if wrong else grads, strict=False):  # a loop: no generator per call
+        if grad is not None and (
             not isinstance(grad, Tensor)
             or (param is not None and (grad.shape != param.shape or _on_another_device(grad, param)))
-        )
-        for param, grad in zip(params, grads, strict=False)
-    )
+        ):
+            wrong = True
+            break
     if wrong:
         raise RuntimeError(
             f"twobp: the weight-gradient kernel '{_kernel_name(job)}' returned {_described(grads)} for "

@@ -96,16 +96,19 @@ class _BackwardEnd:
     without calling it (a backward that raised: on the caller's thread on a CPU, on the
     device's thread on CUDA, whichever drops the task last)."""
 
-    __slots__ = ("queue", "task")
+    __slots__ = ("queue", "task", "told")
 
     def __init__(self, queue: WeightGradQueue, task: int) -> None:
         self.queue, self.task = queue, task
+        self.told = False
 
     def __call__(self) -> None:
         self.queue._backward_finished(self.task)
+        self.told = True  # the graph task's release then has nothing left to tell
 
     def __del__(self) -> None:
-        self.queue._backward_finished(self.task)
+        if not self.told:
+            self.queue._backward_finished(self.task)
 
 
 class WeightGradQueue:
@@ -213,11 +216,12 @@ class WeightGradQueue:
             if self._offload is not None:
                 job.park(self._offload)
             self._jobs.append(job)
-            self._count([job], +1)
+            if self.max_pending_bytes is not None:
+                self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
                 self._running_backwards[task] = threading.get_ident() if job.device.type == "cpu" else None
                 torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
-        if not self._cap_deferred:
+        if self.max_pending_bytes is not None and not self._cap_deferred:
             self._enforce_cap()
 
     def _backward_finished(self, task: int) -> None:
