@@ -135,10 +135,10 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
     # flatten, not reshape(-1, features): that is ambiguous for a batch of 0 with 0 features.
     if input.dim() == 0:
         return F.linear(input, weight, bias)  # plain's error (one feature would run on as a row)
+    if input.dim() == 2:
+        return deferred_rows_product(input, weight, bias)
     rows = input.flatten(0, -2) if input.dim() > 1 else input.unsqueeze(0)
     output = deferred_rows_product(rows, weight, bias)
-    if input.dim() == 2:
-        return output
     # Shaped as aten::linear returns it: with a bias a view of the 2-D product (addmm, then view),
     # without one no view (matmul's _unsafe_view). Autograd treats the two apart: an in-place op
     # on a view rebases its history, and a hook registered on the view before is never called.
