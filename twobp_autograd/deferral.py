@@ -543,14 +543,8 @@ def defer_weight_grads(
             f"twobp: defer_weight_grads needs a hashable group, got {group!r}: a functools.partial kernel "
             "takes hashable arguments only (a tuple, not a list or dict), or pass group="
         ) from None
-    spec = _TapSpec(
-        kernel=kernel,
-        group=group,
-        concatenate=concatenate,
-        num_outputs=len(outs),
-        deferral=deferral,
-        saves_reached=saves_reached and len(outs) > 1,
-    )
+    # tuple.__new__: a NamedTuple's own __new__ is a Python frame (see ParamDeferral.at_forward)
+    spec = tuple.__new__(_TapSpec, (kernel, group, concatenate, len(outs), deferral, saves_reached and len(outs) > 1))
     _refuse_undetached_params(outs, deferral.params)
     # The leaf parameters are inputs of the tap so that its node has an edge to each one's
     # gradient accumulator: that is what the engine is asked about in backward. (The others,

@@ -65,8 +65,8 @@ class WeightGradJob:
         self.accumulators: tuple[Any, ...] = ()
 
     def _versions(self) -> tuple[int, ...]:
-        watched = [*self.saved, *self.grad_outputs, *[p for p in self.params if p is not None]]
-        return tuple([t._version for t in watched])  # a list first: a generator costs more per call
+        watched = (*self.saved, *self.grad_outputs, *self.params)
+        return tuple([t._version for t in watched if t is not None])  # a list first: a generator costs more
 
     def drop_params(self, dropped: set[int]) -> bool:
         """Stop computing the gradients of the parameters whose ``id`` is in ``dropped``;
