@@ -65,7 +65,11 @@ def conv_weight_grad(
     # bf16/fp16 weight-gradient convolutions over joined micro-batches lose up to 25 times
     # autograd's precision (measured on CPU): run them in fp32 (see .precision).
     accumulate = accumulation_dtype(input.dtype)
-    input, grad_output = input.to(accumulate), grad_output.to(accumulate)
+    # Converted only where the dtype differs: even a no-op .to() costs a dispatch per flush.
+    if input.dtype != accumulate:
+        input = input.to(accumulate)
+    if grad_output.dtype != accumulate:
+        grad_output = grad_output.to(accumulate)
     if extra_right_padding is not None:
         input = F.pad(input, extra_right_padding)
     need_weight, need_bias = needs
@@ -74,23 +78,21 @@ def conv_weight_grad(
         # Never read (its gradient is not asked for): only its shape and layout steer the backend.
         weight = input.new_empty_strided(weight_shape, weight_stride)  # a DTensor where input is one
         weight_grad = torch.ops.aten.convolution_backward(
-            grad_output,
-            input,
-            weight,
-            None,
-            list(stride),
-            list(padding),
-            list(dilation),
-            transposed,
-            list(output_padding),
-            groups,
-            [False, True, False],
+            grad_output, input, weight, None, stride, padding, dilation, transposed, output_padding, groups,
+            _WEIGHT_ONLY,
         )[1]
     # The bias by a reduction of its own: the CPU backend's sum over a joined batch runs almost
     # serially (measured: 16 joined micro-batches of 8x4x64x64, 4.8e-3 relative error against
     # fp64 where plain's per micro-batch had 3.8e-7); torch.sum sums pairwise.
-    bias_grad = grad_output.sum([d for d in range(grad_output.dim()) if d != 1]) if need_bias else None
+    bias_grad = grad_output.sum(_ALL_BUT_CHANNELS[grad_output.dim()]) if need_bias else None
     return [weight_grad, bias_grad]
+
+
+#: convolution_backward's output mask for the weight's gradient alone.
+_WEIGHT_ONLY = (False, True, False)
+
+#: A bias gradient's reduction dims, by the output gradient's number of dims (channels on dim 1).
+_ALL_BUT_CHANNELS = {dims: tuple(d for d in range(dims) if d != 1) for dims in (3, 4, 5)}
 
 
 def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, IntTuple | None]:
