@@ -2744,3 +2744,52 @@ def test_a_parameter_of_the_activations_shape_with_one_sample_micro_batches_matc
         reference(x).square().sum().backward()
     queue.flush()
     assert_grads_match(patched, reference, torch.float64)
+
+
+def _module_tensor_cases() -> dict[str, tuple[nn.Module, str]]:
+    parametrized = nn.Linear(3, 2)
+    torch.nn.utils.parametrize.register_parametrization(parametrized, "weight", nn.Tanh())
+    weight_normed = torch.nn.utils.weight_norm(nn.Linear(3, 2))
+    weight_normed(torch.randn(1, 3))  # its pre-hook sets the instance attribute `weight`
+    shadowed = nn.Linear(3, 2)
+    shadowed.__dict__["bias"] = torch.zeros(2)  # bypassing __setattr__: lookup finds this first
+
+    class LinearWithClassBias(nn.Linear):
+        """Given, after construction (``register_parameter`` refuses the name before), a class
+        attribute named like a parameter: attribute lookup finds it before the parameter."""
+
+    class_shadowed = LinearWithClassBias(3, 2)
+    LinearWithClassBias.bias = property(lambda self: self.weight[0])  # type: ignore[assignment]
+    return {
+        "parameter": (nn.Linear(3, 2), "weight"),
+        "none-parameter": (nn.Linear(3, 2, bias=False), "bias"),
+        "buffer": (nn.BatchNorm1d(2), "running_mean"),
+        "none-buffer": (nn.BatchNorm1d(2, track_running_stats=False), "running_var"),
+        "parametrization": (parametrized, "weight"),
+        "weight-norm-instance-attribute": (weight_normed, "weight"),
+        "instance-attribute-shadowing-a-parameter": (shadowed, "bias"),
+        "class-attribute-shadowing-a-parameter": (class_shadowed, "bias"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_module_tensor_cases()))
+def test_module_tensor_reads_what_getattr_reads(case: str) -> None:
+    from twobp_autograd.deferral import module_tensor
+
+    module, name = _module_tensor_cases()[case]
+    expected = getattr(module, name)
+    got = module_tensor(module, name)
+    if isinstance(expected, Tensor):
+        # A parametrization rebuilds its tensor per read: equal values, not the same object.
+        assert isinstance(got, Tensor) and torch.equal(got, expected)
+        # (A parametrization, and the property here, build a new tensor per read.)
+        assert (got is expected) == (case not in ("parametrization", "class-attribute-shadowing-a-parameter"))
+    else:
+        assert got is expected
+
+
+def test_module_tensor_raises_as_getattr_for_a_missing_name() -> None:
+    from twobp_autograd.deferral import module_tensor
+
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        module_tensor(nn.Linear(3, 2), "nothing")

@@ -52,6 +52,7 @@ __all__ = [
     "inside_first_call_check",
     "guard_tangent",
     "kernel_group",
+    "module_tensor",
     "param_inputs",
     "param_from_input",
     "sees_post_hooks",
@@ -69,6 +70,33 @@ def detached(param: Tensor | None) -> Tensor | None:
     anything else as it is (a weight rebuilt from parametrizations or ``weight_norm`` at each
     call keeps its graph, and autograd differentiates through it at once)."""
     return param.detach() if param is not None and param.is_leaf else param
+
+
+def module_tensor(module: torch.nn.Module, name: str) -> Any:
+    """``getattr(module, name)`` for a parameter or buffer, read from the module's own dicts where
+    that is what attribute lookup finds (no instance attribute or class attribute of that name: a
+    parametrization's property takes the name out of ``_parameters``): ``nn.Module.__getattr__``
+    is a Python frame, about 0.4 us per read, and a patched forward reads a few per call."""
+    if name not in module.__dict__ and not _class_defines(type(module), name):
+        parameters = module._parameters
+        if name in parameters:
+            return parameters[name]
+        buffers = module._buffers
+        if name in buffers:
+            return buffers[name]
+    return getattr(module, name)
+
+
+def _class_defines(cls: type, name: str) -> bool:
+    """``hasattr(cls, name)``, looked up once per class and name (classes do not change per call)."""
+    key = (cls, name)
+    found = _CLASS_ATTRIBUTES.get(key)
+    if found is None:
+        found = _CLASS_ATTRIBUTES[key] = hasattr(cls, name)
+    return found
+
+
+_CLASS_ATTRIBUTES: dict[tuple[type, str], bool] = {}
 
 
 #: What one backward does with a parameter's gradient: queue it, return it, or leave it alone.

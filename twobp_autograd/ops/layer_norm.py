@@ -18,6 +18,7 @@ from ..deferral import (
     configured_kernel,
     defer_weight_grads,
     detached,
+    module_tensor,
     param_from_input,
     param_inputs,
     sees_post_hooks,
@@ -112,7 +113,8 @@ def _layer_norm_rows(x: Tensor, mean: Tensor, rstd: Tensor, shape: tuple[int, ..
 
 @register(nn.LayerNorm)
 def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
-    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    # Once each: a parametrized weight is rebuilt per read.
+    params = (module_tensor(module, "weight"), module_tensor(module, "bias"))
     reason = unsupported_tensors(input, *params)
     if reason is not None:
         return plain_forward(module, reason, input)
