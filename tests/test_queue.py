@@ -1072,3 +1072,41 @@ def test_zero_grad_of_part_of_a_layers_parameters_keeps_a_capped_queues_bytes_ex
         queue.flush()
         assert queue.pending() == (0, 0)
         model.zero_grad()
+
+
+def test_a_backward_that_raised_after_queueing_work_warns_that_a_reused_parameter_differs(monkeypatch):
+    """A block called twice: the backward raised between its two uses. Plain autograd's
+    accumulator had not run (it runs once every use has reached it), so plain keeps none of that
+    backward's gradient for the block; the split had queued the later use's. Without a warning
+    a retry without zero_grad silently added it (0.8 off on the block's weight)."""
+    monkeypatch.setattr(warn_once, "given", set())
+    block, middle = nn.Linear(4, 4), nn.Linear(4, 4)
+    patched_modules = twobp.patch(copy.deepcopy(nn.ModuleList([block, middle])))
+    x = torch.randn(3, 4)
+
+    def failing_step(modules: nn.ModuleList) -> None:
+        hidden = modules[1](torch.tanh(modules[0](x)))
+        hidden.register_hook(_raise_in_backward)  # after the second use's backward
+        with pytest.raises(ValueError, match="a hook failed"):
+            modules[0](torch.tanh(hidden)).sum().backward()
+
+    failing_step(nn.ModuleList([block, middle]))
+    assert block.weight.grad is None  # plain: the accumulator never ran
+    with pytest.warns(RuntimeWarning, match="a parameter used more than once"):
+        failing_step(patched_modules)
+    assert twobp.pending().jobs == 1  # the later use's work, which plain does not have
+    optimizer = torch.optim.SGD(patched_modules.parameters(), lr=0.1)
+    optimizer.zero_grad()  # what the warning says: the queued work goes with the step's gradients
+    assert twobp.pending().jobs == 0 and patched_modules[0].weight.grad is None
+
+
+def test_a_backward_that_raised_before_queueing_work_does_not_warn(monkeypatch):
+    monkeypatch.setattr(warn_once, "given", set())
+    patched = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    output = patched(torch.randn(5, 3))
+    output.register_hook(_raise_in_backward)  # before any patched layer's backward
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="a hook failed"):
+            output.sum().backward()
+    assert twobp.pending().jobs == 0

@@ -107,8 +107,8 @@ class _BackwardEnd:
         self.told = True  # the graph task's release then has nothing left to tell
 
     def __del__(self) -> None:
-        if not self.told:
-            self.queue._backward_finished(self.task)
+        if not self.told:  # the backward raised
+            self.queue._backward_finished(self.task, raised=True)
 
 
 class WeightGradQueue:
@@ -224,11 +224,14 @@ class WeightGradQueue:
         if self.max_pending_bytes is not None and not self._cap_deferred:
             self._enforce_cap()
 
-    def _backward_finished(self, task: int) -> None:
-        """The backward ``task`` has ended (see :class:`_BackwardEnd`)."""
+    def _backward_finished(self, task: int, *, raised: bool = False) -> None:
+        """The backward ``task`` has ended (see :class:`_BackwardEnd`), or ``raised``."""
         with self._lock:
             self._running_backwards.pop(task, None)
             self._backward_ended.notify_all()
+            left_work = raised and any(job.task == task for job in self._jobs)
+        if left_work:
+            _warn_raised_backward_once()
 
     @contextlib.contextmanager
     def cap_enforced_after(self) -> Iterator[WeightGradQueue]:
@@ -576,6 +579,25 @@ def _waits_for_the_flush(job: WeightGradJob) -> bool:
     post-accumulate-grad hook that must see its whole gradient once per flush (see
     :meth:`WeightGradQueue._enforce_cap`)."""
     return job.group is _HELD_BACK or any(param is not None and has_user_hooks(param) for param in job.params)
+
+
+def _warn_raised_backward_once() -> None:
+    """A backward that raised leaves the work it queued, as plain autograd leaves what its
+    accumulators had summed; but a parameter used more than once (a tied embedding and head, a
+    block called twice) gets its gradient from plain's accumulator only once every use has
+    reached it, while the split queued each use as the backward reached it."""
+    warn_once(
+        "raised backward left work",
+        "twobp: a backward raised after it had queued weight-gradient work. A flush runs that work, "
+        "as plain autograd keeps what its gradient accumulators had summed before the error, except "
+        "for a parameter used more than once (a tied embedding and head, a block called twice): plain "
+        "keeps none of that backward's gradient for it unless the error came after its last use, while "
+        "each use reached before the error is queued here. Drop the failed step's gradients before "
+        "running it again: optimizer.zero_grad(), or twobp.discard_weight_grads() for the queued work "
+        "alone.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def _warn_cap_kept_for_hooks_once() -> None:
