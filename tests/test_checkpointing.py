@@ -469,6 +469,96 @@ def test_nested_checkpoints_recomputed_after_a_mode_switch_take_their_forwards_p
     assert_grads_match(patched, reference)
 
 
+def _nothing_saved() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    return create_selective_checkpoint_contexts([])
+
+
+class _NormsInside(nn.Module):
+    """A Linear, a checkpoint of an RMSNorm and a MultiheadAttention, a Linear: the nested
+    region's patched calls save other tensors on each path, and the outer region runs on past it."""
+
+    def __init__(self, inner: str) -> None:
+        super().__init__()
+        self.inner = inner
+        self.first, self.last = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.norm, self.attention = nn.RMSNorm(8), nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def region(self, t: Tensor) -> Tensor:
+        h = self.norm(t)
+        return self.attention(h, h, h, need_weights=False)[0]
+
+    def forward(self, x: Tensor) -> Tensor:
+        context = {"selective": {"context_fn": _nothing_saved}, "non-reentrant": {}}[self.inner]
+        return self.last(checkpoint(self.region, self.first(x), use_reentrant=False, **context))
+
+
+@pytest.mark.parametrize("forward_mode", ["eval", "train"])
+@pytest.mark.parametrize("inner", ["non-reentrant", "selective"])
+def test_a_checkpoint_nested_in_a_selective_one_made_again_after_a_mode_switch_takes_its_forwards_path(
+    inner, forward_mode
+):
+    """The outer (selective) checkpoint's recomputation makes the nested checkpoint anew, whose
+    calls took the path the new mode says: the selective checkpoint, which checks every op of its
+    recomputation against its forward's, failed with "aten.view.default encountered during
+    backward but not found in storage" (plain runs). The new frame now takes the paths its
+    forward's twin recorded."""
+    patched, reference = patched_and_reference(_NormsInside(inner).double())
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for model in (patched, reference):
+        model.train(forward_mode == "train")
+        output = checkpoint(model, x, use_reentrant=False, context_fn=_nothing_saved)
+        model.train(forward_mode != "train")
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_checkpoints_nested_three_deep_made_again_after_a_mode_switch_take_their_forwards_paths():
+    """Inside a frame made again (the middle checkpoint, by the outer's recomputation), the
+    innermost checkpoint is linked to the one its forward made inside the middle's first frame."""
+    patched, reference = patched_and_reference(_NormsInside("non-reentrant").double())
+    x = torch.randn(2, 3, 8, dtype=torch.float64)
+    for model in (patched, reference):
+        model.eval()
+
+        def middle(t, model=model):
+            return model.last(checkpoint(model.region, t, use_reentrant=False))
+
+        def outer(t, model=model):
+            return checkpoint(middle, model.first(t), use_reentrant=False).tanh()
+
+        output = checkpoint(outer, x, use_reentrant=False, context_fn=_nothing_saved)
+        model.train()
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_a_checkpoint_made_in_another_ones_recomputation_is_linked_to_its_forwards(monkeypatch):
+    """torch.utils.checkpoint's hook is made once per frame while the enclosing checkpoint's hooks
+    are on top (private): if PyTorch changes that, this fails before a nested region goes unseen."""
+    from twobp_autograd import checkpoint_paths
+
+    twobp.patch(nn.Linear(2, 2))  # the link is installed with a patched module's guards
+    frames: list[object] = []
+
+    def inner(t):
+        found = checkpoint_paths._innermost_frame()
+        assert found is not None
+        frames.append(found[0])
+        return t.sin()
+
+    def outer(t):
+        return checkpoint(inner, t.cos(), use_reentrant=False).exp()
+
+    checkpoint(outer, torch.randn(3, requires_grad=True), use_reentrant=False).sum().backward()
+    # The inner region ran in the forward, again in the outer's recomputation (a new frame),
+    # and once more in its forward frame's own recomputation.
+    forward_frame, made_again, recomputed = frames
+    assert made_again is not forward_frame and checkpoint_paths._twins.get(made_again) is forward_frame
+    assert recomputed is forward_frame
+
+
 def test_the_checkpoint_frame_is_found_through_pytorchs_hooks():
     """torch.utils.checkpoint's pack hooks (private) lead to its frame, in the forward and in the
     recomputation: if PyTorch changes them, this fails before a mode switch goes unseen."""

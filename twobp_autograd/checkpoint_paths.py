@@ -6,20 +6,29 @@ backward would hand one path's tensors to the other's nodes, silently where the 
 (square Linear layers). So each patched call under a checkpoint records on the checkpoint's
 frame which path it took, and its recomputation takes the same one.
 
-The frame is found through the saved-tensor hooks ``torch.utils.checkpoint`` pushes (private:
-``tests/test_checkpointing.py`` fails if PyTorch changes them). Under other saved-tensor hooks
-pushed inside the region (``save_on_cpu`` inside it) the frame cannot be seen, and a call takes
-the path its module's mode says.
+A checkpoint nested in another is made anew each time the outer one is recomputed: that new
+frame is linked to the one made by the same call in the outer forward (the k-th checkpoint made
+inside a frame's forward and the k-th made inside its recomputation), and its calls take that
+frame's recorded paths. (A selective outer checkpoint checks every op of its recomputation,
+the nested region's too, against its forward's.)
+
+The frame is found through the saved-tensor hooks ``torch.utils.checkpoint`` pushes, and a new
+frame's enclosing one through its hook's construction (private: ``tests/test_checkpointing.py``
+fails if PyTorch changes them). Under other saved-tensor hooks pushed inside the region
+(``save_on_cpu`` inside it) the frame cannot be seen, and a call takes the path its module's
+mode says.
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Hashable
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = [
     "CallRecord",
@@ -29,6 +38,7 @@ __all__ = [
     "took_plain",
     "recorded_so_far",
     "forget_since",
+    "link_nested_frames",
 ]
 
 
@@ -52,6 +62,13 @@ def _origin(module: Any) -> int:
 _paths: weakref.WeakKeyDictionary[Any, list[CallRecord]] = weakref.WeakKeyDictionary()
 #: Per checkpoint frame, per backward (graph task) recomputing it, how many of those calls ran again.
 _replayed: weakref.WeakKeyDictionary[Any, dict[Hashable, int]] = weakref.WeakKeyDictionary()
+#: Per checkpoint frame, the checkpoints made inside its forward (or, for a frame made again, inside
+#: its run), in order; and per frame and recomputing backward, how many were made again there.
+_children: weakref.WeakKeyDictionary[Any, list[weakref.ref[Any]]] = weakref.WeakKeyDictionary()
+_children_made_again: weakref.WeakKeyDictionary[Any, dict[Hashable, int]] = weakref.WeakKeyDictionary()
+#: A checkpoint frame made again by an enclosing checkpoint's recomputation -> the frame the same
+#: call made in the forward, whose recorded paths its calls take.
+_twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 #: The records of the patched calls in progress on each thread, innermost last.
 _in_progress = threading.local()
 
@@ -68,15 +85,20 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
     if found is None:
         return None
     frame, recomputing = found
-    if recomputing is None:
+    twin = _twins.get(frame) if recomputing is None else None
+    if recomputing is None and twin is None:
         record = CallRecord(_origin(module), deferred)
         _paths.setdefault(frame, []).append(record)
         return record
-    counts = _replayed.setdefault(frame, {})
-    index = counts.get(recomputing, 0)
-    counts[recomputing] = index + 1
-    recorded = _paths.get(frame, ())
-    if index >= len(recorded) and not getattr(frame, "forward_completed", True):
+    if twin is not None:  # a nested checkpoint made again: its calls follow the forward's twin
+        index = len(_paths.get(frame, ()))
+        record_of, recorded = twin, _paths.get(twin, ())
+    else:
+        counts = _replayed.setdefault(frame, {})
+        index = counts.get(recomputing, 0)
+        counts[recomputing] = index + 1
+        record_of, recorded = frame, _paths.get(frame, ())
+    if index >= len(recorded) and not getattr(record_of, "forward_completed", True):
         # Recomputed from inside its own forward (autograd.grad in the checkpointed function,
         # no early stop): the calls past where the forward stands are not its to check.
         return None
@@ -87,7 +109,52 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
             "swapped, between the checkpointed forward and its backward. Do that before the forward, "
             "or after the backward."
         )
+    if twin is not None:  # its own recomputation, if any, replays the same
+        _paths.setdefault(frame, []).append(CallRecord(recorded[index].origin, recorded[index].deferred))
     return CallRecord(recorded[index].origin, recorded[index].deferred, replaying=True)
+
+
+def _note_new_frame(frame: Any) -> None:
+    """A checkpoint frame is being made: under another checkpoint, link it to its place there
+    (see the module's docstring). The enclosing checkpoint's hooks are still on top."""
+    found = _innermost_frame()
+    if found is None:
+        return
+    parent, recomputing = found
+    if recomputing is None:
+        siblings = _children.setdefault(parent, [])
+        index = len(siblings)
+        siblings.append(weakref.ref(frame))
+        parent_twin = _twins.get(parent)
+        originals = _children.get(parent_twin, []) if parent_twin is not None else []
+    else:
+        counts = _children_made_again.setdefault(parent, {})
+        index = counts.get(recomputing, 0)
+        counts[recomputing] = index + 1
+        originals = _children.get(parent, [])
+    original = originals[index]() if index < len(originals) else None
+    if original is not None:
+        _twins[frame] = original
+
+
+def link_nested_frames() -> None:
+    """Have ``torch.utils.checkpoint``'s hook tell :func:`_note_new_frame` of each frame it is
+    made for (once per process)."""
+    hook_class = getattr(torch.utils.checkpoint, "_checkpoint_hook", None)
+    make = getattr(hook_class, "__init__", None)
+    if hook_class is None or make is None or getattr(make, _LINKS, False):
+        return
+
+    @functools.wraps(make)
+    def linking(self: Any, frame: Any, *args: Any, **kwargs: Any) -> None:
+        _note_new_frame(frame)
+        make(self, frame, *args, **kwargs)
+
+    setattr(linking, _LINKS, True)
+    hook_class.__init__ = linking
+
+
+_LINKS = "twobp_links_nested_frames"
 
 
 def enter_call(record: CallRecord) -> None:

@@ -19,7 +19,7 @@ from torch.nn.modules import module as module_hooks
 from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
-from .checkpoint_paths import enter_call, leave_call, record_under_checkpoint, took_plain
+from .checkpoint_paths import enter_call, leave_call, link_nested_frames, record_under_checkpoint, took_plain
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
 from .grad_guard import install_grad_guards
@@ -309,6 +309,7 @@ def _install_guards() -> None:
     install_grad_guards()
     refuse_ddp_over_patched_models(_is_patched, _patched_modules)
     _adopt_shallow_copies_when_made()
+    link_nested_frames()
 
 
 def _adopt_shallow_copies_when_made() -> None:
