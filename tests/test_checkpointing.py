@@ -721,3 +721,35 @@ def test_checkpointed_regions_whose_calls_are_theirs_are_not_refused(make, early
         output.square().sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class _ExtraInTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, t: Tensor) -> Tensor:
+        h = torch.tanh(self.a(t))
+        if self.training:  # a call only training makes (an auxiliary head), after the region's saves
+            h = h + 0.0 * self.extra(h).detach()
+        return h
+
+
+def test_a_nested_checkpoint_made_again_with_more_calls_than_its_forwards_twin_runs_as_plain():
+    """eval(), forward, train(), backward: the outer recomputation makes the nested region anew,
+    now with one more patched call than its forward twin recorded (plain runs: the nested
+    recomputation stops early before it); it was refused as 'other patched calls'."""
+    model = nn.Sequential(nn.Linear(8, 8), _ExtraInTraining(), nn.Linear(8, 8)).double()
+    patched, reference = patched_and_reference(model)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    for m in (patched, reference):
+        m.eval()
+
+        def outer(t, m=m):
+            return m[2](checkpoint(m[1], m[0](t), use_reentrant=False))
+
+        output = checkpoint(outer, x, use_reentrant=False)
+        m.train()
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

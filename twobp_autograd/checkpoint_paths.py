@@ -86,19 +86,27 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
         return None
     frame, recomputing = found
     twin = _twins.get(frame) if recomputing is None else None
-    if recomputing is None and twin is None:
+    if twin is not None:  # a nested checkpoint made again: its calls follow the forward's twin
+        index, recorded = len(_paths.get(frame, ())), _paths.get(twin, ())
+        if index < len(recorded) and recorded[index].origin == _origin(module):
+            path = recorded[index]
+            _paths.setdefault(frame, []).append(CallRecord(path.origin, path.deferred))  # for its own recomputation
+            return CallRecord(path.origin, path.deferred, replaying=True)
+        if index >= len(recorded) and not getattr(twin, "forward_completed", True):
+            return None
+        # Made again with other calls than its twin's (a flag or mode its region reads changed): this
+        # frame's graph is discarded (its twin's recomputation and the enclosing one's checks are
+        # plain's), so it is no longer linked and records afresh, as any checkpoint's forward.
+        del _twins[frame]
+    if recomputing is None:
         record = CallRecord(_origin(module), deferred)
         _paths.setdefault(frame, []).append(record)
         return record
-    if twin is not None:  # a nested checkpoint made again: its calls follow the forward's twin
-        index = len(_paths.get(frame, ()))
-        record_of, recorded = twin, _paths.get(twin, ())
-    else:
-        counts = _replayed.setdefault(frame, {})
-        index = counts.get(recomputing, 0)
-        counts[recomputing] = index + 1
-        record_of, recorded = frame, _paths.get(frame, ())
-    if index >= len(recorded) and not getattr(record_of, "forward_completed", True):
+    counts = _replayed.setdefault(frame, {})
+    index = counts.get(recomputing, 0)
+    counts[recomputing] = index + 1
+    recorded = _paths.get(frame, ())
+    if index >= len(recorded) and not getattr(frame, "forward_completed", True):
         # Recomputed from inside its own forward (autograd.grad in the checkpointed function,
         # no early stop): the calls past where the forward stands are not its to check.
         return None
@@ -109,8 +117,6 @@ def record_under_checkpoint(module: Any, deferred: bool) -> CallRecord | None:
             "swapped, between the checkpointed forward and its backward. Do that before the forward, "
             "or after the backward."
         )
-    if twin is not None:  # its own recomputation, if any, replays the same
-        _paths.setdefault(frame, []).append(CallRecord(recorded[index].origin, recorded[index].deferred))
     return CallRecord(recorded[index].origin, recorded[index].deferred, replaying=True)
 
 
