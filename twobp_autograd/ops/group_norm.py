@@ -19,7 +19,7 @@ from ..deferral import configured_kernel, defer_weight_grads, detached, module_t
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks
+from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
 
 __all__ = ["group_norm", "group_norm_weight_grad"]
 
@@ -40,7 +40,7 @@ def group_norm_weight_grad(
     grad = _as_native_op_takes(grad_outputs[0], like=input)
     channels, features = input.shape[1], math.prod(input.shape[2:])
     (grad, input, mean, rstd), weight_dtype = norm_operands_summed_in_fp32((grad, input, mean, rstd), weight_dtype)
-    weight = input.new_ones(channels, dtype=weight_dtype)  # a DTensor where input is one
+    weight = unit_weight(input, channels, weight_dtype)
 
     def native(grad: Tensor, input: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor | None, ...]:
         mask = [False, need_weight, need_bias]

@@ -28,7 +28,7 @@ from ..job import WeightGradKernel
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks
+from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
 
 __all__ = ["layer_norm", "layer_norm_weight_grad"]
 
@@ -45,20 +45,22 @@ def layer_norm_weight_grad(
     x, mean, rstd = saved
     rows, mean, rstd = _layer_norm_rows(x, mean, rstd, normalized_shape)  # (rows, *normalized_shape), (rows, 1, ...)
     need_weight, need_bias = needs
-    grad = grad_outputs[0].reshape(rows.shape)
+    grad = grad_outputs[0]
+    if grad.shape != rows.shape:
+        grad = grad.reshape(rows.shape)
     (grad, rows, mean, rstd), weight_dtype = norm_operands_summed_in_fp32((grad, rows, mean, rstd), weight_dtype)
-    # Made like the saved tensors (a DTensor under tensor parallelism, which refuses a mix).
-    weight = rows.new_ones(normalized_shape, dtype=weight_dtype)
+    weight = unit_weight(rows, normalized_shape, weight_dtype)
     bias = weight if has_bias else None
+    mask = (False, need_weight, need_bias)
 
     def native(grad: Tensor, rows: Tensor, mean: Tensor, rstd: Tensor) -> tuple[Tensor | None, ...]:
-        mask = [False, need_weight, need_bias]
-        backward = torch.ops.aten.native_layer_norm_backward
-        return backward(grad, rows, normalized_shape, mean, rstd, weight, bias, mask)[1:]
+        return _native_backward(grad, rows, normalized_shape, mean, rstd, weight, bias, mask)[1:]
 
     weight_grad, bias_grad = summed_over_row_chunks(native, (grad, rows, mean, rstd), _ROWS_PER_CALL)
     return [weight_grad if need_weight else None, bias_grad if need_bias else None]
 
+
+_native_backward = torch.ops.aten.native_layer_norm_backward.default
 
 #: Rows per CPU kernel call (see .precision): the error of a 1024-row sum, at about the speed
 #: of one call (measured 0.9-1.4x of one call over 4096-65536 joined rows of 64-1024 features).
