@@ -2793,3 +2793,38 @@ def test_module_tensor_raises_as_getattr_for_a_missing_name() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         module_tensor(nn.Linear(3, 2), "nothing")
+
+
+def test_module_tensor_follows_a_class_changed_after_a_read_and_a_getattr_override() -> None:
+    from twobp_autograd.deferral import module_tensor
+
+    class LinearGainingAProperty(nn.Linear):
+        pass
+
+    module = LinearGainingAProperty(3, 2)
+    assert module_tensor(module, "bias") is module.bias  # read once before the class changes
+    LinearGainingAProperty.bias = property(lambda self: self._parameters["bias"] * 2)  # type: ignore[assignment]
+    assert torch.equal(module_tensor(module, "bias"), module.bias)
+
+    class ScaledOnRead(nn.Linear):
+        def __getattr__(self, name: str) -> object:
+            value = super().__getattr__(name)
+            return value * 2 if name == "weight" else value
+
+    scaled = ScaledOnRead(3, 2)
+    assert torch.equal(module_tensor(scaled, "weight"), scaled.weight)
+
+
+def test_module_tensor_keeps_no_parametrized_module_alive() -> None:
+    import gc
+    import weakref
+
+    from twobp_autograd.deferral import module_tensor
+
+    module = nn.Linear(3, 2)
+    torch.nn.utils.parametrize.register_parametrization(module, "weight", nn.Tanh())
+    module_tensor(module, "weight"), module_tensor(module, "bias")
+    ref = weakref.ref(module)
+    del module
+    gc.collect()
+    assert ref() is None
