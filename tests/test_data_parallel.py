@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import warnings
 import weakref
 
 import pytest
@@ -291,6 +292,30 @@ def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_gro
     synchroniser.synchronise()
     reference(x).pow(2).sum().backward()
     assert_grads_match(model, reference, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("setting", ["capped-queue", "nothing-deferred", "flushed-by-the-caller"])
+def test_an_optimizer_step_before_synchronise_is_refused(one_rank_group: None, setting: str) -> None:
+    """Under DDP the gradients are averaged as backward ends. Here the step before synchronise()
+    was refused only while weight work stayed queued: with a capped queue (flushed early), no
+    deferred layer, or a flush of the caller's, each rank stepped on its own gradients and the
+    replicas drifted apart (0.05 on 2 ranks)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    twobp.patch(model, exclude=["0", "2"] if setting == "nothing-deferred" else [])
+    synchroniser = GradientSynchroniser(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    queue = twobp.WeightGradQueue(max_pending_bytes=0 if setting == "capped-queue" else None)
+    with twobp.use_queue(queue), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # patch() finding nothing to defer says so
+        model(torch.randn(5, 3)).pow(2).sum().backward()
+    if setting == "flushed-by-the-caller":
+        queue.flush()
+    assert len(queue) == 0
+    with pytest.raises(RuntimeError, match=r"twobp: optimizer.step\(\) over parameters of a GradientSynchroniser"):
+        optimizer.step()
+    synchroniser.synchronise(queue)
+    optimizer.step()  # synchronised: the step runs
 
 
 @pytest.mark.parametrize("bucket_bytes", [4, 100_000], ids=["bucket-per-parameter", "one-bucket"])

@@ -135,6 +135,11 @@ class GradientSynchroniser:
         self._build_buckets(list(reversed(range(len(self.params)))))
         self._order_agreed = False
         self._warned_of_unknown = False
+        # A backward (or a flush outside this synchroniser) has touched the parameters since the
+        # last finish(): an optimizer step now would use each rank's own gradients.
+        self._unsynchronised = False
+        _install_step_check()
+        _live.add(self)
         # Weak: PyTorch's garbage collector does not look into a parameter's post-accumulate-grad
         # hooks, so a hook holding this synchroniser (which holds the parameters) would be a cycle
         # never collected, keeping the whole model alive after the caller dropped it.
@@ -246,6 +251,7 @@ class GradientSynchroniser:
             if not self._order_agreed:
                 self._agree_on_order()
             self._warn_of_unknown_gradients()
+            self._unsynchronised = False
         finally:
             self.reset()
             self._buffers_due = True
@@ -294,6 +300,8 @@ class GradientSynchroniser:
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._unsynchronised = False
+        _live.discard(self)
 
     def join_hook(self, **kwargs: object) -> NoReturn:
         """``torch.distributed.algorithms.Join`` (uneven inputs) asks its joinables for this:
@@ -320,6 +328,7 @@ class GradientSynchroniser:
     def _on_accumulated(self, param: Tensor) -> None:
         # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
         # unarmed flush calls it before the gradient is final: only armed deliveries count.
+        self._unsynchronised = True
         if self._armed and id(param) in self._final:
             i = self._index[id(param)]
             if not self._ready[i]:
@@ -430,6 +439,38 @@ class GradientSynchroniser:
             self._buffers_due = False
             with torch.no_grad():
                 broadcast_tensors(list(self.module.buffers()), group=self.group, wait=self._wait)
+
+
+_live: weakref.WeakSet[GradientSynchroniser] = weakref.WeakSet()
+_step_check_installed = False
+
+
+def _install_step_check() -> None:
+    global _step_check_installed
+    if not _step_check_installed:
+        _step_check_installed = True
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        register_optimizer_step_pre_hook(_refuse_step_before_synchronise)
+
+
+def _refuse_step_before_synchronise(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Under DDP the gradients are averaged when backward ends; here only at synchronise(). A
+    step between a backward and synchronise() stepped each rank on its own gradients wherever no
+    weight work was left queued (a capped queue flushed it early, a parameter with a tensor hook,
+    a flush_weight_grads() of the caller's): the replicas drifted apart silently."""
+    pending = [sync for sync in list(_live) if sync._unsynchronised]
+    if not pending:
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for sync in pending:
+        if any(i in ids for i in sync._index):
+            raise RuntimeError(
+                "twobp: optimizer.step() over parameters of a GradientSynchroniser whose gradients a "
+                "backward changed since its last synchronise(): they are this rank's own, not the "
+                "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
+                "step's last backward and before optimizer.step()."
+            )
 
 
 def _called_modules(module: nn.Module) -> list[nn.Module]:
