@@ -318,6 +318,60 @@ def test_an_optimizer_step_before_synchronise_is_refused(one_rank_group: None, s
     optimizer.step()  # synchronised: the step runs
 
 
+def test_a_step_with_a_closure_is_checked_after_the_closure(one_rank_group: None) -> None:
+    """step(closure) runs the step's last backward, and its synchronise(), inside the step (LBFGS;
+    PyTorch Lightning with accumulated micro-batches): checked before the closure, a synchronised
+    step was refused; and a closure that did not synchronise stepped on this rank's gradients."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    synchroniser = GradientSynchroniser(model)
+    xs = [torch.randn(5, 3) for _ in range(3)]
+    for net in (model, reference):
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+        for x in xs[:-1]:  # accumulated micro-batches, outside the step
+            net(x).pow(2).sum().backward()
+
+        def closure(net: nn.Module = net) -> Tensor:
+            loss = net(xs[-1]).pow(2).sum()
+            loss.backward()
+            if net is model:
+                synchroniser.synchronise()
+            return loss
+
+        optimizer.step(closure)
+    for ours, theirs in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs)
+
+    def unsynchronised() -> Tensor:
+        loss = model(xs[0]).pow(2).sum()
+        loss.backward()
+        twobp.flush_weight_grads()
+        return loss
+
+    with pytest.raises(RuntimeError, match=r"twobp: optimizer.step\(\) over parameters of a GradientSynchroniser"):
+        torch.optim.SGD(model.parameters(), lr=0.1).step(unsynchronised)
+    synchroniser.close()
+
+
+def test_a_replaced_synchroniser_still_held_is_named_in_the_refusal(one_rank_group: None) -> None:
+    """A synchroniser replaced by a new one (README: build a new one after unfreezing) but still
+    referenced keeps its hooks: its gradients are never synchronised, so every step is refused;
+    the error says to close() it, not only to synchronise."""
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    replaced = GradientSynchroniser(model)
+    synchroniser = GradientSynchroniser(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    synchroniser.synchronise()
+    with pytest.raises(RuntimeError, match=r"2 synchronisers cover them.*close\(\) it"):
+        optimizer.step()
+    replaced.close()
+    optimizer.step()
+    synchroniser.close()
+
+
 @pytest.mark.parametrize("bucket_bytes", [4, 100_000], ids=["bucket-per-parameter", "one-bucket"])
 def test_a_hook_registered_after_the_synchroniser_edits_what_is_reduced(one_rank_group: None, bucket_bytes) -> None:
     """A post-accumulate-grad hook clamping each gradient, registered after the synchroniser:

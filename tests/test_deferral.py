@@ -2812,6 +2812,8 @@ def test_module_tensor_follows_a_class_changed_after_a_read_and_a_getattr_overri
             return value * 2 if name == "weight" else value
 
     scaled = ScaledOnRead(3, 2)
+    with torch.no_grad():  # reset_parameters() filled the scaled copy its __getattr__ returned
+        scaled._parameters["weight"].normal_()
     assert torch.equal(module_tensor(scaled, "weight"), scaled.weight)
 
 

@@ -50,6 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
 from .flush import OWN_HOOK_MARK, accumulated_dtype, check_count, run_jobs
+from .grad_guard import install_grad_guards, step_checks
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 
 __all__ = ["GradientSynchroniser", "ReductionFailed", "broadcast_tensors"]
@@ -138,7 +139,7 @@ class GradientSynchroniser:
         # A backward (or a flush outside this synchroniser) has touched the parameters since the
         # last finish(): an optimizer step now would use each rank's own gradients.
         self._unsynchronised = False
-        _install_step_check()
+        install_grad_guards()  # whose step check asks this synchroniser too
         _live.add(self)
         # Weak: PyTorch's garbage collector does not look into a parameter's post-accumulate-grad
         # hooks, so a hook holding this synchroniser (which holds the parameters) would be a cycle
@@ -441,36 +442,38 @@ class GradientSynchroniser:
                 broadcast_tensors(list(self.module.buffers()), group=self.group, wait=self._wait)
 
 
+#: The synchronisers alive (the step check asks them).
 _live: weakref.WeakSet[GradientSynchroniser] = weakref.WeakSet()
-_step_check_installed = False
 
 
-def _install_step_check() -> None:
-    global _step_check_installed
-    if not _step_check_installed:
-        _step_check_installed = True
-        from torch.optim.optimizer import register_optimizer_step_pre_hook
-
-        register_optimizer_step_pre_hook(_refuse_step_before_synchronise)
-
-
-def _refuse_step_before_synchronise(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer) -> None:
     """Under DDP the gradients are averaged when backward ends; here only at synchronise(). A
     step between a backward and synchronise() stepped each rank on its own gradients wherever no
     weight work was left queued (a capped queue flushed it early, a parameter with a tensor hook,
-    a flush_weight_grads() of the caller's): the replicas drifted apart silently."""
-    pending = [sync for sync in list(_live) if sync._unsynchronised]
-    if not pending:
+    a flush_weight_grads() of the caller's): the replicas drifted apart silently. Run by the
+    optimizer step guard (:data:`.grad_guard.step_checks`), after a closure's call where the
+    step has one."""
+    if not any(sync._unsynchronised for sync in list(_live)):
         return
     ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    for sync in pending:
-        if any(i in ids for i in sync._index):
-            raise RuntimeError(
-                "twobp: optimizer.step() over parameters of a GradientSynchroniser whose gradients a "
-                "backward changed since its last synchronise(): they are this rank's own, not the "
-                "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
-                "step's last backward and before optimizer.step()."
-            )
+    covering = [sync for sync in list(_live) if any(i in ids for i in sync._index)]
+    if any(sync._unsynchronised for sync in covering):
+        replaced = (
+            f" ({len(covering)} synchronisers cover them: one you replaced but still hold counts too; "
+            "close() it)"
+            if len(covering) > 1
+            else ""
+        )
+        raise RuntimeError(
+            "twobp: optimizer.step() over parameters of a GradientSynchroniser whose gradients a "
+            "backward changed since its last synchronise(): they are this rank's own, not the "
+            "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
+            "step's last backward and before optimizer.step() (with step(closure): inside the "
+            f"closure, after its backward){replaced}."
+        )
+
+
+step_checks.append(_refuse_unsynchronised_step)
 
 
 def _called_modules(module: nn.Module) -> list[nn.Module]:

@@ -46,11 +46,16 @@ from .flush import accumulated_dtype, forget_deliveries, summed_over_backward_ca
 from .queue import WeightGradQueue, current_queue, dropped_without_grad, queues_with_work
 from .warn_once import warn_once
 
-__all__ = ["install_grad_guards", "stand_in_finders", "refuse_if_queued", "has_queued_work"]
+__all__ = ["install_grad_guards", "stand_in_finders", "step_checks", "refuse_if_queued", "has_queued_work"]
 
 #: ``finder(params) -> tensors`` that queued work names in place of some of ``params``
 #: (twobp_autograd.fsdp: the unsharded stand-ins of FSDP2-sharded parameters).
 stand_in_finders: list[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = []
+
+#: ``check(optimizer)``, run wherever an optimizer step is checked for queued work (before the
+#: step, or after each call of its closure), raising to refuse it
+#: (twobp_autograd.data_parallel: a synchroniser's gradients not yet averaged).
+step_checks: list[Callable[[torch.optim.Optimizer], None]] = []
 
 _installed = False
 
@@ -237,6 +242,8 @@ def _refuse_step(optimizer: torch.optim.Optimizer) -> None:
     else:
         advice = " (with step(closure): inside the closure, after its backward)"
     refuse_if_queued(_optimizer_params(optimizer), "optimizer.step()", advice)
+    for check in step_checks:
+        check(optimizer)
 
 
 def _checked_closure(optimizer: torch.optim.Optimizer, closure: Any) -> Any:
