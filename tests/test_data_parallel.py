@@ -372,6 +372,40 @@ def test_a_replaced_synchroniser_still_held_is_named_in_the_refusal(one_rank_gro
     synchroniser.close()
 
 
+def test_the_step_check_tells_disjoint_synchronisers_zeroed_gradients_and_hooks_apart(one_rank_group: None) -> None:
+    """Two synchronisers over disjoint halves are no replaced one (closing one would leave its half
+    unaveraged); gradients zeroed since the backward make a step that changes nothing (plain and
+    DDP run it); a step from a post-accumulate-grad hook runs inside synchronise() itself."""
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    first, second = GradientSynchroniser(model[0]), GradientSynchroniser(model[2])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    first.synchronise()
+    with pytest.raises(RuntimeError, match=r"twobp: optimizer.step\(\) over parameters") as refused:
+        optimizer.step()
+    assert "close()" not in str(refused.value)
+    optimizer.zero_grad()  # set_to_none: nothing to step on
+    optimizer.step()
+    first.close()
+    second.close()
+
+    synchroniser = GradientSynchroniser(model)
+    optimizers = {p: torch.optim.SGD([p], lr=0.1) for p in model.parameters()}
+
+    def step_in_backward(param: Tensor) -> None:
+        if not twobp.has_queued_work(param):
+            optimizers[param].step()
+
+    handles = [p.register_post_accumulate_grad_hook(step_in_backward) for p in model.parameters()]
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match="optimizer-in-backward.*do not combine"):
+        synchroniser.synchronise()
+    for handle in handles:
+        handle.remove()
+    synchroniser.close()
+    model.zero_grad()
+
+
 @pytest.mark.parametrize("bucket_bytes", [4, 100_000], ids=["bucket-per-parameter", "one-bucket"])
 def test_a_hook_registered_after_the_synchroniser_edits_what_is_reduced(one_rank_group: None, bucket_bytes) -> None:
     """A post-accumulate-grad hook clamping each gradient, registered after the synchroniser:

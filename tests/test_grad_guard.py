@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.nn.utils import clip_grad_norm_  # imported by name before anything is patched in this module
 
 import twobp_autograd as twobp
-from tests.utils import assert_grads_match
+from tests.utils import assert_grads_match, patched_and_reference
 from twobp_autograd import warn_once
 
 
@@ -448,3 +448,28 @@ def test_a_hook_on_a_parameters_accumulator_registered_without_keeping_the_node_
         output.pow(2).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class _StepTakesAScale(torch.optim.SGD):
+    """An optimizer whose step takes a value, not a closure (a learning-rate scale)."""
+
+    def step(self, scale=1.0):  # type: ignore[override]
+        for group in self.param_groups:
+            group["lr"] *= scale
+        return super().step()
+
+
+def test_a_step_argument_that_is_no_closure_is_left_alone():
+    """Any argument was taken for a closure and wrapped: step(0.5) failed with
+    "float() argument must be ... not 'function'" (plain runs it)."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(5, 3)
+    for model in (patched, reference):
+        model(x).pow(2).sum().backward()
+        if model is patched:
+            with pytest.raises(RuntimeError, match="twobp: optimizer.step"):  # still checked, before the step
+                _StepTakesAScale(model.parameters(), lr=0.1).step(0.5)
+            twobp.flush_weight_grads()
+        _StepTakesAScale(model.parameters(), lr=0.1).step(0.5)
+    for ours, theirs in zip(patched.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(ours, theirs)

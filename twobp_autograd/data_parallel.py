@@ -452,25 +452,38 @@ def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer) -> None:
     weight work was left queued (a capped queue flushed it early, a parameter with a tensor hook,
     a flush_weight_grads() of the caller's): the replicas drifted apart silently. Run by the
     optimizer step guard (:data:`.grad_guard.step_checks`), after a closure's call where the
-    step has one."""
+    step has one. A step over gradients all None (zeroed since the backward) changes nothing."""
     if not any(sync._unsynchronised for sync in list(_live)):
         return
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    covering = [sync for sync in list(_live) if any(i in ids for i in sync._index)]
-    if any(sync._unsynchronised for sync in covering):
-        replaced = (
-            f" ({len(covering)} synchronisers cover them: one you replaced but still hold counts too; "
-            "close() it)"
-            if len(covering) > 1
-            else ""
-        )
+    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
+    covering = [sync for sync in list(_live) if not params.keys().isdisjoint(sync._index)]
+    stale = [
+        sync for sync in covering
+        if sync._unsynchronised and any(params[i].grad is not None for i in sync._index if i in params)
+    ]  # fmt: skip
+    if not stale:
+        return
+    if torch._C._current_graph_task_id() >= 0:  # from a hook: optimizer-in-backward
         raise RuntimeError(
-            "twobp: optimizer.step() over parameters of a GradientSynchroniser whose gradients a "
-            "backward changed since its last synchronise(): they are this rank's own, not the "
-            "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
-            "step's last backward and before optimizer.step() (with step(closure): inside the "
-            f"closure, after its backward){replaced}."
+            "twobp: optimizer.step() in a post-accumulate-grad hook (optimizer-in-backward) over "
+            "parameters of a GradientSynchroniser: the hook runs before the synchroniser has written "
+            "the mean over ranks. The two do not combine: step after sync.synchronise() instead."
         )
+    # Synchronisers sharing a parameter: one replaced but still held (disjoint ones are legitimate).
+    shared = [a for a in covering if any(b is not a and not a._index.keys().isdisjoint(b._index) for b in covering)]
+    replaced = (
+        f" ({len(shared)} synchronisers cover them, sharing parameters: one you replaced but still hold "
+        "counts too; close() it)"
+        if shared
+        else ""
+    )
+    raise RuntimeError(
+        "twobp: optimizer.step() over parameters of a GradientSynchroniser whose gradients a "
+        "backward changed since its last synchronise(): they are this rank's own, not the "
+        "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
+        "step's last backward and before optimizer.step() (with step(closure): inside the "
+        f"closure, after its backward){replaced}."
+    )
 
 
 step_checks.append(_refuse_unsynchronised_step)

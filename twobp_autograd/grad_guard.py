@@ -211,9 +211,9 @@ def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, k
     """Optimizer step pre-hook. With a closure (LBFGS, or any ``step(closure)``) the backward
     runs inside the step, so the check goes after each call of the closure instead."""
     # ``args`` are step's own: (optimizer, closure?, ...).
-    if kwargs.get("closure") is not None:
+    if callable(kwargs.get("closure")):
         return args, {**kwargs, "closure": _checked_closure(optimizer, kwargs["closure"])}
-    if len(args) > 1 and args[1] is not None:
+    if len(args) > 1 and callable(args[1]):  # not a step(lr_scale) / step(loss_value) argument
         return (args[0], _checked_closure(optimizer, args[1]), *args[2:]), kwargs
     _refuse_step(optimizer)
     forget_deliveries(_optimizer_params(optimizer))
