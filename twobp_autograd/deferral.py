@@ -52,7 +52,6 @@ __all__ = [
     "inside_first_call_check",
     "guard_tangent",
     "kernel_group",
-    "module_tensor",
     "param_inputs",
     "param_from_input",
     "sees_post_hooks",
@@ -70,35 +69,6 @@ def detached(param: Tensor | None) -> Tensor | None:
     anything else as it is (a weight rebuilt from parametrizations or ``weight_norm`` at each
     call keeps its graph, and autograd differentiates through it at once)."""
     return param.detach() if param is not None and param.is_leaf else param
-
-
-def module_tensor(module: torch.nn.Module, name: str) -> Any:
-    """``getattr(module, name)`` for a parameter or buffer, read from the module's own dicts where
-    that is what attribute lookup finds (no instance attribute, no attribute of that name on any
-    class of its MRO: a parametrization's property takes the name out of ``_parameters``, and no
-    ``__getattr__`` / ``__getattribute__`` of the class's own): ``nn.Module.__getattr__`` is a
-    Python frame, about 0.4 us per read, and a patched forward reads a few per call. Looked up at
-    each call, not cached per class: a class can gain an attribute (a property set on it after a
-    call) and a cache keyed by class keeps generated classes (a parametrization's, whose property
-    holds its module) alive."""
-    cls = type(module)
-    plain_lookup = cls.__getattr__ is _MODULE_GETATTR and cls.__getattribute__ is _OBJECT_GETATTRIBUTE
-    if plain_lookup and name not in module.__dict__:
-        for klass in cls.__mro__:
-            if name in klass.__dict__:
-                break
-        else:
-            parameters = module._parameters
-            if name in parameters:
-                return parameters[name]
-            buffers = module._buffers
-            if name in buffers:
-                return buffers[name]
-    return getattr(module, name)
-
-
-_MODULE_GETATTR = torch.nn.Module.__getattr__
-_OBJECT_GETATTRIBUTE = object.__getattribute__
 
 
 #: What one backward does with a parameter's gradient: queue it, return it, or leave it alone.

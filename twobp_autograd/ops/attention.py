@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import is_parametrized
 
-from ..deferral import configured_kernel, defer_weight_grads, detached, module_tensor
+from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .linear import linear_forward, linear_weight_grad
@@ -117,11 +117,11 @@ def _in_projection(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v in (L, N, E) layout, computed as ``F._in_projection_packed`` / ``F._in_projection``."""
     E = module.embed_dim
-    bias = module_tensor(module, "in_proj_bias")
+    bias = module.in_proj_bias
     b = detached(bias)
     biases = b.chunk(3) if b is not None else (None,) * 3
     if module._qkv_same_embed_dim:
-        weight = module_tensor(module, "in_proj_weight")
+        weight = module.in_proj_weight
         w = detached(weight)
         if key is value and query is key:  # self-attention: one linear over the packed weight
             proj = linear_forward(_rows(query), weight, bias).view(*query.shape[:-1], 3 * E)
@@ -134,20 +134,16 @@ def _in_projection(
             return to_seq_first(q), k, v
         q, k, v = _deferred_products((query, key, value), w.chunk(3), biases, (weight, bias), True)
     else:
-        weights = tuple(module_tensor(module, name) for name in ("q_proj_weight", "k_proj_weight", "v_proj_weight"))
+        weights = (module.q_proj_weight, module.k_proj_weight, module.v_proj_weight)
         q, k, v = _deferred_products(
             (query, key, value), [detached(p) for p in weights], biases, (*weights, bias), False
         )
     return to_seq_first(q), to_seq_first(k), to_seq_first(v)
 
 
-def _weight_and_bias(module: nn.Module) -> tuple[Tensor, Tensor | None]:
-    return module_tensor(module, "weight"), module_tensor(module, "bias")
-
-
 def _deferred_kv_bias(module: nn.MultiheadAttention, bsz: int) -> tuple[Tensor, Tensor]:
     """``bias_k.repeat(1, bsz, 1)`` and the same for ``bias_v``, with their gradients deferred."""
-    bias_k, bias_v = module_tensor(module, "bias_k"), module_tensor(module, "bias_v")
+    bias_k, bias_v = module.bias_k, module.bias_v
     assert bias_k is not None and bias_v is not None
     # Repeated with the batch on dim 0, as (N, 1, E), so micro-batches concatenate.
     repeated = (detached(bias_k).repeat(bsz, 1, 1), detached(bias_v).repeat(bsz, 1, 1))
@@ -353,7 +349,7 @@ def _explicit_attention(
         weights = F.dropout(weights, p=module.dropout)
     attn_output = torch.bmm(weights, v)
     attn_output = attn_output.transpose(0, 1).reshape(tgt_len * bsz, module.embed_dim)
-    attn_output = linear_forward(attn_output, *_weight_and_bias(module.out_proj))
+    attn_output = linear_forward(attn_output, module.out_proj.weight, module.out_proj.bias)
     weights = weights.view(bsz, module.num_heads, tgt_len, src_len)
     return attn_output, weights.mean(dim=1) if average_weights else weights
 
@@ -375,4 +371,4 @@ def _sdpa_attention(
     v = v.view(bsz, num_heads, src_len, head_dim)
     attn_output = F.scaled_dot_product_attention(q, k, v, attn_mask, module.dropout, is_causal)
     attn_output = attn_output.permute(2, 0, 1, 3).reshape(bsz * tgt_len, module.embed_dim)
-    return linear_forward(attn_output, *_weight_and_bias(module.out_proj))
+    return linear_forward(attn_output, module.out_proj.weight, module.out_proj.bias)

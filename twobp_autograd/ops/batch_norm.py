@@ -24,7 +24,6 @@ from ..deferral import (
     defer_weight_grads,
     detached,
     guard_tangent,
-    module_tensor,
     param_from_input,
     param_inputs,
     sees_post_hooks,
@@ -151,23 +150,21 @@ def _check_num_features(input: Tensor, *tensors: Tensor | None) -> None:
 @register((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
 def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
     """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward)."""
-    # Once each: a parametrized weight is rebuilt per read.
-    weight, bias = module_tensor(module, "weight"), module_tensor(module, "bias")
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, weight, bias)
     if reason is not None:
         return plain_forward(module, reason, input)
     module._check_input_dim(input)
     factor = 0.0 if module.momentum is None else module.momentum
-    num_batches_tracked = module_tensor(module, "num_batches_tracked")
-    if module.track_running_stats and num_batches_tracked is not None:
-        num_batches_tracked.add_(1)
-        factor = 1.0 / float(num_batches_tracked) if module.momentum is None else module.momentum
+    if module.track_running_stats and module.num_batches_tracked is not None:
+        module.num_batches_tracked.add_(1)
+        factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     # F.batch_norm's own checks for training.
     F._verify_batch_size(input.size())  # type: ignore[attr-defined]  # private: absent from torch's stubs
     if module.eps <= 0.0:
         raise ValueError(f"batch_norm eps must be positive during training, but got {module.eps}")
-    running_mean = module_tensor(module, "running_mean") if module.track_running_stats else None
-    running_var = module_tensor(module, "running_var") if module.track_running_stats else None
+    running_mean = module.running_mean if module.track_running_stats else None
+    running_var = module.running_var if module.track_running_stats else None
     x, _ = as_autocast_casts("batch_norm", input)
     params = (weight, bias)
     if x.numel() == 0:

@@ -25,7 +25,6 @@ from ..deferral import (
     configured_kernel,
     defer_weight_grads,
     detached,
-    module_tensor,
     param_from_input,
     param_inputs,
     sees_post_hooks,
@@ -201,8 +200,7 @@ def _deferred_conv(
 @register((nn.Conv1d, nn.Conv2d, nn.Conv3d))
 def conv(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     """The forward of ``nn.Conv1d/2d/3d`` (``_conv_forward``) with deferred weight gradients."""
-    # Once each: a parametrized weight is rebuilt per read.
-    weight, bias = module_tensor(module, "weight"), module_tensor(module, "bias")
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input)
@@ -237,8 +235,7 @@ def conv_transpose(
         raise ValueError(f"Only `zeros` padding mode is supported for {type(module).__name__}")
     if not isinstance(module.padding, tuple):
         raise AssertionError("self.padding must be a tuple")
-    # Once each: a parametrized weight is rebuilt per read.
-    weight, bias = module_tensor(module, "weight"), module_tensor(module, "bias")
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input, output_size)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import configured_kernel, defer_weight_grads, detached, module_tensor
+from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -58,7 +58,7 @@ def _unsupported(module: nn.Module) -> str | None:
 
 @register(nn.Embedding, unsupported=_unsupported)
 def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
-    weight = module_tensor(module, "weight")  # once: a parametrized weight is rebuilt per read
+    weight = module.weight  # once: a parametrized weight is rebuilt per read
     # Asked again here: sparse or max_norm may be set after patch().
     reason = _unsupported(module) or unsupported_tensors(input, weight)
     if reason is not None:

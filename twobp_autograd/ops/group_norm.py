@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 
-from ..deferral import configured_kernel, defer_weight_grads, detached, module_tensor
+from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
@@ -67,8 +67,7 @@ _SAMPLES_PER_CALL = 64
 
 @register(nn.GroupNorm)
 def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
-    # Once each: a parametrized weight is rebuilt per read.
-    params = (module_tensor(module, "weight"), module_tensor(module, "bias"))
+    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, *params)
     if reason is not None:
         return plain_forward(module, reason, input)

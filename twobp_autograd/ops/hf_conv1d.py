@@ -16,7 +16,6 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ..deferral import module_tensor
 from .fallback import plain_forward, unsupported_tensors
 from .linear import deferred_rows_product
 from .verdicts import Verdicts, judged_once, same_forward_code
@@ -29,7 +28,7 @@ def hf_conv1d(module: nn.Module, x: Tensor) -> Tensor:
     plain forward, with one warning)."""
     if not computes_like_hf_conv1d(type(module)):
         return plain_forward(module, "a forward other than Hugging Face's Conv1D's", x)
-    weight, bias = cast(Tensor, module_tensor(module, "weight")), cast("Tensor | None", module_tensor(module, "bias"))
+    weight, bias = cast(Tensor, module.weight), cast("Tensor | None", module.bias)
     reason = unsupported_tensors(x, weight, bias)
     if reason is not None:
         return plain_forward(module, reason, x)

@@ -18,7 +18,6 @@ from ..deferral import (
     configured_kernel,
     defer_weight_grads,
     detached,
-    module_tensor,
     param_from_input,
     param_inputs,
     sees_post_hooks,
@@ -115,8 +114,7 @@ def _layer_norm_rows(x: Tensor, mean: Tensor, rstd: Tensor, shape: tuple[int, ..
 
 @register(nn.LayerNorm)
 def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
-    # Once each: a parametrized weight is rebuilt per read.
-    params = (module_tensor(module, "weight"), module_tensor(module, "bias"))
+    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, *params)
     if reason is not None:
         return plain_forward(module, reason, input)

@@ -17,7 +17,6 @@ from ..deferral import (
     configured_kernel,
     defer_weight_grads,
     detached,
-    module_tensor,
     param_from_input,
     param_inputs,
     sees_post_hooks,
@@ -151,8 +150,7 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
 def linear(module: nn.Linear, input: Tensor) -> Tensor:
     """``nn.Linear.forward``. MultiheadAttention's ``out_proj`` is only reached through its
     owner's rule, which never calls its forward; called directly, it is an nn.Linear."""
-    # Once each: a parametrized weight is rebuilt per read.
-    weight, bias = module_tensor(module, "weight"), module_tensor(module, "bias")
+    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input)

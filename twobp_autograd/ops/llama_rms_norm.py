@@ -23,7 +23,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from ..deferral import defer_weight_grads, detached, module_tensor
+from ..deferral import defer_weight_grads, detached
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 from .verdicts import Verdicts, judged_once, same_forward_code
@@ -53,7 +53,7 @@ def llama_rms_norm(module: nn.Module, hidden_states: Tensor) -> Tensor:
     """Deferred forward for a class that :func:`computes_like_llama_rms_norm` (any other keeps
     its plain forward, with one warning): ``twobp.register(LlamaRMSNorm, llama_rms_norm)``.
     Its argument keeps Hugging Face's name: callers may pass it by keyword."""
-    weight = cast(Tensor, module_tensor(module, "weight"))
+    weight = cast(Tensor, module.weight)
     if not computes_like_llama_rms_norm(type(module)):
         return plain_forward(module, "a forward other than LlamaRMSNorm's", hidden_states)
     reason = unsupported_tensors(hidden_states, weight)

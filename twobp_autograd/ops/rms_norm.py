@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import configured_kernel, defer_weight_grads, detached, module_tensor
+from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
@@ -63,7 +63,7 @@ def _normalized(saved: Sequence[Tensor], eps: float | None) -> Tensor:
 @register(nn.RMSNorm)
 def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     """Its argument is ``x``, as in ``nn.RMSNorm.forward``: callers may pass it by name."""
-    param = module_tensor(module, "weight")  # once: a parametrized weight is rebuilt per read
+    param = module.weight  # once: a parametrized weight is rebuilt per read
     reason = unsupported_tensors(x, param)
     if reason is not None:
         return plain_forward(module, reason, x)
