@@ -230,7 +230,7 @@ def run_jobs(
         raise
     finally:
         if delivery is not None:
-            del _hooked_flushes[next(i for i, other in enumerate(_hooked_flushes) if other is delivery)]
+            _hooked_flushes.remove(delivery)  # by identity: a delivery compares as itself only
     for watch in watches:
         watch.finished()
     return held

@@ -153,18 +153,9 @@ class DeferredForwardCall:
                 enter_call(record)
         try:
             if deferring:
-                non_full_hook = module._is_full_backward_hook is False or (
-                    _GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()
-                )
-                if non_full_hook and not replaying:
-                    _warn_non_full_backward_hook_once(module)
-                    took_plain(module)
-                    return type(module).forward(module, *args, **kwargs)
-                if not replaying and (
-                    type(module).forward is not self.class_forward
-                    or (type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module))
-                ):
-                    _warn_class_changed_once(module)
+                warn_plain = None if replaying else self._plain_because(module)
+                if warn_plain is not None:
+                    warn_plain(module)
                     took_plain(module)
                     return type(module).forward(module, *args, **kwargs)
                 if self.first_call_checked:
@@ -184,6 +175,18 @@ class DeferredForwardCall:
         finally:
             if record is not None:
                 leave_call()
+
+
+    def _plain_because(self, module: nn.Module) -> Callable[[nn.Module], None] | None:
+        """The warning of why a call that would defer keeps plain autograd, or None: a deprecated
+        non-full backward hook, or a class or forward changed since ``patch``."""
+        if module._is_full_backward_hook is False or (_GLOBAL_BACKWARD_HOOKS and _global_non_full_backward_hooks()):
+            return _warn_non_full_backward_hook_once
+        if type(module).forward is not self.class_forward or (
+            type(module) not in self.classes_of_the_rule and not self.computes_as_its_rule(module)
+        ):
+            return _warn_class_changed_once
+        return None
 
 
 def _rule_forward(module: nn.Module) -> tuple[Any, set[type]]:
