@@ -142,23 +142,30 @@ def test_compiled_autograd_takes_the_weight_gradients_in_backward():
     assert_grads_match(patched, reference, torch.float64)
 
 
-def test_compiled_autograd_over_batch_norm_with_a_new_batch_size_matches_autograd():
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+def test_compiled_autograd_over_batch_norm_with_a_new_batch_size_matches_autograd(device):
     """The second batch size makes Dynamo trace BatchNorm's backward with a symbolic batch:
-    _batch_norm_impl_index_backward reads numel(), which those fake tensors refuse (it crashed)."""
+    _batch_norm_impl_index_backward reads numel(), which those fake tensors refuse (it crashed).
+    On CUDA in fp32 the backward is cuDNN's (torch.batch_norm's pick), through the same wrapper."""
     from torch._dynamo import compiled_autograd
 
     torch._dynamo.reset()
+    dtype = torch.float64 if device == "cpu" else torch.float32
     patched, reference = patched_and_reference(
-        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2)).double()
+        nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 2)).to(device, dtype)
     )
-    for batch in (4, 5, 6):
-        x = torch.randn(batch, 3, 6, 6, dtype=torch.float64)
-        for model in (patched, reference):
-            loss = model(x).pow(2).sum()
-            with compiled_autograd._enable(torch.compile(backend="eager")):
-                loss.backward()
-    twobp.flush_weight_grads()
-    assert_grads_match(patched, reference, torch.float64)
+    with torch.backends.cudnn.flags(enabled=True, allow_tf32=False):
+        for batch in (4, 5, 6):
+            x = torch.randn(batch, 3, 6, 6, dtype=dtype, device=device)
+            for model in (patched, reference):
+                loss = model(x).pow(2).sum()
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    loss.backward()
+        twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, dtype)
 
 
 def test_a_compiled_function_running_backward_matches_autograd():

@@ -35,8 +35,8 @@ from .fallback import plain_forward, unsupported_tensors
 __all__ = ["batch_norm"]
 
 
-#: ``torch._batch_norm_impl_index``'s backend number for ATen's own kernels (1: cuDNN, 2: MIOpen).
-_NATIVE = 0
+#: ``torch._batch_norm_impl_index``'s backend numbers: ATen's own kernels, cuDNN (2 is MIOpen).
+_NATIVE, _CUDNN = 0, 1
 
 
 @sees_post_hooks
@@ -110,10 +110,15 @@ class _TrainingBatchNorm(torch.autograd.Function):
                 )
             else:  # cuDNN's derivative takes the gradient in the input's layout
                 grad_output = grad_output.contiguous(memory_format=suggest_memory_format(input))
-                grad_input, grad_weight, grad_bias = torch.ops.aten._batch_norm_impl_index_backward(
-                    ctx.backend, input, grad_output, weight, *ctx.running_stats, save_mean, save_invstd, True,
-                    ctx.eps, mask, reserve,
-                )  # fmt: skip
+                if ctx.backend == _CUDNN:  # called directly too, for the same reason (input first)
+                    grad_input, grad_weight, grad_bias = torch.ops.aten.cudnn_batch_norm_backward(
+                        input, grad_output, weight, *ctx.running_stats, save_mean, save_invstd, ctx.eps, reserve
+                    )
+                else:
+                    grad_input, grad_weight, grad_bias = torch.ops.aten._batch_norm_impl_index_backward(
+                        ctx.backend, input, grad_output, weight, *ctx.running_stats, save_mean, save_invstd, True,
+                        ctx.eps, mask, reserve,
+                    )  # fmt: skip
         param_grads = deferral.defer_finished(
             ctx,
             [weight_decision, bias_decision],
