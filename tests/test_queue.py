@@ -879,6 +879,38 @@ def test_flush_hands_large_gradients_over_without_copying_them():
     assert model[0].weight.grad is not None and model[1].weight.grad is not None
 
 
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))],
+)
+@pytest.mark.parametrize("hook_raises", [False, True], ids=["hooks-return", "a-hook-raises"])
+def test_a_flush_delivers_on_its_own_thread_and_leaves_autograd_threading_as_it_was(device, hook_raises):
+    """The hand-over runs autograd's engine with multithreading off (on CUDA it would wake the
+    device thread and sleep on it), so accumulator hooks run on the flushing thread; the
+    thread-local setting is restored, also when a hook raises."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(device))
+    threads = []
+
+    def record(param):
+        threads.append(threading.get_ident())
+        if hook_raises and param.grad is not None:
+            raise RuntimeError("hook failed")
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(record)
+    model(torch.randn(3, 4, device=device)).sum().backward()
+    threads.clear()
+    if hook_raises:
+        with pytest.raises(RuntimeError, match="hook failed"):
+            twobp.flush_weight_grads()
+        twobp.discard_weight_grads()
+    else:
+        twobp.flush_weight_grads()
+        assert len(threads) == 4
+    assert set(threads) == {threading.get_ident()}
+    assert torch._C._is_multithreading_enabled()
+
+
 @pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["at-the-end", "per-layer"])
 def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes):
     queue = twobp.WeightGradQueue(delivery_bucket_bytes=bucket_bytes)
