@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
@@ -124,15 +125,16 @@ def _loss(model: nn.Module, tokens: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(model(tokens).flatten(0, 1).float(), targets) / MICRO_BATCHES
 
 
-def _build(setting: Setting, patched: bool) -> nn.Module:
+def _build(setting: Setting, patched: bool, mesh: DeviceMesh | None = None) -> nn.Module:
+    """Net on the mesh's device (default: the CPU ranks of the spawn), sharded as ``setting`` says."""
+    mesh = init_device_mesh("cpu", (WORLD,)) if mesh is None else mesh
     torch.manual_seed(0)
-    model = Net()
+    model = Net().to(mesh.device_type)
     if setting.checkpoint:
         for i, block in enumerate(model.blocks):
             model.blocks[i] = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
     if patched and setting.order == "patch_then_shard":
         twobp.patch(model)
-    mesh = init_device_mesh("cpu", (WORLD,))
     policy = POLICIES[setting.precision]
     for block in model.blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=setting.reshard_after_forward, mp_policy=policy)
@@ -147,11 +149,12 @@ def _build(setting: Setting, patched: bool) -> nn.Module:
 
 
 def _train_step(model: nn.Module, setting: Setting, rank: int, queue: twobp.WeightGradQueue | None = None) -> None:
+    device = model.head.weight.device
     for micro in range(MICRO_BATCHES):
         if setting.accumulate == "sync_last":
             model.set_requires_gradient_sync(micro == MICRO_BATCHES - 1)  # type: ignore[operator]
         with twobp.use_queue(queue) if queue is not None else contextlib.nullcontext():
-            _loss(model, *_data(rank, micro)).backward()
+            _loss(model, *(t.to(device) for t in _data(rank, micro))).backward()
 
 
 def _sharded_grads(model: nn.Module) -> dict[str, Tensor | None]:
@@ -166,8 +169,8 @@ def _full_grads(model: nn.Module) -> dict[str, Tensor | None]:
     return {name: None if p.grad is None else p.grad.full_tensor() for name, p in model.named_parameters()}
 
 
-def _run_setting(setting: Setting, rank: int) -> dict:
-    ours, plain = _build(setting, patched=True), _build(setting, patched=False)
+def _run_setting(setting: Setting, rank: int, mesh: DeviceMesh | None = None) -> dict:
+    ours, plain = _build(setting, patched=True, mesh=mesh), _build(setting, patched=False, mesh=mesh)
     # Capped: about one block's work of one micro-batch, so early flushes happen in every backward.
     queue = twobp.WeightGradQueue(max_pending_bytes=4096) if setting.capped else None
     _train_step(plain, setting, rank)
@@ -435,6 +438,35 @@ def test_sharded_grads_equal_fsdp2_on_the_unpatched_model(ranks: list[dict], set
     assert result["deferred_untouched"] or setting.capped, "a deferred weight had a gradient before the flush"
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
     _assert_all_close(result["second_ours"], result["second_plain"], f"rank {rank} second step", close_to_reference)
+
+
+@pytest.fixture
+def one_rank_nccl_mesh(tmp_path) -> Iterator[DeviceMesh]:
+    """An NCCL group of this process alone on its GPU: NCCL refuses two ranks on one device, and
+    gloo's reduce-scatter takes no CUDA tensors, so one rank is what a single GPU can test."""
+    torch.cuda.set_device(0)
+    dist.init_process_group(
+        "nccl",
+        store=dist.FileStore(str(tmp_path / "store"), 1),
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", 0),
+    )
+    try:
+        yield init_device_mesh("cuda", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(), reason="needs CUDA and NCCL")
+@pytest.mark.parametrize("setting", FP32_SETTINGS, ids=[s.id for s in FP32_SETTINGS])
+def test_on_cuda_with_nccl_grads_equal_fsdp2_on_the_unpatched_model(one_rank_nccl_mesh: DeviceMesh, setting: Setting):
+    """FSDP2 on CUDA reduces on its own streams: the flush's reductions must wait for the
+    deferred kernels and the gradients land as FSDP2's own (two steps, an optimizer between)."""
+    result = _run_setting(setting, 0, one_rank_nccl_mesh)  # (PyTorch's default: no TF32 in matmuls)
+    assert result["queued"] > 0
+    _assert_all_close(result["ours"], result["plain"], "cuda", close_to_reference)
+    _assert_all_close(result["second_ours"], result["second_plain"], "cuda second step", close_to_reference)
 
 
 @pytest.mark.parametrize("setting", FP32_SETTINGS, ids=[s.id for s in FP32_SETTINGS])
