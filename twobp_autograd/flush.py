@@ -368,7 +368,8 @@ def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandl
     return handle
 
 
-#: The flushes to hooked parameters running now (in any thread: on CUDA, hooks run on autograd's threads).
+#: The flushes to hooked parameters running now (in any thread; a flush inside a backward runs
+#: its hooks on that backward's thread, autograd's device thread on CUDA).
 _hooked_flushes: list[_HookedDelivery] = []
 
 

@@ -92,8 +92,10 @@ class WeightGradJob:
         if self._versions() != self.versions:
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
-                "output gradient or the parameter itself) was modified in place between backward "
-                "and flush_weight_grads() (a parameter is, by load_state_dict, reset_parameters(), "
+                "output gradient or the parameter itself) was modified in place after the forward or "
+                "backward that saved it, before flush_weight_grads() (a module under the recompute "
+                "rule keeps its parameters from its forward, where plain autograd may not have saved "
+                "them; a parameter is modified by load_state_dict, reset_parameters(), "
                 "registering a parametrization, a conversion under swap_module_params_on_conversion, or "
                 "the forward of an nn.Embedding with max_norm whose weight a patched layer shares). "
                 "Flush before modifying it. This flush leaves the work queued (work got from "

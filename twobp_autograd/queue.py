@@ -475,8 +475,9 @@ class WeightGradQueue:
 
     def _wait_for_flights_elsewhere(self, concerns: Callable[[_Flight], bool]) -> None:
         """With the lock held: until no other thread runs a flush that ``concerns``. Not from
-        inside autograd (a hook, a backward's capped flush): a flush's own hooks run there, on
-        autograd's device thread on CUDA, and the flush cannot land until they return."""
+        inside autograd (a hook, a backward's capped flush): a flush made there runs its hooks
+        on that backward's thread (autograd's device thread on CUDA), and cannot land until
+        they return."""
         while self._flights_elsewhere(concerns):
             self._flight_landed.wait()
 

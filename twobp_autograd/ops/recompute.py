@@ -127,7 +127,9 @@ def recompute_weight_grad(
         if not differentiable:
             return [None] * len(needs)
         tensors, grads_of_tensors = zip(*differentiable, strict=True)
-        grads = iter(torch.autograd.grad(tensors, wanted, grads_of_tensors, allow_unused=True))
+        # On this thread, as the flush's hand-over (on CUDA: no wake-up of autograd's device thread).
+        with torch.autograd.set_multithreading_enabled(False):
+            grads = iter(torch.autograd.grad(tensors, wanted, grads_of_tensors, allow_unused=True))
     return [next(grads) if need else None for need in needs]
 
 
