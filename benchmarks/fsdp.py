@@ -15,6 +15,9 @@ takes as long as its slowest rank; memory is the higher rank's. Rank 0 prints me
 ratios and writes the JSON.
 
     python benchmarks/fsdp.py --steps 6
+
+``--device cuda``: one NCCL rank on the GPU (NCCL refuses two ranks on one device), each step
+timed to a synchronisation, memory as the CUDA caching allocator's peak of allocated bytes.
 """
 
 from __future__ import annotations
@@ -29,7 +32,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from local_ranks import add_model_arguments, count, recorded_arguments, run_on_local_ranks, write_results
+from local_ranks import (
+    add_model_arguments,
+    count,
+    recorded_arguments,
+    run_on_local_ranks,
+    synchronized_clock,
+    write_results,
+)
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -38,7 +48,8 @@ import twobp_autograd as twobp
 from twobp_autograd.pipeline.memory_probe import heap_in_use
 from twobp_autograd.pipeline.zoo import build_model
 
-WORLD = 2
+#: Ranks per device type (one GPU holds one NCCL rank).
+WORLD = {"cpu": 2, "cuda": 1}
 SIDES = ("fsdp2", "fsdp2_2bp")
 
 # The zoo's head flattens its logits (a view), for which FSDP2 warns about in-place use; none here.
@@ -67,15 +78,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=count(), default=6, help="measured steps per side")
     parser.add_argument("--memory-steps", type=count(0), default=2, help="steps per side with the memory sampler")
     parser.add_argument("--warmup", type=count(0), default=2)
+    parser.add_argument("--device", choices=sorted(WORLD), default="cpu")
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "fsdp.json"))
     return parser.parse_args()
 
 
 def _sharded(args: argparse.Namespace, patched: bool) -> nn.Module:
     model, _, _ = build_model(args.model, args)  # the same seed: the same weights on both sides
+    model.to(args.device)
     if patched:
         twobp.patch(model)
-    mesh = init_device_mesh("cpu", (WORLD,))
+    mesh = init_device_mesh(args.device, (WORLD[args.device],))
     for module in model.modules():
         if type(module).__name__ == "LlamaLikeBlock":
             fully_shard(module, mesh=mesh)
@@ -108,11 +121,26 @@ class _HeapSampler:
         self.peak = max(self.peak, heap_in_use() or 0)
 
 
+class _CudaPeak:
+    """The CUDA caching allocator's peak of allocated bytes while running."""
+
+    def __enter__(self) -> _CudaPeak:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.start = torch.cuda.memory_allocated()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.synchronize()
+        self.peak = torch.cuda.max_memory_allocated()
+
+
 def _benchmark(rank: int, args: argparse.Namespace) -> None:
     _, make_batch, loss_fn = build_model(args.model, args)
     models = {"fsdp2": _sharded(args, patched=False), "fsdp2_2bp": _sharded(args, patched=True)}
     optimizers = {side: torch.optim.AdamW(model.parameters(), lr=1e-4) for side, model in models.items()}
     inputs, targets = make_batch(args.batch_size, torch.Generator().manual_seed(1 + rank))
+    inputs, targets = inputs.to(args.device), targets.to(args.device)
     micro = list(zip(inputs.tensor_split(args.micro_batches), targets.tensor_split(args.micro_batches), strict=True))
     cap = None if args.max_pending_mib is None else int(args.max_pending_mib * 2**20)
     queue = twobp.WeightGradQueue(max_pending_bytes=cap)
@@ -122,7 +150,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
         model, optimizer = models[side], optimizers[side]
         optimizer.zero_grad(set_to_none=True)
         dist.barrier()
-        start = time.perf_counter()
+        start = synchronized_clock(args.device)
         for index, (x, y) in enumerate(micro):
             model.set_requires_gradient_sync(args.sync_each or index == len(micro) - 1)  # type: ignore[operator]
             with twobp.use_queue(queue):
@@ -134,7 +162,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
             queue.flush()
         if update:
             optimizer.step()
-        return time.perf_counter() - start
+        return synchronized_clock(args.device) - start
 
     for side in SIDES:  # the same data and weights: the sharded gradients must agree before anything is timed
         step(side, update=False)
@@ -152,7 +180,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
     for round_ in range(args.memory_steps):
         for side in SIDES if round_ % 2 == 0 else SIDES[::-1]:
             optimizers[side].zero_grad(set_to_none=True)
-            with _HeapSampler() as sampler:
+            with _CudaPeak() if args.device == "cuda" else _HeapSampler() as sampler:
                 step(side)
             memory[side]["over_start"] = max(memory[side]["over_start"], sampler.peak - sampler.start)
             memory[side]["total"] = max(memory[side]["total"], sampler.peak)
@@ -164,7 +192,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
 
 
 def _gathered(value: Any) -> list[Any]:
-    everyone: list[Any] = [None] * WORLD
+    everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, value)
     return everyone
 
@@ -180,14 +208,15 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
     cap = "" if args.max_pending_mib is None else f", 2BP queue capped at {args.max_pending_mib:g} MiB"
     cap += ", 2BP flushed after every micro-batch" if args.flush_each else ""
     rows = args.batch_size // args.micro_batches
+    world, backend = dist.get_world_size(), dist.get_backend()
     print(
-        f"{args.model}: {WORLD} gloo ranks, {args.micro_batches} micro-batches of {rows}, "
+        f"{args.model}: {world} {backend} ranks, {args.micro_batches} micro-batches of {rows}, "
         f"sync on {sync}{cap}, median of {args.steps} steps"
     )
     for side in SIDES:
         mib = {key: value / 2**20 for key, value in memory[side].items()}
         print(
-            f"  {side:>10}: {medians[side] * 1e3:8.1f} ms   peak heap {mib['over_start']:7.1f} MiB over the step's "
+            f"  {side:>10}: {medians[side] * 1e3:8.1f} ms   peak {mib['over_start']:7.1f} MiB over the step's "
             f"start, {mib['total']:7.1f} MiB in all"
         )
     print(f"  deferred work held when the last backward ends: {memory['fsdp2_2bp']['deferred_work'] / 2**20:.1f} MiB")
@@ -195,7 +224,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
         print(f"  2bp/plain {name}: {value:.3f}")
     write_results(
         args.json,
-        WORLD,
+        world,
         {
             "arguments": recorded_arguments(args),
             "median_step_time": medians,
@@ -207,4 +236,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
 
 
 if __name__ == "__main__":
-    run_on_local_ranks(_benchmark, parse_args(), WORLD)
+    arguments = parse_args()
+    if arguments.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("error: --device cuda, but CUDA is not available")
+    run_on_local_ranks(_benchmark, arguments, WORLD[arguments.device], "nccl" if arguments.device == "cuda" else "gloo")

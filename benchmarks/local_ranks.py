@@ -65,14 +65,14 @@ def add_model_arguments(parser: argparse.ArgumentParser, *, batch_size: int, bat
     parser.add_argument("--threads", type=count(), default=None, help="CPU threads per rank (default: cores / ranks)")
 
 
-def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: int) -> None:
-    """``benchmark(rank, args)`` on ``world`` spawned gloo ranks, ``args.threads`` each
-    (default: the cores divided among the ranks)."""
-    run_as_ranks(functools.partial(_rank_main, benchmark), args, world)
+def run_on_local_ranks(benchmark: Callable[[int, Any], Any], args: Any, world: int, backend: str = "gloo") -> None:
+    """``benchmark(rank, args)`` on ``world`` spawned ranks of ``backend``, ``args.threads``
+    threads each (default: the cores divided among the ranks)."""
+    run_as_ranks(functools.partial(_rank_main, benchmark, backend), args, world)
 
 
-def _rank_main(benchmark: Callable[[int, Any], Any], args: Any) -> None:
-    with process_group(timeout=600.0, backend="gloo", threads=args.threads):
+def _rank_main(benchmark: Callable[[int, Any], Any], backend: str, args: Any) -> None:
+    with process_group(timeout=600.0, backend=backend, threads=args.threads):
         benchmark(dist.get_rank(), args)
 
 
