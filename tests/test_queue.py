@@ -911,6 +911,39 @@ def test_a_flush_delivers_on_its_own_thread_and_leaves_autograd_threading_as_it_
     assert torch._C._is_multithreading_enabled()
 
 
+_MOVES = [
+    pytest.param(a, b, id=f"{a}-to-{b}", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+    for a, b in (("cpu", "cuda"), ("cuda", "cpu"))
+]
+
+
+@pytest.mark.parametrize("strategy", ["concat", "loop"])
+@pytest.mark.parametrize(("source", "target"), _MOVES)
+def test_a_model_moved_to_another_device_before_the_flush_is_refused_keeping_its_work(source, target, strategy):
+    """The queued work's tensors stay where backward made them; run there, each kernel handed
+    gradients on the old device to parameters on the new one (or failed inside on mixed
+    devices, with a message about kernels and shapes). Refused, naming the move; moved back,
+    the flush gives plain's gradients."""
+    model = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(64, 8), nn.LayerNorm(8), nn.Linear(8, 2)
+    ).double()
+    patched, reference = patched_and_reference(model.to(source))
+    queue = twobp.WeightGradQueue(strategy=strategy)
+    for _ in range(2):
+        x = torch.randn(3, 3, 6, 6, dtype=torch.float64, device=source)
+        with twobp.use_queue(queue):
+            patched(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+    jobs = queue.pending().jobs
+    patched.to(target)
+    with pytest.raises(RuntimeError, match=r"twobp: .*the model was moved .* between backward and flush"):
+        queue.flush()
+    assert queue.pending().jobs == jobs
+    patched.to(source)
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 @pytest.mark.parametrize("bucket_bytes", [None, 1], ids=["at-the-end", "per-layer"])
 def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes):
     queue = twobp.WeightGradQueue(delivery_bucket_bytes=bucket_bytes)
