@@ -29,6 +29,14 @@ def test_the_private_names_exist() -> None:
     assert hasattr(_module_state_mapping, "values") and len(_module_state_mapping) >= 0  # fsdp_in_use asks its size
 
 
+def test_a_release_whose_fsdp2_keeps_one_parameter_group_per_state_is_refused_by_name() -> None:
+    """torch 2.11's FSDPState has ``_fsdp_param_group`` (one); what this module reads was built
+    on the list of later releases: an AttributeError deep in a flush became this."""
+    old_state = type("FSDPState", (), {"_fsdp_param_group": None})()
+    with pytest.raises(RuntimeError, match=r"twobp: this PyTorch's FSDP2 .* Use torch 2.14 or later"):
+        fsdp_hooks._param_groups(old_state)
+
+
 def _behaviour(rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule, fully_shard

@@ -20,6 +20,7 @@ import weakref
 from collections.abc import Collection, Iterator
 from typing import Any, NamedTuple
 
+import torch
 from torch import Tensor, nn
 
 __all__ = [
@@ -84,10 +85,24 @@ def _states() -> Iterator[Any]:
             yield state
 
 
+def _param_groups(state: Any) -> list[Any]:
+    """A state's parameter groups: a list since the per-parameter meshes of recent releases
+    (torch 2.11 kept one group, ``_fsdp_param_group``, and other internals this module reads
+    differ there too: refused rather than half supported)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        raise RuntimeError(
+            f"twobp: this PyTorch's FSDP2 (torch {torch.__version__}) keeps its parameter groups where the release "
+            "2BP's FSDP2 support is built and tested on does not (torch 2.14: FSDPState._fsdp_param_groups). Use "
+            "torch 2.14 or later with fully_shard, or twobp.unpatch(model) on the sharded model."
+        )
+    return groups
+
+
 def _fsdp_params() -> Iterator[tuple[Any, Any]]:
     """``(group, FSDPParam)`` of every live FSDP2 parameter group."""
     for state in _states():
-        for group in state._fsdp_param_groups:
+        for group in _param_groups(state):
             for fsdp_param in group.fsdp_params:
                 yield group, fsdp_param
 
@@ -131,7 +146,7 @@ def groups_of(module: nn.Module) -> list[Any]:
     groups: list[Any] = []
     for submodule in module.modules():
         if isinstance(submodule, FSDPModule):
-            groups.extend(g for g in submodule._get_fsdp_state()._fsdp_param_groups if g not in groups)
+            groups.extend(g for g in _param_groups(submodule._get_fsdp_state()) if g not in groups)
     return groups
 
 
@@ -162,7 +177,7 @@ def reduction_order() -> dict[int, int]:
                 found = owner.get(id(sub))
                 if found is not None and id(found) not in seen:
                     seen.add(id(found))
-                    walked.extend(found._fsdp_param_groups)
+                    walked.extend(_param_groups(found))
     return {id(group): place for place, group in enumerate(reversed(walked))}
 
 
