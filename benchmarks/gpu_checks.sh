@@ -37,7 +37,7 @@ transformers.__version__, 'torchvision', torchvision.__version__, torch.cuda.get
 # The CUDA cases only: the CPU ones run everywhere, and under older torch releases one of them
 # crashes inside plain autograd's own backward, taking the whole run with it.
 step tests 150 $python -m pytest -q -p no:cacheprovider -rfE tests/test_queue.py tests/test_random_training_steps.py \
-    tests/ops tests/test_cuda_models.py tests/test_streams.py tests/test_offload.py \
+    tests/ops tests/test_cuda_models.py tests/test_streams.py tests/test_offload.py tests/test_compile.py tests/test_fsdp.py \
     -k "cuda or test_cuda_models or test_streams or test_offload"
 step cuda_precision 60 $python benchmarks/cuda_precision.py
 step cuda_precision_nhwc 60 $python benchmarks/cuda_precision.py --memory-format channels_last
