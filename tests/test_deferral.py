@@ -19,6 +19,7 @@ from torch import Tensor, nn
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
 from twobp_autograd import warn_once
+from twobp_autograd.deferral import defer_weight_grads, detached
 from twobp_autograd.flush import PartlyDelivered
 
 
@@ -2743,4 +2744,74 @@ def test_a_parameter_of_the_activations_shape_with_one_sample_micro_batches_matc
             patched(x).square().sum().backward()
         reference(x).square().sum().backward()
     queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _ElsewhereTensor(torch.Tensor):
+    """Reports the meta device, computes on the CPU: activations on another device than the
+    parameter (a GPU's, for a parameter kept in host memory), on a machine with one device."""
+
+    @staticmethod
+    def __new__(cls, elem: Tensor) -> "_ElsewhereTensor":
+        wrapper = Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, elem.shape, dtype=elem.dtype, device="meta", requires_grad=elem.requires_grad, strides=elem.stride()
+        )
+        wrapper.elem = elem
+        return wrapper
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        def unwrap(t):
+            return t.elem if isinstance(t, _ElsewhereTensor) else t
+
+        out = func(*torch.utils._pytree.tree_map(unwrap, args), **torch.utils._pytree.tree_map(unwrap, kwargs or {}))
+        return torch.utils._pytree.tree_map(lambda t: _ElsewhereTensor(t) if isinstance(t, Tensor) else t, out)
+
+
+class _ToElsewhere(torch.autograd.Function):
+    """``w.to(device)`` from the host parameter, and its gradient's way back."""
+
+    @staticmethod
+    def forward(ctx, w: Tensor) -> Tensor:
+        return _ElsewhereTensor(w.detach().clone())
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.elem
+
+
+class _HostScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x) * _ToElsewhere.apply(self.w)
+
+
+def _host_scaled_weight_grad(saved, grad_outputs, needs):
+    return [(saved[0] * grad_outputs[0]).sum(0).elem]  # made where the activations are, handed to the host
+
+
+def test_a_rule_whose_tensors_live_on_another_device_than_its_parameter_flushes():
+    """The check against a model moved between backward and flush compares the parameters'
+    device with theirs in backward, not with the job's tensors': a rule's activations and
+    output gradients may live on another device (it refused this as a move)."""
+
+    @twobp.register(_HostScaled)
+    def host_scaled(module: _HostScaled, x: Tensor) -> Tensor:
+        t = torch.tanh(x)
+        out = t * _ToElsewhere.apply(detached(module.w))
+        return defer_weight_grads(out, (module.w,), (t.detach(),), _host_scaled_weight_grad, concatenate=False)
+
+    patched, reference = patched_and_reference(_HostScaled())
+    for _ in range(2):
+        x = torch.randn(3, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            ones = _ElsewhereTensor(torch.ones(3, 4, dtype=torch.float64))
+            torch.autograd.backward(model(_ElsewhereTensor(x)), ones)
+    assert_no_grads(patched)
+    twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)

@@ -621,9 +621,8 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
     first = group[0]
     needs = first.needs
     if len(group) == 1:
-        tensors = first.on_device()
-        _check_not_moved(first, *tensors)
-        return _checked(first, first.kernel(*tensors, needs))
+        _check_not_moved(first)
+        return _checked(first, first.kernel(*first.on_device(), needs))
     if first.concatenate is False or options.strategy == "loop" or _subclassed(first):
         concat = False
     elif options.strategy == "concat":
@@ -634,8 +633,8 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
             pays and sum(t.numel() * t.element_size() for j in group for t in j.tensors()) <= options.max_concat_bytes
         )
     if concat:
+        _check_not_moved(first)  # a group's jobs share parameters
         on_device = [job.on_device() for job in group]
-        _check_not_moved(first, *on_device[0])  # a group's jobs share parameters and devices
         try:
             # Joined outside the autocast the kernel runs in: autocast's cat promotes between
             # its own dtypes only, and refuses a bf16 tensor under fp16 autocast (a region of
@@ -659,31 +658,25 @@ def _run_kernels(group: list[WeightGradJob], options: FlushOptions) -> Sequence[
     dtypes = [accumulated_dtype(p) if p is not None else None for p in first.params]
     total: list[_Sum | None] = [None] * len(needs)
     for job in group:
-        tensors = job.on_device()
-        _check_not_moved(job, *tensors)
-        for i, grad in enumerate(_checked(job, job.kernel(*tensors, needs))):
+        _check_not_moved(job)
+        for i, grad in enumerate(_checked(job, job.kernel(*job.on_device(), needs))):
             total[i] = _sum(total[i], grad if grad is None or grad.dtype == dtypes[i] else grad.to(dtypes[i]))
     return [t.tensor if t is not None else None for t in total]
 
 
-def _check_not_moved(job: WeightGradJob, saved: Sequence[Tensor], grad_outputs: Sequence[Tensor]) -> None:
-    """Refuse work none of whose tensors is on its parameters' device: the model was moved
-    between backward and flush (plain moves each ``.grad`` along; the kernels here would run
-    on the old device, or fail inside on mixed devices)."""
-    device = job.device
-    for tensor in saved:
-        if tensor.device == device:
-            return
-    for tensor in grad_outputs:
-        if tensor.device == device:
-            return
-    if not saved and not grad_outputs:
+def _check_not_moved(job: WeightGradJob) -> None:
+    """Refuse work whose parameters are on another device than in the backward that queued it:
+    the model was moved between backward and flush (plain moves each ``.grad`` along; the
+    kernels here would run on the old device, or fail inside on mixed devices). The job's own
+    tensors may lie elsewhere (a rule of the user's for a parameter kept on the host)."""
+    home = job.home
+    if home is None or job.device == home:
         return
-    where = (saved or grad_outputs)[0].device
     raise RuntimeError(
-        f"twobp: queued weight-gradient work holds tensors on {where}, but its parameters are now on {device}: "
-        "the model was moved (.to(device), .cpu(), .cuda()) between backward and flush_weight_grads(). Flush "
-        "before moving the model, or move it back before the flush. The work stays queued."
+        f"twobp: queued weight-gradient work was made with its parameters on {home}, but they are now on "
+        f"{job.device}: the model was moved (.to(device), .cpu(), .cuda()) between backward and "
+        "flush_weight_grads(). Flush before moving the model, or move it back before the flush. The work "
+        "stays queued."
     )
 
 

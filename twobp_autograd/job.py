@@ -34,7 +34,7 @@ class WeightGradJob:
 
     __slots__ = (
         "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
-        "versions", "parked", "accumulators",
+        "versions", "parked", "accumulators", "home",
     )
 
     def __init__(
@@ -63,6 +63,13 @@ class WeightGradJob:
         # weakly; the backward's graph kept it, and the hooks registered on it, alive in plain
         # autograd, and is freed before the flush hands the gradients over through it.
         self.accumulators: tuple[Any, ...] = ()
+        # The parameters' device in the backward that made the job (None without a parameter):
+        # a flush refuses the work once they are elsewhere (the model moved before the flush).
+        self.home: torch.device | None = None
+        for param in params:  # a loop: a generator costs a microsecond per backward
+            if param is not None:
+                self.home = param.device
+                break
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *self.params)
