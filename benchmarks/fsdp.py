@@ -35,6 +35,7 @@ import torch.distributed as dist
 from local_ranks import (
     add_model_arguments,
     count,
+    device_name,
     recorded_arguments,
     run_on_local_ranks,
     synchronized_clock,
@@ -227,6 +228,7 @@ def _report(args: argparse.Namespace, times: dict[str, list[float]], memory: dic
         world,
         {
             "arguments": recorded_arguments(args),
+            "device": device_name(args.device),
             "median_step_time": medians,
             "peak_memory_bytes": memory,
             "ratios": ratios,
