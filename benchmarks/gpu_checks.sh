@@ -6,7 +6,8 @@
 #
 #     bash benchmarks/gpu_checks.sh [RESULTS_DIR] [BUDGET_SECONDS]
 #
-# Results (JSON, one log) land in RESULTS_DIR (default benchmarks/results/gpu).
+# Results (JSON, one log) land in RESULTS_DIR (default benchmarks/results/gpu). Where only a few
+# files may come back from the machine, pack them after: tar czf results.tgz -C RESULTS_DIR .
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results/gpu}
