@@ -146,6 +146,35 @@ def test_use_queue_is_per_thread():
     twobp.discard_weight_grads()
 
 
+def test_use_queue_is_per_asyncio_task():
+    """Two tasks on one thread, each training its model under its own queue and awaiting inside
+    the block: each queue gets its own task's work (a thread-wide stack swapped them, and a
+    task's clear() then dropped nothing while the other's flush put its work in .grad)."""
+    import asyncio
+
+    models = [patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.LayerNorm(4))) for _ in range(2)]
+    queues = [twobp.WeightGradQueue() for _ in range(2)]
+    xs = [[torch.randn(2, 3) for _ in range(2)] for _ in range(2)]
+
+    async def train(k: int) -> None:
+        with twobp.use_queue(queues[k]):
+            for x in xs[k]:
+                await asyncio.sleep(0)  # the other task runs its forward here
+                models[k][0](x).sum().backward()
+
+    async def both() -> None:
+        await asyncio.gather(train(0), train(1))
+
+    asyncio.run(both())
+    for k, ((patched, reference), queue) in enumerate(zip(models, queues, strict=True)):
+        assert queue.has_work_for(list(patched.parameters())), k
+        assert not queue.has_work_for(list(models[1 - k][0].parameters())), k
+        queue.flush()
+        for x in xs[k]:
+            reference(x).sum().backward()
+        assert_grads_match(patched, reference)
+
+
 def test_a_queue_dropped_with_work_warns():
     layer = twobp.patch(nn.Linear(3, 3))
     queue = twobp.WeightGradQueue()

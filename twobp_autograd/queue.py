@@ -19,6 +19,7 @@ another thread's flush had taken would find the queue empty and step on partial 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import sys
 import threading
 import warnings
@@ -546,7 +547,7 @@ def _tag_list(tags: Sequence[Hashable] | None) -> Sequence[Hashable] | None:
             return list(tags)
         except TypeError:
             pass
-    kind = "a string" if isinstance(tags, (str, bytes)) else f"a {type(tags).__name__}"
+    kind = "a string" if isinstance(tags, (str, bytes)) else f"an object of type {type(tags).__name__}"
     raise TypeError(
         f"twobp: flush(tags=...) and take(tags=...) take a list of tags, not {kind} ({tags!r}): "
         f"pass [{tags!r}] to flush that one tag"
@@ -622,19 +623,20 @@ def _storage_key(t: Tensor) -> tuple[int, torch.device]:
     return (t.data_ptr() - int(t.storage_offset()) * t.element_size(), t.device)
 
 
-class _ThreadState(threading.local):
-    def __init__(self) -> None:
-        self.stack: list[WeightGradQueue] = []
-
-
-_state = _ThreadState()
+#: The queues of the :func:`use_queue` blocks entered, innermost last, per context: a thread's
+#: own, and an asyncio task's (two tasks awaiting inside their blocks on one thread each keep
+#: theirs; a thread-local stack handed one task's work to the other's queue).
+_queue_stack: contextvars.ContextVar[tuple[WeightGradQueue, ...]] = contextvars.ContextVar(
+    "twobp_queue_stack", default=()
+)
 _default_queue = WeightGradQueue()
 
 
 def current_queue() -> WeightGradQueue:
-    """The queue that forwards run now feed: this thread's innermost :func:`use_queue`, else
-    the process-wide default queue."""
-    return _state.stack[-1] if _state.stack else _default_queue
+    """The queue that forwards run now feed: the innermost :func:`use_queue` of this thread (or
+    asyncio task), else the process-wide default queue."""
+    stack = _queue_stack.get()
+    return stack[-1] if stack else _default_queue
 
 
 @contextlib.contextmanager
@@ -642,11 +644,11 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
     """Send the weight-gradient work of the forwards run inside this block to ``queue``."""
     if not isinstance(queue, WeightGradQueue):
         raise TypeError(f"twobp: use_queue(queue) takes a WeightGradQueue, not {type(queue).__name__}")
-    _state.stack.append(queue)
+    token = _queue_stack.set((*_queue_stack.get(), queue))
     try:
         yield queue
     finally:
-        _state.stack.pop()
+        _queue_stack.reset(token)
 
 
 def _given_queue(queue: object, what: str) -> WeightGradQueue:
@@ -674,7 +676,7 @@ def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
         others = [q for q in queues_with_work() if q is not queue]
         # Only where no use_queue block chose the queue: one that did is the one meant (other
         # threads, each training under its own queue, may hold work at any moment).
-        if others and not _state.stack and not queue.busy():
+        if others and not _queue_stack.get() and not queue.busy():
             raise RuntimeError(
                 f"twobp: discard_weight_grads() with the current queue empty while {len(others)} other "
                 "queue(s) hold work (forwards ran under twobp.use_queue(queue)): pass the queue, "
