@@ -663,6 +663,24 @@ def test_patching_between_a_checkpointed_forward_and_its_backward_is_refused():
     twobp.discard_weight_grads()
 
 
+@pytest.mark.parametrize("what", ["model", "last-layer"])
+def test_unpatching_between_a_checkpointed_forward_and_its_backward_is_refused(what):
+    """The recomputation of an unpatched model makes no patched call to compare with the
+    forward's record: plain's saved tensors went to the deferred nodes (4.7 off on square
+    layers, silently). Refused until that backward has run; then unpatching works."""
+    patched, reference = patched_and_reference(_square_layers())
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    output = checkpoint(patched, x, use_reentrant=False)
+    target = patched if what == "model" else patched[-1]
+    with pytest.raises(RuntimeError, match=r"twobp: unpatch\(\) between an activation checkpoint's forward"):
+        twobp.unpatch(target)
+    output.square().sum().backward()
+    checkpoint(reference, x, use_reentrant=False).square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+    twobp.unpatch(target)
+
+
 def test_a_rules_fallback_to_plain_in_a_checkpointed_forward_is_what_its_recomputation_replays():
     """A global forward hook during the forward only (a FLOP counter): the recompute rule kept
     plain autograd there, but the call was recorded as deferred, and the recomputation (hooks

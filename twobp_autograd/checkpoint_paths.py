@@ -163,6 +163,13 @@ def link_nested_frames() -> None:
 _LINKS = "twobp_links_nested_frames"
 
 
+def deferred_in_a_live_checkpoint(module: Any) -> bool:
+    """Whether a non-reentrant checkpoint whose graph is alive recorded a deferred call of
+    ``module`` in its forward: its recomputation would run that call on the deferred path."""
+    origin = _origin(module)
+    return any(r.origin == origin and r.deferred for records in list(_paths.values()) for r in records)
+
+
 def enter_call(record: CallRecord) -> None:
     """The call of ``record`` is in progress (see :func:`took_plain`) until :func:`leave_call`."""
     _in_progress.__dict__.setdefault("records", []).append(record)

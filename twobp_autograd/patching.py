@@ -357,12 +357,12 @@ def _call_of_its_own(module: nn.Module) -> nn.Module:
 
 _INSTANCE_FORWARD = (
     "an instance-level forward of its own (a wrapper, such as accelerate's hooks), which the "
-    "deferred forward would bypass; patch before adding it"
+    "deferred forward would bypass (patch before adding it)"
 )
 
 _REPLACED_FORWARD = (
     "a class forward replaced since its rule was registered, which the rule's computation would not "
-    "follow; register a rule for it again (twobp.register) if it still computes the same"
+    "follow (register a rule for it again with twobp.register if it still computes the same)"
 )
 
 #: Where a patched module keeps its DeferredForwardCall: its ``forward`` may be a wrapper around
@@ -394,7 +394,7 @@ def patch(
     :class:`PatchReport` when ``report=True``. Patching twice changes nothing.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"patch expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"twobp: patch expects an nn.Module, got {type(model).__name__}")
     include = _selectors("include", include) if include is not None else None
     exclude = _selectors("exclude", exclude or ())
     check_not_inside_ddp(model)
@@ -477,6 +477,18 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Restore plain autograd on every patched module of ``model``. Returns ``model``. (Under a
     wrapper added since patching, the deferred forward stays where the wrapper calls it, and runs
     the plain forward from now on.)"""
+    from .checkpoint_paths import deferred_in_a_live_checkpoint
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"twobp: unpatch expects an nn.Module, got {type(model).__name__}")
+    pending = [type(m).__name__ for m in model.modules() if _is_patched(m) and deferred_in_a_live_checkpoint(m)]
+    if pending:
+        raise RuntimeError(
+            f"twobp: unpatch() between an activation checkpoint's forward and its backward ({pending[0]} "
+            "deferred in the checkpointed forward): its recomputation would run plain autograd and hand "
+            "plain's saved tensors to the deferred path's nodes. Run that backward first (or drop its "
+            "graph), then unpatch."
+        )
     for module in model.modules():
         _unpatch_module(module)
     return model
