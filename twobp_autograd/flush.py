@@ -359,7 +359,9 @@ def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandl
     """``param.register_post_accumulate_grad_hook(hook)``, moved before the hooks already there."""
     # Into the dict directly: register_post_accumulate_grad_hook refuses a parameter frozen
     # since the backward, which the hand-over unfreezes only around its delivery.
-    hooks = param._post_accumulate_grad_hooks  # it has hooks; called in the dict's own order
+    # Rebuilt, not reordered with move_to_end: autograd calls them in the underlying dict's
+    # insertion order. (Another thread registering a hook meanwhile makes the rebuild raise.)
+    hooks = param._post_accumulate_grad_hooks  # it has hooks
     handle = RemovableHandle(hooks)
     others = [(key, value) for key, value in hooks.items() if key != handle.id]
     hooks.clear()
@@ -446,7 +448,8 @@ def _refuse_nan(job: WeightGradJob, grads: Sequence[Tensor | None]) -> None:
             raise RuntimeError(
                 f"twobp: the deferred weight-gradient kernel '{_kernel_name(job)}' returned nan values in its "
                 f"{index}th output (anomaly mode's check_nan was on when its backward ran; the flush "
-                "checks for it)."
+                "checks for it). Nothing reached .grad and the work stays queued: drop the step with "
+                "optimizer.zero_grad() (or twobp.discard_weight_grads())."
             )
 
 
@@ -697,7 +700,9 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
             f"twobp: the weight-gradient kernel '{_kernel_name(job)}' returned {_described(grads)} for "
             f"{len(params)} parameters of shapes {[None if p is None else tuple(p.shape) for p in params]}: a "
             "kernel returns a list or tuple of one gradient per parameter, shaped like it and on its device "
-            "(None where it is not needed); or a parameter's shape changed since the backward (a .data assignment)."
+            "(None where it is not needed); or a parameter's shape changed since the backward (a .data assignment: "
+            "flush before it). The work stays queued: drop it with optimizer.zero_grad() or "
+            "twobp.discard_weight_grads()."
         )
     return grads
 

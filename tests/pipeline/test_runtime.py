@@ -587,8 +587,9 @@ def test_a_rank_failing_after_its_last_message_ends_the_others_within_the_timeou
 
 def test_a_loss_left_unreduced_is_refused_naming_the_fix(tmp_path) -> None:
     first, last = launch("loss_per_sample", str(tmp_path), deadline=90.0)
-    assert last is not None and "ValueError: rank 1: loss_fn returned a tensor of shape (2,)" in last["error"], last
-    assert first is not None and first["error"].startswith("PipelineError: rank 0"), first
+    expected = "ValueError: twobp: rank 1: loss_fn returned a tensor of shape (2,)"
+    assert last is not None and expected in last["error"], last
+    assert first is not None and first["error"].startswith("PipelineError: twobp: rank 0"), first
 
 
 def test_a_shape_mismatch_ends_every_rank_with_an_error(tmp_path) -> None:

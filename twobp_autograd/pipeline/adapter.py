@@ -140,7 +140,7 @@ def dw_builder(stage_module: nn.Module, queue: WeightGradQueue | None = None) ->
     """The ``dw_builder`` for ``PipelineStage(stage_module, ..., dw_builder=...)``; call after
     :func:`twobp_autograd.patch`. One builder per module: asking again returns the same one."""
     if not isinstance(stage_module, nn.Module):
-        raise TypeError(f"dw_builder expects the stage's nn.Module, got {type(stage_module).__name__}")
+        raise TypeError(f"twobp: dw_builder expects the stage's nn.Module, got {type(stage_module).__name__}")
     existing = _builders.get(stage_module)
     if existing is not None:
         if queue is not None and queue is not existing.queue:

@@ -183,7 +183,7 @@ class PipelineRuntime:
         loss_items: Callable[[Any], int] | None = None,
     ) -> None:
         if loss_reduction not in ("mean", "sum"):
-            raise ValueError(f"loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
+            raise ValueError(f"twobp: loss_reduction must be 'mean' or 'sum', not {loss_reduction!r}")
         self.loss_reduction = loss_reduction
         self.loss_items = loss_items
         self.group = group
@@ -196,7 +196,7 @@ class PipelineRuntime:
         self.first = 0 in self.stages  # takes the inputs
         self.last = len(self.placement) - 1 in self.stages  # takes the targets, computes the loss
         if self.last and loss_fn is None:
-            raise ValueError("the last stage needs a loss_fn")
+            raise ValueError("twobp: the last stage needs a loss_fn")
         self.stage = next(iter(self.stages.values())).module  # the first of this rank's stages
         self.queue = next(iter(self.stages.values())).queue
         self.actions = list(actions)
@@ -233,7 +233,9 @@ class PipelineRuntime:
         for action in actions:
             stage = action.stage_on(self.rank)
             if stage >= len(self.placement) or self.placement[stage] != self.rank or stage not in self.stages:
-                raise ValueError(f"rank {self.rank}: {action!r} runs stage {stage}, which this rank does not hold")
+                raise ValueError(
+                    f"twobp: rank {self.rank}: {action!r} runs stage {stage}, which this rank does not hold"
+                )
 
     def apply_mode(self) -> None:
         """Patch the stages (2BP on) or unpatch them (off). Each step does this first, so
@@ -254,9 +256,9 @@ class PipelineRuntime:
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
         m = self.num_micro_batches
         if self.first and inputs is None:
-            raise ValueError("the first rank needs the inputs")
+            raise ValueError("twobp: the first rank needs the inputs")
         if self.last and targets is None:
-            raise ValueError("the last rank needs the targets")
+            raise ValueError("twobp: the last rank needs the targets")
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "twobp: PipelineRuntime.step() trains (forward and backward); under torch.no_grad() or "
@@ -333,7 +335,7 @@ class PipelineRuntime:
         for stage in self.stages.values():
             if len(stage.queue):
                 raise PipelineError(
-                    f"rank {self.rank}: weight-gradient work of micro-batches {stage.queue.tags()} of stage "
+                    f"twobp: rank {self.rank}: weight-gradient work of micro-batches {stage.queue.tags()} of stage "
                     f"{stage.index} is still queued after the schedule's last W"
                 )
         for work, _, what in step.sends:
@@ -343,7 +345,7 @@ class PipelineRuntime:
                 self.grad_sync.finish()
             except ReductionFailed as error:
                 raise PipelineError(
-                    f"rank {self.rank}: the data-parallel reduction of this step's gradients failed (a "
+                    f"twobp: rank {self.rank}: the data-parallel reduction of this step's gradients failed (a "
                     f"replica of this stage probably failed, died or hung): {error}"
                 ) from error
 
@@ -390,7 +392,7 @@ class PipelineRuntime:
             except RuntimeError as error:
                 if source is not None and "leaf Variable that requires grad" in str(error):
                     raise PipelineError(
-                        f"rank {self.rank}: stage {stage.index} changes its input in place (an "
+                        f"twobp: rank {self.rank}: stage {stage.index} changes its input in place (an "
                         "in-place first op, such as ReLU(inplace=True)); the activation a stage "
                         "receives is a leaf that requires grad, which autograd does not let change in "
                         "place. Make that op out of place or cut the stages elsewhere."
@@ -417,7 +419,7 @@ class PipelineRuntime:
                     loss = loss.reshape(())
                 else:
                     raise ValueError(
-                        f"rank {self.rank}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
+                        f"twobp: rank {self.rank}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must "
                         "return one number per micro-batch (reduce it, by mean or sum, and pass that "
                         "as loss_reduction)"
                     )
@@ -516,7 +518,7 @@ class PipelineRuntime:
         batch = _batch_of(key)
         if batch < self.num_micro_batches:  # on every rank alike: empty micro-batches would give NaN losses
             raise ValueError(
-                f"a step's inputs must hold at least num_micro_batches={self.num_micro_batches} samples "
+                f"twobp: a step's inputs must hold at least num_micro_batches={self.num_micro_batches} samples "
                 f"on dim 0 (one per micro-batch); got {batch}"
             )
         return key
@@ -529,7 +531,7 @@ class PipelineRuntime:
             self._send(step, _meta(out), peer, _SHAPE_TAG + self._tag(message), f"the shape of micro-batch {k}")
         elif known != (out.shape, out.dtype):
             raise PipelineError(
-                f"rank {self.rank}: the stage output of micro-batch {k} is {tuple(out.shape)} {out.dtype}, but "
+                f"twobp: rank {self.rank}: the stage output of micro-batch {k} is {tuple(out.shape)} {out.dtype}, but "
                 f"{tuple(known[0])} {known[1]} was exchanged for this input shape; a stage's output shape must "
                 "depend only on the batch shape"
             )
@@ -603,7 +605,7 @@ class PipelineRuntime:
             work.wait(datetime.timedelta(seconds=self.timeout))
         except Exception as error:
             raise PipelineError(
-                f"rank {self.rank}: {what} failed after {time.perf_counter() - start:.1f} s (timeout "
+                f"twobp: rank {self.rank}: {what} failed after {time.perf_counter() - start:.1f} s (timeout "
                 f"{self.timeout:g} s); that rank probably failed or died, or runs a different "
                 f"schedule or model: {error}"
             ) from error
@@ -625,7 +627,7 @@ def _stages_of(
         queues = dict(queue)
     else:
         if queue is not None and len(modules) > 1:
-            raise ValueError("several stages need one queue each: pass a mapping from stage to queue")
+            raise ValueError("twobp: several stages need one queue each: pass a mapping from stage to queue")
         queues = {index: queue if queue is not None else WeightGradQueue() for index in modules}
     return {index: _Stage(index, modules[index], queues[index]) for index in sorted(modules)}
 
