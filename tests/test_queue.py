@@ -175,6 +175,26 @@ def test_use_queue_is_per_asyncio_task():
         assert_grads_match(patched, reference)
 
 
+def test_use_queue_blocks_left_out_of_order_are_refused_and_leave_the_stack_clean():
+    """Two generators each yielding inside their use_queue block share their thread's stack:
+    one's forwards ran under the other's queue. Left out of order, the exit says so (it restored
+    the stack as at its entry, leaving the other generator's queue current for good)."""
+    first, second = twobp.WeightGradQueue(), twobp.WeightGradQueue()
+
+    def loop(queue: twobp.WeightGradQueue):
+        with twobp.use_queue(queue):
+            yield
+
+    a, b = loop(first), loop(second)
+    next(a)
+    next(b)
+    with pytest.raises(RuntimeError, match="twobp: use_queue blocks were left out of order"):
+        next(a, None)
+    assert current_queue() is second
+    next(b, None)
+    assert current_queue() is queue_module._default_queue
+
+
 def test_a_queue_dropped_with_work_warns():
     layer = twobp.patch(nn.Linear(3, 3))
     queue = twobp.WeightGradQueue()

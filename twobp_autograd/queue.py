@@ -644,11 +644,31 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
     """Send the weight-gradient work of the forwards run inside this block to ``queue``."""
     if not isinstance(queue, WeightGradQueue):
         raise TypeError(f"twobp: use_queue(queue) takes a WeightGradQueue, not {type(queue).__name__}")
-    token = _queue_stack.set((*_queue_stack.get(), queue))
+    mine = (*_queue_stack.get(), queue)
+    token = _queue_stack.set(mine)
     try:
         yield queue
     finally:
-        _queue_stack.reset(token)
+        now = _queue_stack.get()
+        if now is mine:
+            _queue_stack.reset(token)
+        elif now and now[-1] is queue:  # innermost now, after another block's out-of-order exit
+            _queue_stack.set(now[:-1])
+        else:
+            # Left out of order: another block entered after this one is still open here (two
+            # generators, each yielding inside its block, interleaved on one thread), or this
+            # block is left in another context. Drop this block's queue only, and say so.
+            depth = len(mine) - 1
+            if not (depth < len(now) and now[depth] is queue):
+                depth = next((i for i in reversed(range(len(now))) if now[i] is queue), -1)
+            if depth >= 0:
+                _queue_stack.set(now[:depth] + now[depth + 1 :])
+            raise RuntimeError(
+                "twobp: use_queue blocks were left out of order (generators that yield inside their "
+                "use_queue blocks share their thread's queues, so the forwards of one ran under another's "
+                "queue), or in another thread or context than they were entered in. Keep each block "
+                "between yields, or run each training loop on its own thread or asyncio task."
+            )
 
 
 def _given_queue(queue: object, what: str) -> WeightGradQueue:
