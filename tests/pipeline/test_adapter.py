@@ -9,6 +9,7 @@ import datetime
 import gc
 import os
 import socket
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -427,3 +428,50 @@ def test_builder_does_not_keep_the_module_alive() -> None:
     del module
     gc.collect()
     assert alive() is None and builder.module is None
+
+
+class _WaitsForTheOtherThread(nn.Module):
+    """A stage whose forward on thread "first" is still running when thread "second" enters,
+    and whose "second" forward stays inside until "first" has left."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.first_inside, self.second_inside, self.first_left = (threading.Event() for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if threading.current_thread().name == "first":
+            self.first_inside.set()
+            self.second_inside.wait(10)
+        else:
+            self.second_inside.set()
+            self.first_left.wait(10)
+        return self.linear(x)
+
+
+def test_two_threads_in_a_stage_forward_at_once_each_leave_their_own_queue_block():
+    """The builder's hooks enter the stage's queue around each forward: kept in one list for all
+    threads, one thread's exit left the other's block (a ValueError from the queue's context
+    variable, or the wrong queue popped)."""
+    stage = twobp.patch(_WaitsForTheOtherThread())
+    builder = dw_builder(stage)
+    errors: dict[str, BaseException] = {}
+
+    def run(name: str) -> None:
+        try:
+            stage(torch.randn(2, 3)).sum().backward()
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors[name] = error
+        finally:
+            if name == "first":
+                stage.first_left.set()
+
+    threads = [threading.Thread(target=run, args=(name,), name=name) for name in ("first", "second")]
+    threads[0].start()
+    assert stage.first_inside.wait(10)
+    threads[1].start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    assert len(builder.queue) == 2
+    builder.queue.clear()

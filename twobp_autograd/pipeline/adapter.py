@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -74,7 +75,8 @@ class StageWeightGrads:
         self.queue = queue if queue is not None else WeightGradQueue()
         self.runners_built = 0
         self.jobs_built = 0
-        self._active: list[contextlib.AbstractContextManager[Any]] = []
+        # Per thread: two threads may run this stage's forward at once.
+        self._active_per_thread = threading.local()
         self._handles = [
             # First in, last out, so that the module's other hooks run under the queue too.
             module.register_forward_pre_hook(_StageHook(self._enter_queue), prepend=True),
@@ -89,6 +91,10 @@ class StageWeightGrads:
         context = use_queue(self.queue)
         context.__enter__()
         self._active.append(context)
+
+    @property
+    def _active(self) -> list[contextlib.AbstractContextManager[Any]]:
+        return self._active_per_thread.__dict__.setdefault("stack", [])
 
     def _leave_queue(self, module: nn.Module, args: Any, output: Any) -> None:
         # Also called when forward raised; empty when a hook before ours raised.
