@@ -681,6 +681,24 @@ def test_unpatching_between_a_checkpointed_forward_and_its_backward_is_refused(w
     twobp.unpatch(target)
 
 
+def test_unpatching_after_a_checkpointed_forward_raised_is_allowed_while_its_traceback_lives():
+    """A forward that raised leaves its checkpoint frame alive through the traceback (inside the
+    except clause, or kept as IPython keeps it), but no backward can recompute it."""
+    model = twobp.patch(_square_layers())
+
+    def fails(x: torch.Tensor) -> torch.Tensor:
+        model(x)
+        raise MemoryError("simulated")
+
+    try:
+        checkpoint(fails, torch.randn(3, 4, dtype=torch.float64, requires_grad=True), use_reentrant=False)
+    except MemoryError as error:
+        kept = error
+        twobp.unpatch(model)
+    assert kept.__traceback__ is not None
+    twobp.discard_weight_grads()
+
+
 def test_a_rules_fallback_to_plain_in_a_checkpointed_forward_is_what_its_recomputation_replays():
     """A global forward hook during the forward only (a FLOP counter): the recompute rule kept
     plain autograd there, but the call was recorded as deferred, and the recomputation (hooks

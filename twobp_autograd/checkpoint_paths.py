@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from typing import Any
 
 import torch
@@ -39,6 +39,7 @@ __all__ = [
     "recorded_so_far",
     "forget_since",
     "link_nested_frames",
+    "deferred_in_live_checkpoints",
 ]
 
 
@@ -69,6 +70,8 @@ _children_made_again: weakref.WeakKeyDictionary[Any, dict[Hashable, int]] = weak
 #: A checkpoint frame made again by an enclosing checkpoint's recomputation -> the frame the same
 #: call made in the forward, whose recorded paths its calls take.
 _twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: A checkpoint frame made inside another's forward -> that enclosing frame.
+_parents: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 #: The records of the patched calls in progress on each thread, innermost last.
 _in_progress = threading.local()
 
@@ -127,6 +130,7 @@ def _note_new_frame(frame: Any) -> None:
     if found is None:
         return
     parent, recomputing = found
+    _parents[frame] = parent
     if recomputing is None:
         siblings = _children.setdefault(parent, [])
         index = len(siblings)
@@ -163,11 +167,30 @@ def link_nested_frames() -> None:
 _LINKS = "twobp_links_nested_frames"
 
 
-def deferred_in_a_live_checkpoint(module: Any) -> bool:
-    """Whether a non-reentrant checkpoint whose graph is alive recorded a deferred call of
-    ``module`` in its forward: its recomputation would run that call on the deferred path."""
-    origin = _origin(module)
-    return any(r.origin == origin and r.deferred for records in list(_paths.values()) for r in records)
+def deferred_in_live_checkpoints(modules: Iterable[Any]) -> list[Any]:
+    """Those of ``modules`` of which a non-reentrant checkpoint whose graph is alive recorded a
+    deferred call in its forward: its recomputation would run that call on the deferred path."""
+    origins = _deferred_origins_in_live_checkpoints()
+    return [module for module in modules if _origin(module) in origins] if origins else []
+
+
+def _deferred_origins_in_live_checkpoints() -> set[int]:
+    """The origins of the deferred calls recorded by live checkpoints whose forward completed or
+    is running on this thread (a forward that raised leaves its frame alive only through the
+    traceback: no backward can recompute it)."""
+    running = set()
+    found = _innermost_frame()
+    frame = found[0] if found is not None else None
+    while frame is not None:
+        running.add(id(frame))
+        frame = _parents.get(frame)
+    return {
+        r.origin
+        for frame, records in list(_paths.items())
+        if getattr(frame, "forward_completed", True) or id(frame) in running
+        for r in records
+        if r.deferred
+    }
 
 
 def enter_call(record: CallRecord) -> None:

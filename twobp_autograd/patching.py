@@ -477,17 +477,17 @@ def unpatch(model: nn.Module) -> nn.Module:
     """Restore plain autograd on every patched module of ``model``. Returns ``model``. (Under a
     wrapper added since patching, the deferred forward stays where the wrapper calls it, and runs
     the plain forward from now on.)"""
-    from .checkpoint_paths import deferred_in_a_live_checkpoint
+    from .checkpoint_paths import deferred_in_live_checkpoints
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"twobp: unpatch expects an nn.Module, got {type(model).__name__}")
-    pending = [type(m).__name__ for m in model.modules() if _is_patched(m) and deferred_in_a_live_checkpoint(m)]
+    pending = deferred_in_live_checkpoints(m for m in model.modules() if _is_patched(m))
     if pending:
         raise RuntimeError(
-            f"twobp: unpatch() between an activation checkpoint's forward and its backward ({pending[0]} "
-            "deferred in the checkpointed forward): its recomputation would run plain autograd and hand "
-            "plain's saved tensors to the deferred path's nodes. Run that backward first (or drop its "
-            "graph), then unpatch."
+            "twobp: unpatch() between an activation checkpoint's forward and its backward "
+            f"({type(pending[0]).__name__} deferred in the checkpointed forward): its recomputation "
+            "would run plain autograd and hand plain's saved tensors to the deferred path's nodes. Run "
+            "that backward first (or drop its graph), then unpatch."
         )
     for module in model.modules():
         _unpatch_module(module)
