@@ -195,6 +195,27 @@ def test_use_queue_blocks_left_out_of_order_are_refused_and_leave_the_stack_clea
     assert current_queue() is queue_module._default_queue
 
 
+def test_a_block_left_inside_another_block_of_its_queue_leaves_that_block_alone():
+    """Blocks are told apart by identity, not by queue: a generator leaving its block of ``first``
+    inside another ``use_queue(first)`` took that newer block's place for its own."""
+    first, second = twobp.WeightGradQueue(), twobp.WeightGradQueue()
+
+    def loop(queue: twobp.WeightGradQueue):
+        with twobp.use_queue(queue):
+            yield
+
+    a, b = loop(first), loop(second)
+    next(a)
+    next(b)
+    with twobp.use_queue(first):
+        with pytest.raises(RuntimeError, match="twobp: use_queue blocks were left out of order"):
+            next(a, None)
+        assert current_queue() is first
+    assert current_queue() is second
+    next(b, None)
+    assert current_queue() is queue_module._default_queue
+
+
 def test_a_queue_dropped_with_work_warns():
     layer = twobp.patch(nn.Linear(3, 3))
     queue = twobp.WeightGradQueue()

@@ -623,12 +623,20 @@ def _storage_key(t: Tensor) -> tuple[int, torch.device]:
     return (t.data_ptr() - int(t.storage_offset()) * t.element_size(), t.device)
 
 
-#: The queues of the :func:`use_queue` blocks entered, innermost last, per context: a thread's
-#: own, and an asyncio task's (two tasks awaiting inside their blocks on one thread each keep
-#: theirs; a thread-local stack handed one task's work to the other's queue).
-_queue_stack: contextvars.ContextVar[tuple[WeightGradQueue, ...]] = contextvars.ContextVar(
-    "twobp_queue_stack", default=()
-)
+class _Block:
+    """One entered :func:`use_queue` block: compared by identity, so that the exit of one block
+    never takes another block of the same queue (on another thread, or interleaved here) for its own."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self, queue: WeightGradQueue) -> None:
+        self.queue = queue
+
+
+#: The :func:`use_queue` blocks entered, innermost last, per context: a thread's own, and an
+#: asyncio task's (two tasks awaiting inside their blocks on one thread each keep theirs; a
+#: thread-local stack handed one task's work to the other's queue).
+_queue_stack: contextvars.ContextVar[tuple[_Block, ...]] = contextvars.ContextVar("twobp_queue_stack", default=())
 _default_queue = WeightGradQueue()
 
 
@@ -636,7 +644,7 @@ def current_queue() -> WeightGradQueue:
     """The queue that forwards run now feed: the innermost :func:`use_queue` of this thread (or
     asyncio task), else the process-wide default queue."""
     stack = _queue_stack.get()
-    return stack[-1] if stack else _default_queue
+    return stack[-1].queue if stack else _default_queue
 
 
 @contextlib.contextmanager
@@ -644,25 +652,26 @@ def use_queue(queue: WeightGradQueue) -> Iterator[WeightGradQueue]:
     """Send the weight-gradient work of the forwards run inside this block to ``queue``."""
     if not isinstance(queue, WeightGradQueue):
         raise TypeError(f"twobp: use_queue(queue) takes a WeightGradQueue, not {type(queue).__name__}")
-    mine = (*_queue_stack.get(), queue)
+    block = _Block(queue)
+    mine = (*_queue_stack.get(), block)
     token = _queue_stack.set(mine)
     try:
         yield queue
     finally:
         now = _queue_stack.get()
+        # Innermost: in order (or the last block out after another's out-of-order exit).
+        in_order = bool(now) and now[-1] is block
         if now is mine:
-            _queue_stack.reset(token)
-        elif now and now[-1] is queue:  # innermost now, after another block's out-of-order exit
-            _queue_stack.set(now[:-1])
-        else:
-            # Left out of order: another block entered after this one is still open here (two
-            # generators, each yielding inside its block, interleaved on one thread), or this
-            # block is left in another context. Drop this block's queue only, and say so.
-            depth = len(mine) - 1
-            if not (depth < len(now) and now[depth] is queue):
-                depth = next((i for i in reversed(range(len(now))) if now[i] is queue), -1)
-            if depth >= 0:
-                _queue_stack.set(now[:depth] + now[depth + 1 :])
+            try:
+                _queue_stack.reset(token)
+            except ValueError:  # left in a copy of the context it was entered in (asyncio.to_thread)
+                _queue_stack.set(now[:-1])
+                in_order = False
+        elif any(entry is block for entry in now):
+            # Drop this block only; another context's stack (a generator closed by the garbage
+            # collector on another thread) does not hold it and is left as it is.
+            _queue_stack.set(tuple(entry for entry in now if entry is not block))
+        if not in_order:
             raise RuntimeError(
                 "twobp: use_queue blocks were left out of order (generators that yield inside their "
                 "use_queue blocks share their thread's queues, so the forwards of one ran under another's "
