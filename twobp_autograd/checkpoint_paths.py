@@ -70,8 +70,6 @@ _children_made_again: weakref.WeakKeyDictionary[Any, dict[Hashable, int]] = weak
 #: A checkpoint frame made again by an enclosing checkpoint's recomputation -> the frame the same
 #: call made in the forward, whose recorded paths its calls take.
 _twins: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
-#: A checkpoint frame made inside another's forward -> that enclosing frame.
-_parents: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 #: The records of the patched calls in progress on each thread, innermost last.
 _in_progress = threading.local()
 
@@ -130,7 +128,6 @@ def _note_new_frame(frame: Any) -> None:
     if found is None:
         return
     parent, recomputing = found
-    _parents[frame] = parent
     if recomputing is None:
         siblings = _children.setdefault(parent, [])
         index = len(siblings)
@@ -175,22 +172,10 @@ def deferred_in_live_checkpoints(modules: Iterable[Any]) -> list[Any]:
 
 
 def _deferred_origins_in_live_checkpoints() -> set[int]:
-    """The origins of the deferred calls recorded by live checkpoints whose forward completed or
-    is running on this thread (a forward that raised leaves its frame alive only through the
-    traceback: no backward can recompute it)."""
-    running = set()
-    found = _innermost_frame()
-    frame = found[0] if found is not None else None
-    while frame is not None:
-        running.add(id(frame))
-        frame = _parents.get(frame)
-    return {
-        r.origin
-        for frame, records in list(_paths.items())
-        if getattr(frame, "forward_completed", True) or id(frame) in running
-        for r in records
-        if r.deferred
-    }
+    """The origins of the deferred calls recorded by every live checkpoint frame: one whose
+    forward raised too (a tensor it made may have escaped, and its recomputation stops early,
+    before the error), and one whose forward runs on another thread now."""
+    return {record.origin for records in list(_paths.values()) for record in records if record.deferred}
 
 
 def enter_call(record: CallRecord) -> None:

@@ -487,7 +487,8 @@ def unpatch(model: nn.Module) -> nn.Module:
             "twobp: unpatch() between an activation checkpoint's forward and its backward "
             f"({type(pending[0]).__name__} deferred in the checkpointed forward): its recomputation "
             "would run plain autograd and hand plain's saved tensors to the deferred path's nodes. Run "
-            "that backward first (or drop its graph), then unpatch."
+            "that backward first (or drop its graph: its output, or, for a checkpointed forward that "
+            "raised, the exception and its traceback), then unpatch."
         )
     for module in model.modules():
         _unpatch_module(module)
