@@ -1,6 +1,7 @@
 """The queue: byte accounting, tags, separate queues, and README contract point 5 (misuse
 gets a clear error, never a silent wrong step)."""
 
+import contextlib
 import copy
 import gc
 import math
@@ -175,10 +176,12 @@ def test_use_queue_is_per_asyncio_task():
         assert_grads_match(patched, reference)
 
 
-def test_use_queue_blocks_left_out_of_order_are_refused_and_leave_the_stack_clean():
+@pytest.mark.parametrize("inside_another_block", [False, True], ids=["alone", "inside-a-newer-block-of-its-queue"])
+def test_use_queue_blocks_left_out_of_order_are_refused_and_leave_the_stack_clean(inside_another_block):
     """Two generators each yielding inside their use_queue block share their thread's stack:
-    one's forwards ran under the other's queue. Left out of order, the exit says so (it restored
-    the stack as at its entry, leaving the other generator's queue current for good)."""
+    one's forwards ran under the other's queue. Left out of order, the exit says so and takes
+    only its own block (it restored the stack as at its entry, leaving the other generator's
+    queue current for good; and inside a newer block of its queue, took that block for its own)."""
     first, second = twobp.WeightGradQueue(), twobp.WeightGradQueue()
 
     def loop(queue: twobp.WeightGradQueue):
@@ -188,29 +191,10 @@ def test_use_queue_blocks_left_out_of_order_are_refused_and_leave_the_stack_clea
     a, b = loop(first), loop(second)
     next(a)
     next(b)
-    with pytest.raises(RuntimeError, match="twobp: use_queue blocks were left out of order"):
-        next(a, None)
-    assert current_queue() is second
-    next(b, None)
-    assert current_queue() is queue_module._default_queue
-
-
-def test_a_block_left_inside_another_block_of_its_queue_leaves_that_block_alone():
-    """Blocks are told apart by identity, not by queue: a generator leaving its block of ``first``
-    inside another ``use_queue(first)`` took that newer block's place for its own."""
-    first, second = twobp.WeightGradQueue(), twobp.WeightGradQueue()
-
-    def loop(queue: twobp.WeightGradQueue):
-        with twobp.use_queue(queue):
-            yield
-
-    a, b = loop(first), loop(second)
-    next(a)
-    next(b)
-    with twobp.use_queue(first):
+    with twobp.use_queue(first) if inside_another_block else contextlib.nullcontext():
         with pytest.raises(RuntimeError, match="twobp: use_queue blocks were left out of order"):
             next(a, None)
-        assert current_queue() is first
+        assert current_queue() is (first if inside_another_block else second)
     assert current_queue() is second
     next(b, None)
     assert current_queue() is queue_module._default_queue
