@@ -65,11 +65,7 @@ class WeightGradJob:
         self.accumulators: tuple[Any, ...] = ()
         # The parameters' device in the backward that made the job (None without a parameter):
         # a flush refuses the work once they are elsewhere (the model moved before the flush).
-        self.home: torch.device | None = None
-        for param in params:  # a loop: a generator costs a microsecond per backward
-            if param is not None:
-                self.home = param.device
-                break
+        self.home = _params_device(params)
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *self.params)
@@ -150,14 +146,22 @@ class WeightGradJob:
     @property
     def device(self) -> torch.device:
         """Where the kernel runs: its parameters' device."""
-        for param in self.params:  # a loop: a generator costs a microsecond per backward
-            if param is not None:
-                return param.device
-        raise ValueError("twobp: a weight-gradient job without a parameter has no device")
+        device = _params_device(self.params)
+        if device is None:
+            raise ValueError("twobp: a weight-gradient job without a parameter has no device")
+        return device
 
     @property
     def needs(self) -> tuple[bool, ...]:
         return tuple([p is not None for p in self.params])
+
+
+def _params_device(params: tuple[Tensor | None, ...]) -> torch.device | None:
+    """The first present parameter's device (None if there is none)."""
+    for param in params:  # a loop: a generator costs a microsecond per backward
+        if param is not None:
+            return param.device
+    return None
 
 
 def finished_grads(
