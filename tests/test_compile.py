@@ -38,10 +38,11 @@ def test_compiled_patched_model_defers_and_matches_autograd(backend):
     ("make", "shapes"),
     [
         (lambda: nn.GroupNorm(2, 4), [(2, 4, 4, 5), (3, 4, 7, 5)]),
+        (lambda: nn.InstanceNorm2d(4, affine=True), [(2, 4, 4, 5), (3, 4, 7, 5)]),
         (lambda: nn.LayerNorm([4, 5]), [(2, 3, 4, 5), (3, 6, 4, 5)]),
         (lambda: nn.RMSNorm([4, 5]), [(2, 3, 4, 5), (3, 6, 4, 5)]),
     ],
-    ids=["group-norm", "layer-norm", "rms-norm"],
+    ids=["group-norm", "instance-norm", "layer-norm", "rms-norm"],
 )
 def test_compiled_norms_recompiled_for_new_shapes_match_autograd(make, shapes):
     """A second input shape makes dynamo recompile with symbolic sizes. The norms save their

@@ -1706,6 +1706,7 @@ LAYERS_FROZEN_AFTER_FORWARD = {
     "layer-norm": (lambda: nn.LayerNorm(4), lambda: torch.randn(5, 4), None),
     "batch-norm": (lambda: nn.BatchNorm1d(4), lambda: torch.randn(5, 4), None),
     "group-norm": (lambda: nn.GroupNorm(2, 4), lambda: torch.randn(5, 4, 3), None),
+    "instance-norm": (lambda: nn.InstanceNorm1d(4, affine=True), lambda: torch.randn(5, 4, 3), None),
     "rms-norm": (lambda: nn.RMSNorm(4), lambda: torch.randn(5, 4), None),
     "embedding": (lambda: nn.Embedding(7, 4), lambda: torch.randint(0, 7, (5,)), None),
     "attention": (lambda: nn.MultiheadAttention(4, 2, batch_first=True), lambda: torch.randn(2, 3, 4), _attention),

@@ -73,6 +73,7 @@ MODULES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
     "BatchNorm3d": (lambda: nn.BatchNorm3d(2, affine=False), (3, 2, 2, 2, 2)),
     "LayerNorm": (lambda: nn.LayerNorm(6), (3, 4, 6)),
     "GroupNorm": (lambda: nn.GroupNorm(2, 4), (3, 4, 5)),
+    "InstanceNorm2d": (lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True), (2, 3, 4, 4)),
     "RMSNorm": (lambda: nn.RMSNorm(6), (3, 4, 6)),
     "MultiheadAttention": (SelfAttention, (2, 5, 6)),
     "MultiheadAttention-weights": (lambda: SelfAttention(return_weights=True), (2, 5, 6)),

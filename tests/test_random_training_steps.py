@@ -6,8 +6,8 @@ steps; each micro-batch calls backward in one of the ways a training step does (
 ``autograd.grad`` first, ``zero_grad`` after it, a parameter frozen before it, ``inputs=``, a
 hook on the output, an early flush of its tag, another queue, eval mode). After every flush,
 every ``.grad`` and buffer must equal plain autograd's, and after every step every parameter.
-A second family does the same with image models (every kind of convolution, BatchNorm and
-GroupNorm, channels_last).
+A second family does the same with image models (every kind of convolution, BatchNorm,
+GroupNorm and InstanceNorm, channels_last).
 
 The hand-written tests pin each case down; this one looks for combinations nobody listed (it
 found ``zero_grad(set_to_none=False)`` leaving ``None`` where plain leaves zeros).
@@ -135,6 +135,7 @@ def _conv_layer(kind: str, rng: random.Random) -> nn.Module:
             c, affine=rng.random() < 0.5, track_running_stats=rng.random() < 0.5, momentum=rng.choice([None, 0.1])
         ),
         "group-norm": lambda: nn.GroupNorm(2, c),
+        "instance-norm": lambda: nn.InstanceNorm2d(c, affine=True, track_running_stats=rng.random() < 0.5),
         "conv-transpose": lambda: nn.ConvTranspose2d(c, c, 3, padding=1),
         "conv-transpose-stride-2": lambda: nn.ConvTranspose2d(c, c, 3, stride=2, padding=1, output_padding=1),
         "layer-norm-channels-last": lambda: nn.LayerNorm(c),

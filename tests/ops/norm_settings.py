@@ -78,6 +78,26 @@ GROUP_NORM = [
     Setting("gn-no-bias", lambda: nn.GroupNorm(3, 6, bias=False), _sizes(6, 3, 3)),
 ]
 
+INSTANCE_NORM = [
+    Setting("in1d", lambda: nn.InstanceNorm1d(4, affine=True), _sizes(4, 5)),
+    Setting("in1d-unbatched", lambda: nn.InstanceNorm1d(4, affine=True), ((4, 5),) * 3),
+    Setting("in2d", lambda: nn.InstanceNorm2d(3, affine=True), _sizes(3, 4, 5)),
+    Setting("in2d-channels-last", lambda: nn.InstanceNorm2d(3, affine=True), _sizes(3, 4, 5), channels_last=True),
+    Setting("in3d", lambda: nn.InstanceNorm3d(2, affine=True), _sizes(2, 3, 2, 2)),
+    Setting(
+        "in2d-running-stats",
+        lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True, momentum=0.3),
+        _sizes(3, 4, 5),
+    ),
+    Setting(
+        "in2d-momentum-none",
+        lambda: nn.InstanceNorm2d(3, affine=True, track_running_stats=True, momentum=None),
+        _sizes(3, 4, 5),
+    ),
+    Setting("in2d-eps", lambda: nn.InstanceNorm2d(3, affine=True, eps=1e-2), _sizes(3, 4, 5)),
+    Setting("in2d-no-bias", lambda: nn.InstanceNorm2d(3, affine=True, bias=False), _sizes(3, 4, 5)),
+]
+
 RMS_NORM = [
     Setting("rms-eps-none", lambda: nn.RMSNorm(8), _sizes(3, 8)),
     Setting("rms-eps", lambda: nn.RMSNorm(8, eps=1e-2), _sizes(3, 8)),
@@ -114,7 +134,7 @@ def _hugging_face_rms_norms() -> list[Setting]:
 
 HUGGING_FACE_RMS_NORM = _hugging_face_rms_norms()
 
-ALL = BATCH_NORM + LAYER_NORM + GROUP_NORM + RMS_NORM + HUGGING_FACE_RMS_NORM
+ALL = BATCH_NORM + LAYER_NORM + GROUP_NORM + INSTANCE_NORM + RMS_NORM + HUGGING_FACE_RMS_NORM
 DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.float64, id="fp64")]
 
 

@@ -1,4 +1,4 @@
-"""BatchNorm1d/2d/3d, LayerNorm, GroupNorm and RMSNorm against plain autograd, every family
+"""BatchNorm1d/2d/3d, LayerNorm, GroupNorm, InstanceNorm1d/2d/3d and RMSNorm against plain autograd, every family
 through the same settings table (tests/ops/norm_settings.py): weight gradients, outputs, input
 gradients and buffers, autocast, frozen and rebuilt weights, autograd.grad and unpatch.
 """

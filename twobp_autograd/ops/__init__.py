@@ -4,7 +4,17 @@
 from collections.abc import Callable
 
 from ..registry import suggest_rule
-from . import attention, batch_norm, conv, embedding, group_norm, layer_norm, linear, rms_norm  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    batch_norm,
+    conv,
+    embedding,
+    group_norm,
+    instance_norm,
+    layer_norm,
+    linear,
+    rms_norm,
+)
 from .hf_conv1d import computes_like_hf_conv1d, hf_conv1d
 from .llama_rms_norm import computes_like_llama_rms_norm, llama_rms_norm
 from .recompute import recompute

@@ -1,0 +1,84 @@
+"""nn.InstanceNorm1d/2d/3d with ``affine=True``: the forward makes plain's own call,
+``F.instance_norm``, with the parameters detached, so the output, the input gradient and the
+running statistics (``track_running_stats=True``) are PyTorch's own. Instance norm is group norm
+with one group per channel, so the weight kernel is GroupNorm's; the per-(sample, channel)
+statistics are recomputed at the flush from the saved input (``instance_norm`` does not hand them
+out), off the backward's critical path. Each sample is normalised on its own: queued
+micro-batches concatenate on the batch dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..deferral import configured_kernel, defer_weight_grads, detached
+from ..registry import register
+from .fallback import plain_forward, unsupported_tensors
+from .group_norm import group_norm_weight_grad
+from .precision import accumulation_dtype
+
+__all__ = ["instance_norm", "instance_norm_weight_grad"]
+
+
+def instance_norm_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    *,
+    eps: float,
+    weight_dtype: torch.dtype,
+) -> list[Tensor | None]:
+    (input,) = saved  # (N, C, *), as the forward normalised it
+    spatial = tuple(range(2, input.dim()))
+    # In fp32 for bf16/fp16 inputs, as the native kernels compute their statistics.
+    var, mean = torch.var_mean(input.to(accumulation_dtype(input.dtype)), dim=spatial, correction=0)
+    return group_norm_weight_grad(
+        (input, mean, (var + eps).rsqrt()),
+        grad_outputs,
+        needs,
+        num_groups=input.shape[1],
+        weight_dtype=weight_dtype,
+    )
+
+
+@register((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d))
+def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) -> Tensor:
+    """``_InstanceNorm.forward`` (an ``affine=False`` module has no parameters and is never
+    called here: it runs its own forward)."""
+    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    reason = unsupported_tensors(input, *params)
+    if reason is not None:
+        return plain_forward(module, reason, input)
+    # The module's own checks, in its order: the input's rank, then its channels.
+    module._check_input_dim(input)
+    unbatched = input.dim() == module._get_no_batch_dim()
+    x = input.unsqueeze(0) if unbatched else input
+    if x.size(1) != module.num_features:
+        raise ValueError(
+            f"expected input's size at dim={input.dim() - module._get_no_batch_dim()} to match num_features"
+            f" ({module.num_features}), but got: {x.size(1)}."
+        )
+    weight, bias = map(detached, params)
+    output = F.instance_norm(
+        x,
+        module.running_mean,
+        module.running_var,
+        weight,
+        bias,
+        module.training or not module.track_running_stats,
+        module.momentum if module.momentum is not None else 0.0,
+        module.eps,
+    )
+    kernel, group = configured_kernel(
+        instance_norm_weight_grad,
+        eps=module.eps,
+        weight_dtype=next(p for p in params if p is not None).dtype,
+    )
+    # The input saved as given, as plain's batch_norm saves it: changed in place before
+    # backward, it makes backward raise as plain's does.
+    output = defer_weight_grads(output, params, (x,), kernel, group=group)
+    return output.squeeze(0) if unbatched else output
