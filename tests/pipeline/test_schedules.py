@@ -272,19 +272,21 @@ EXPECTED_MULTI_STAGE: dict[tuple[str, bool], list[list[Action]]] = {
         [F(0, 1), F(1, 1), F(0, 3), I(0, 3), F(1, 3), I(1, 3), F(2, 1), I(0, 1), F(3, 1), I(1, 1), F(2, 3), I(2, 3),
          F(3, 3), I(3, 3), I(2, 1), W(0, stage=3), I(3, 1), W(1, stage=3), W(0, 1, 2, 3, stage=1), W(2, 3, stage=3)],
     ],
+    # ZB-V: the paper's order; with 2BP each W right after its I, the cool-down's I first and the
+    # W left after the last one concatenated per stage.
     ("zbv", False): [
-        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), B(0, 3), F(1, 3), B(1, 3), B(0, 0), F(3, 0), B(1, 0), F(2, 3), B(2, 3),
+        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), B(0, 3), F(1, 3), B(1, 3), F(3, 0), B(0, 0), F(2, 3), B(2, 3), B(1, 0),
          F(3, 3), B(3, 3), B(2, 0), B(3, 0)],
-        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), B(0, 2), B(0, 1), B(1, 2), B(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2),
-         B(2, 2), B(3, 2), B(2, 1), B(3, 1)],
+        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), B(0, 2), F(2, 1), B(0, 1), F(2, 2), B(1, 2), F(3, 1), B(1, 1), F(3, 2),
+         B(2, 2), B(2, 1), B(3, 2), B(3, 1)],
     ],
     ("zbv", True): [
-        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), I(0, 3), F(1, 3), I(1, 3), I(0, 0), F(3, 0), I(1, 0), W(0, stage=3),
-         F(2, 3), I(2, 3), F(3, 3), W(1, stage=3), I(3, 3), W(2, stage=3), W(3, stage=3), W(0, stage=0), I(2, 0),
-         W(1, stage=0), I(3, 0), W(2, 3, stage=0)],
-        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), I(0, 2), I(0, 1), I(1, 2), I(1, 1), F(2, 1), F(2, 2), F(3, 1), F(3, 2),
-         W(0, stage=2), I(2, 2), W(0, stage=1), W(1, stage=2), I(3, 2), I(2, 1), W(1, stage=1), I(3, 1),
-         W(2, 3, stage=1), W(2, 3, stage=2)],
+        [F(0, 0), F(1, 0), F(2, 0), F(0, 3), I(0, 3), W(0, stage=3), F(1, 3), I(1, 3), W(1, stage=3), F(3, 0),
+         I(0, 0), W(0, stage=0), F(2, 3), I(2, 3), W(2, stage=3), I(1, 0), W(1, stage=0), F(3, 3), I(3, 3),
+         W(3, stage=3), I(2, 0), W(2, stage=0), I(3, 0), W(3, stage=0)],
+        [F(0, 1), F(0, 2), F(1, 1), F(1, 2), I(0, 2), W(0, stage=2), F(2, 1), I(0, 1), W(0, stage=1), F(2, 2),
+         I(1, 2), W(1, stage=2), F(3, 1), I(1, 1), W(1, stage=1), F(3, 2), I(2, 2), W(2, stage=2), I(2, 1), I(3, 2),
+         I(3, 1), W(2, 3, stage=1), W(3, stage=2)],
     ],
 }  # fmt: skip
 
@@ -337,8 +339,21 @@ def test_zbv_never_holds_more_than_max_pending_weight_grads_per_stage(max_pendin
 
 def test_zbv_concatenates_what_is_left_once_a_rank_has_no_backward_left() -> None:
     first_rank, last_rank = schedule("zbv", 2, 8)
-    assert first_rank[-1] == W(6, 7, stage=0)
-    assert last_rank[-2:] == [W(6, 7, stage=1), W(6, 7, stage=2)]
+    assert first_rank[-3:] == [W(6, stage=0), I(7, 0), W(7, stage=0)]  # nothing left to join on rank 0
+    assert last_rank[-4:] == [I(7, 2), I(7, 1), W(6, 7, stage=1), W(7, stage=2)]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3, 4, 8])
+def test_zbv_with_fewer_micro_batches_than_the_v_holds_drops_them_from_its_shape(num_ranks: int) -> None:
+    """The V fills with 2p - 1 micro-batches; with fewer, the missing ones' actions drop out of
+    that shape: a valid schedule with the same order of F and I."""
+    filled = 2 * num_ranks - 1
+    shape = schedule("zbv", num_ranks, filled)
+    for m in range(1, filled):
+        ranks = schedule("zbv", num_ranks, m)
+        validate_schedule(ranks, m)
+        for actions, full in zip(ranks, shape, strict=True):
+            assert [a for a in actions if a.kind != "W"] == [a for a in full if a.kind != "W" and a.micro_batch < m]
 
 
 def test_interleaved_needs_whole_groups_of_micro_batches() -> None:

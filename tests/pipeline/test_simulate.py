@@ -162,7 +162,19 @@ def test_two_stages_per_rank_shrink_the_fill_and_drain() -> None:
     assert simulate(schedule("1f1b-2", 2, 4), whole).step_time == 26
     assert simulate(schedule("gpipe", 2, 4, twobp=False), whole).step_time == 30
     zbv = simulate(schedule("zbv", 2, 4), half)
-    assert zbv.peak_graphs == [4, 4] and zbv.peak_pending_weight_grads == [4, 4]  # 1F1B's: p full stages
+    # 1F1B's graphs (p full stages), and each W right after its I but in the cool-down.
+    assert zbv.peak_graphs == [4, 4] and zbv.peak_pending_weight_grads == [1, 3]
+
+
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_zbv_holds_what_1f1b_holds_and_keeps_its_lead_when_hand_overs_take_time(num_ranks: int) -> None:
+    """ZB-V's graphs stay at 2p half stages per rank (1F1B's p full ones) whatever m is, and
+    with hand-overs of 0.3 of a half stage it still ends before 1F1B-2 on whole stages."""
+    half, whole = StageCosts(1, 1, 1), StageCosts(2, 2, 2)
+    m = 4 * num_ranks
+    zbv = simulate(schedule("zbv", num_ranks, m), half, p2p_latency=0.3)
+    assert zbv.peak_graphs == [2 * num_ranks] * num_ranks
+    assert zbv.step_time < simulate(schedule("1f1b-2", num_ranks, m), whole, p2p_latency=0.3).step_time
 
 
 def test_a_hand_over_inside_a_rank_pays_no_latency() -> None:

@@ -6,23 +6,25 @@ r + p, r + 2p, ...; interleaved 1F1B) and the *V* (rank r holds stages r and 2p 
 the first and the last stage share rank 0 and the turn at the V's tip is a hand-over inside
 rank p − 1). Every action names its stage.
 
-``zbv`` is found, like ``zb``, by replaying the step with F = I = W = 1: each rank runs, when
-free, a ready ``I`` (the critical path), else a ready ``F`` while fewer than ``max_in_flight``
-micro-batches have entered it and not left through its first stage's ``I``, else the oldest
-pending ``W``. (The bound 2p holds no more graphs than 2p − 1 on 2 ranks and runs ahead of it
-once messages take time: replayed with F = I = W = 1 and 0.3 latency, m = 8, 1.081 against
-1.056 over GPipe without 2BP); before an ``I`` that would leave ``max_pending`` micro-batches of that stage
-waiting for their ``W``, the oldest one's ``W`` runs first. Once a rank has no ``I`` left, each
-stage's pending work runs as one ``W`` over those micro-batches, concatenated.
+``zbv`` is ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", 2024, section 6) with 2BP's
+concatenation: rank r warms up with 2(p − r) − 1 forwards of its first stage, r more in pairs
+over both stages and p − r of its second stage each followed by that micro-batch's ``I`` and
+``W``; then runs ``F I W`` units on each stage in turn; cools down with the ``I`` of both
+stages, the last p − r of its first stage each followed by its ``W``. In the steady state each
+``W`` runs right after its ``I``, so a rank holds 1F1B's memory (2p half-stage graphs) and
+little more for ``W``; the ``W`` left after a rank's last ``I`` run as one ``W`` per stage over
+those micro-batches, concatenated (2BP's addition to the paper's order).
+Unlike a greedy replay that packs each rank's work as tightly as messages arriving at once
+allow (this package's ``zbv`` before), the order keeps its pace when a hand-over takes time, and
+its memory whatever p is (README: Pipeline).
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from .actions import Action, ActionKind, B, F, I, Message, Payload, W
+from .actions import Action, ActionKind, B, F, I, W
 
 __all__ = ["MULTI_STAGE_SCHEDULES", "placement", "interleaved_one_f_one_b", "zero_bubble_v"]
 
@@ -109,98 +111,82 @@ def _concatenated_w(pending: deque[tuple[int, int]] | list[tuple[int, int]]) -> 
     return [W(*micro_batches, stage=stage) for stage, micro_batches in by_stage.items()]
 
 
-@dataclass
-class _StageProgress:
-    """Where one stage stands in the unit-time replay."""
-
-    stage: int
-    forwarded: int = 0  # micro-batches whose F ran (they run in order)
-    backwarded: int = 0
-    pending: deque[int] = field(default_factory=deque)  # I ran, W not yet
-
-
-@dataclass
-class _Replay:
-    """The unit-time replay that places ``zbv``'s actions."""
-
-    num_ranks: int
-    num_micro_batches: int
-    owner: tuple[int, ...]
-    max_in_flight: int
-    max_pending: int
-    arrives: dict[Message, int] = field(default_factory=dict)
-    ranks: list[RankActions] = field(init=False)
-    stages: list[list[_StageProgress]] = field(init=False)  # per rank, deepest stage first
-
-    def __post_init__(self) -> None:
-        self.ranks = [[] for _ in range(self.num_ranks)]
-        self.stages = [
-            [_StageProgress(s) for s in sorted(range(len(self.owner)), reverse=True) if self.owner[s] == rank]
-            for rank in range(self.num_ranks)
-        ]
-
-    def ready(self, message: Message | None, now: int) -> bool:
-        return message is None or self.arrives.get(message, now + 1) <= now
-
-    def next_action(self, rank: int, now: int) -> Action | None:
-        stages, m, last = self.stages[rank], self.num_micro_batches, len(self.owner) - 1
-        for progress in stages:
-            k, s = progress.backwarded, progress.stage
-            gradient = None if s == last else Message(s + 1, s, Payload.GRADIENTS, k)
-            if k < progress.forwarded and self.ready(gradient, now):
-                if len(progress.pending) >= self.max_pending:
-                    return W(progress.pending.popleft(), stage=s)
-                progress.backwarded += 1
-                progress.pending.append(k)
-                return I(k, stage=s)
-        entry = stages[-1]
-        for progress in stages:
-            k, s = progress.forwarded, progress.stage
-            room = progress is not entry or entry.forwarded - entry.backwarded < self.max_in_flight
-            if k < m and room and self.ready(None if s == 0 else Message(s - 1, s, Payload.ACTIVATIONS, k), now):
-                progress.forwarded += 1
-                return F(k, stage=s)
-        if all(progress.backwarded == m for progress in stages):
-            left = [(p.stage, k) for p in sorted(stages, key=lambda p: p.stage) for k in p.pending]
-            self.ranks[rank] += _concatenated_w(left)
-            for progress in stages:
-                progress.pending.clear()
-            return None
-        waiting = [p for p in stages if p.pending]
-        if waiting:
-            oldest = max(waiting, key=lambda p: p.stage)
-            return W(oldest.pending.popleft(), stage=oldest.stage)
-        return None
-
-    def done(self, rank: int) -> bool:
-        return all(p.backwarded == self.num_micro_batches and not p.pending for p in self.stages[rank])
-
-    def run(self) -> list[RankActions]:
-        now = 0
-        while not all(self.done(rank) for rank in range(self.num_ranks)):
-            for rank in range(self.num_ranks):
-                action = self.next_action(rank, now)
-                if action is None:
-                    continue
-                self.ranks[rank].append(action)
-                message = action.sends(rank, len(self.owner))
-                if message is not None:
-                    self.arrives[message] = now + 1
-            now += 1
-            if now > 100 * len(self.owner) * self.num_micro_batches:
-                raise AssertionError("the zbv replay made no progress")  # a bug, not a user error
-        return self.ranks
-
-
-def zero_bubble_v(
-    num_ranks: int, num_micro_batches: int, *, max_pending: int | None = None, max_in_flight: int | None = None
-) -> list[RankActions]:
-    """ZB-V's shape with 2BP (see the module's docstring). ``max_pending`` (default p)
-    bounds each stage's micro-batches waiting for their ``W``; ``max_in_flight`` (default
-    2p) those a rank holds between its first stage's ``F`` and ``I``."""
+def zero_bubble_v(num_ranks: int, num_micro_batches: int, *, max_pending: int | None = None) -> list[RankActions]:
+    """ZB-V with 2BP (see the module's docstring). ``max_pending`` (default p) bounds each
+    stage's micro-batches waiting for their ``W``: before an ``I`` that would leave more
+    waiting, the oldest one's ``W`` runs first."""
     max_pending = num_ranks if max_pending is None else max_pending
-    max_in_flight = 2 * num_ranks if max_in_flight is None else max_in_flight
-    if max_pending < 1 or max_in_flight < 1:
-        raise ValueError(f"max_pending and max_in_flight must be at least 1, got {max_pending} and {max_in_flight}")
-    owner = placement("zbv", num_ranks)
-    return _Replay(num_ranks, num_micro_batches, owner, max_in_flight, max_pending).run()
+    if max_pending < 1:
+        raise ValueError(f"max_pending must be at least 1, got {max_pending}")
+    # The shape fills the V with 2p - 1 micro-batches; with fewer, the missing ones' actions drop out.
+    shaped = max(num_micro_batches, 2 * num_ranks - 1)
+    ranks = []
+    for rank in range(num_ranks):
+        stages = (rank, 2 * num_ranks - 1 - rank)
+        numbered = _numbered(_v_order(rank, num_ranks, shaped), stages)
+        actions = [a for a in numbered if a.micro_batch < num_micro_batches]
+        ranks.append(_bounded_pending(_tail_w_concatenated(actions), max_pending))
+    return ranks
+
+
+def _v_order(rank: int, num_ranks: int, num_micro_batches: int) -> list[tuple[ActionKind, int]]:
+    """Rank ``rank``'s ZB-V order as (kind, chunk) pairs, chunk 0 its first stage, 1 its second."""
+    p, n = num_ranks, num_micro_batches
+    f, i, w = ActionKind.FORWARD, ActionKind.BACKWARD_P1, ActionKind.BACKWARD_P2
+    steady = n - p  # F I W units on both chunks; the last p - r - 1 have no chunk-0 F left to run
+    steady_with_forward = n - (2 * p - rank - 1)
+    return (
+        [(f, 0)] * (2 * (p - rank) - 1)
+        + [(f, 1), (f, 0)] * rank
+        + [(f, 1), (i, 1), (w, 1)] * (p - rank)
+        + [(f, 0), (i, 0), (w, 0), (f, 1), (i, 1), (w, 1)] * steady_with_forward
+        + [(i, 0), (w, 0), (f, 1), (i, 1), (w, 1)] * (steady - steady_with_forward)
+        + [(i, 0), (i, 1)] * rank
+        + [(i, 0), (w, 0)] * (p - rank)
+        + [(w, 1)] * rank
+        + [(w, 0)] * rank
+    )
+
+
+def _numbered(order: list[tuple[ActionKind, int]], stages: tuple[int, int]) -> RankActions:
+    """Actions from (kind, chunk) pairs: each kind takes a chunk's micro-batches in order."""
+    taken: dict[tuple[ActionKind, int], int] = {}
+    actions = []
+    for kind, chunk in order:
+        k = taken.get((kind, chunk), 0)
+        taken[kind, chunk] = k + 1
+        actions.append(Action(kind, (k,), stages[chunk]))
+    return actions
+
+
+def _tail_w_concatenated(actions: RankActions) -> RankActions:
+    """The ``W`` after the rank's last ``I`` as one concatenated ``W`` per stage."""
+    last = max(index for index, a in enumerate(actions) if a.kind is ActionKind.BACKWARD_P1)
+    tail = [(a.stage_on(0), k) for a in actions[last + 1 :] for k in a.micro_batches or ()]
+    return actions[: last + 1] + _concatenated_w(tail)
+
+
+def _bounded_pending(actions: RankActions, max_pending: int) -> RankActions:
+    """``actions`` with the oldest pending ``W`` of a stage run before any ``I`` that would
+    leave more than ``max_pending`` of its micro-batches waiting (and dropped where it was)."""
+    pending: dict[int, deque[int]] = {}
+    early: set[tuple[int, int]] = set()
+    bounded: RankActions = []
+    for action in actions:
+        stage = action.stage_on(0)
+        waiting = pending.setdefault(stage, deque())
+        if action.kind is ActionKind.BACKWARD_P1:
+            if len(waiting) >= max_pending:
+                oldest = waiting.popleft()
+                early.add((stage, oldest))
+                bounded.append(W(oldest, stage=stage))
+            waiting.append(action.micro_batch)
+        elif action.kind is ActionKind.BACKWARD_P2:
+            left = [k for k in action.micro_batches or () if (stage, k) not in early]
+            for k in left:
+                waiting.remove(k)
+            if left:
+                bounded.append(W(*left, stage=stage))
+            continue
+        bounded.append(action)
+    return bounded
