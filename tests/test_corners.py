@@ -42,7 +42,7 @@ class Case:
 
     @property
     def indices(self) -> bool:
-        return isinstance(self.make(), nn.Embedding)
+        return isinstance(self.make(), (nn.Embedding, nn.EmbeddingBag))
 
     def module(self, dtype: torch.dtype = torch.float64) -> nn.Module:
         module = self.make()
@@ -83,6 +83,7 @@ CASES = [
         "multihead-attention", lambda: nn.MultiheadAttention(4, 2, batch_first=True), (3, 4), ("query", "key", "value")
     ),
     Case("embedding", lambda: nn.Embedding(NUM_EMBEDDINGS, 4, padding_idx=1), (3,)),
+    Case("embedding-bag", lambda: nn.EmbeddingBag(NUM_EMBEDDINGS, 4, mode="max", padding_idx=1), (3,)),
 ]
 CASE_BY_ID = {case.id: case for case in CASES}
 cases = pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])

@@ -93,13 +93,14 @@ def assert_no_grads(model: nn.Module) -> None:
 
 def check_against_autograd(
     model: nn.Module,
-    make_inputs: Callable[[], Sequence[Tensor]],
+    make_inputs: Callable[[], Sequence[Tensor | None]],
     *,
     micro_batches: int = 3,
     dtype: torch.dtype = torch.float32,
     loss: Callable[[object], Tensor] | None = None,
 ) -> None:
-    """Patch ``model``; run ``micro_batches`` backward calls on it and on a plain deep copy;
+    """Patch ``model``; run ``micro_batches`` backward calls on it and on a plain deep copy
+    (inputs cloned; a None passed as it is, for an optional argument before others);
     check .grad is untouched before the flush and equal after it (concatenated kernels); check
     the queue is empty."""
     loss = loss or _default_loss
@@ -111,7 +112,7 @@ def check_against_autograd(
         inputs = make_inputs()
         with twobp.use_queue(queue):
             loss(patched(*inputs)).backward()
-        loss(reference(*[t.clone() for t in inputs])).backward()
+        loss(reference(*[None if t is None else t.clone() for t in inputs])).backward()
     assert_no_grads_on_deferred(patched)
     assert queue.pending().jobs > 0, "nothing was queued: the patched ops did not defer"
     queue.flush()
