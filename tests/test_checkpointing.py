@@ -20,7 +20,13 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import twobp_autograd as twobp
-from tests.utils import TOLERANCES, assert_grads_match, assert_no_grads, patched_and_reference
+from tests.utils import (
+    TOLERANCES,
+    assert_grads_match,
+    assert_no_grads,
+    lossy_saved_tensors_hooks,
+    patched_and_reference,
+)
 
 aten = torch.ops.aten
 PRODUCTS = {aten.mm.default, aten.addmm.default, aten.convolution.default}
@@ -285,6 +291,17 @@ def test_saved_tensors_hooks_see_what_the_tap_saves():
 
     check_deferred_like_autograd(net, make_input, around=hooks)
     assert sorted(unpacked) == list(range(len(packed)))
+
+
+@pytest.mark.parametrize("wrap", ["none", "non-reentrant", "sac-save-products"])
+@pytest.mark.parametrize("make_net", [transformer, convnet], ids=["transformer", "convnet"])
+def test_lossy_saved_tensors_hooks_change_the_gradients_as_they_change_plain(make_net, wrap):
+    """Hooks that hand back other values (fp16 copies) than they were given, around the model or
+    around its checkpoints: every rule saves the very tensors plain saves, so the gradients
+    differ from exact ones as plain's do (the fp16 rounding, ~1e-3, is far above the
+    tolerance). RMSNorm kept its input and 1/rms where plain keeps x_hat."""
+    net, make_input = make_net(WRAPS[wrap] if wrap != "none" else lambda block, x: block(x))
+    check_deferred_like_autograd(net, make_input, around=lossy_saved_tensors_hooks)
 
 
 def test_backward_twice_through_a_checkpoint_then_one_flush():

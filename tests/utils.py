@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -129,3 +130,16 @@ def _default_loss(output: object) -> Tensor:
         return (output.float() ** 2).sum() / output.numel()
     tensors = [t for t in output if isinstance(t, Tensor) and t.is_floating_point()]  # type: ignore[union-attr]
     return sum((t.float() ** 2).sum() / t.numel() for t in tensors)  # type: ignore[return-value]
+
+
+def lossy_saved_tensors_hooks() -> contextlib.AbstractContextManager:
+    """Saved-tensor hooks that keep floating tensors in fp16, as activation compression does:
+    they hand back other values than they were given."""
+
+    def pack(t: Tensor) -> tuple[Tensor, torch.dtype]:
+        return (t.to(torch.float16), t.dtype) if t.is_floating_point() else (t, t.dtype)
+
+    def unpack(packed: tuple[Tensor, torch.dtype]) -> Tensor:
+        return packed[0].to(packed[1])
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)

@@ -40,6 +40,7 @@ __all__ = [
     "forget_since",
     "link_nested_frames",
     "deferred_in_live_checkpoints",
+    "saved_through_user_hooks",
 ]
 
 
@@ -210,9 +211,21 @@ def took_plain(module: Any) -> None:
 def _innermost_frame() -> tuple[Any, Hashable | None] | None:
     """The checkpoint whose saved-tensor hooks are on top, as :func:`checkpoint_frame` tells it."""
     hooks = _top_saved_tensors_hooks(True)
-    if hooks is None or not getattr(hooks[0], "_checkpoint_internal", False):
+    if hooks is None or not _of_a_checkpoint(hooks[0]):
         return None
     return checkpoint_frame(hooks[0])
+
+
+def saved_through_user_hooks() -> bool:
+    """Whether a tensor saved now is packed by saved-tensor hooks other than an activation
+    checkpoint's (``save_on_cpu``, a lossy pack to fp16 or int8), which may unpack other values:
+    a rule then saves the very tensors plain saves, not others it would derive them from."""
+    hooks = _top_saved_tensors_hooks(True)
+    return hooks is not None and not _of_a_checkpoint(hooks[0])
+
+
+def _of_a_checkpoint(pack_hook: Any) -> bool:
+    return bool(getattr(pack_hook, "_checkpoint_internal", False))
 
 
 def checkpoint_frame(pack_hook: Any) -> tuple[Any, Hashable | None] | None:

@@ -26,7 +26,13 @@ from tests.ops.norm_settings import (
     run_micro_batches,
     setting_ids,
 )
-from tests.utils import assert_grads_match, assert_no_grads, check_against_autograd, patched_and_reference
+from tests.utils import (
+    assert_grads_match,
+    assert_no_grads,
+    check_against_autograd,
+    lossy_saved_tensors_hooks,
+    patched_and_reference,
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -223,5 +229,22 @@ def test_weight_rebuilt_each_call_differentiates_at_once(setting: Setting) -> No
     assert patched.weight_g.grad is not None and patched.weight_v.grad is not None
     assert patched.bias.grad is None
     assert twobp.pending().jobs == len(setting.shapes)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.parametrize("setting", ALL, ids=setting_ids(ALL))
+def test_lossy_saved_tensor_hooks_change_the_weight_grads_as_they_change_plain(setting: Setting) -> None:
+    """Under hooks that hand back other values than they were given, each rule must save the
+    very tensors plain saves, not others it derives the same values from (RMSNorm kept its input
+    and 1/rms where plain keeps x_hat; InstanceNorm would recompute the statistics at the flush
+    where plain keeps its own): fp64, so the fp16 rounding (~1e-3) is far above the tolerance."""
+    patched, reference = patched_and_reference(setting.module(torch.float64))
+    for shape in setting.shapes:
+        x = setting.input(shape, torch.float64)
+        for model in (patched, reference):
+            with lossy_saved_tensors_hooks():
+                output = model(x.clone().requires_grad_())
+            cubic_loss(output).backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)

@@ -3,7 +3,8 @@
 running statistics (``track_running_stats=True``) are PyTorch's own. Instance norm is group norm
 with one group per channel, so the weight kernel is GroupNorm's; the per-(sample, channel)
 statistics are recomputed at the flush from the saved input (``instance_norm`` does not hand them
-out), off the backward's critical path. Each sample is normalised on its own: queued
+out), off the backward's critical path (under the user's saved-tensor hooks they are saved, as
+plain saves its own). Each sample is normalised on its own: queued
 micro-batches concatenate on the batch dimension.
 """
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checkpoint_paths import saved_through_user_hooks
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
@@ -32,17 +34,23 @@ def instance_norm_weight_grad(
     eps: float,
     weight_dtype: torch.dtype,
 ) -> list[Tensor | None]:
-    (input,) = saved  # (N, C, *), as the forward normalised it
-    spatial = tuple(range(2, input.dim()))
-    # In fp32 for bf16/fp16 inputs, as the native kernels compute their statistics.
-    var, mean = torch.var_mean(input.to(accumulation_dtype(input.dtype)), dim=spatial, correction=0)
+    input, *statistics = saved  # (N, C, *), as the forward normalised it; (N, C) mean and 1/std
+    mean, rstd = statistics or _statistics(input, eps)
     return group_norm_weight_grad(
-        (input, mean, (var + eps).rsqrt()),
+        (input, mean, rstd),
         grad_outputs,
         needs,
         num_groups=input.shape[1],
         weight_dtype=weight_dtype,
     )
+
+
+def _statistics(input: Tensor, eps: float) -> list[Tensor]:
+    """Each (sample, channel)'s mean and 1/std, in fp32 for bf16/fp16 inputs, as the native
+    kernels compute them."""
+    spatial = tuple(range(2, input.dim()))
+    var, mean = torch.var_mean(input.detach().to(accumulation_dtype(input.dtype)), dim=spatial, correction=0)
+    return [mean, (var + eps).rsqrt()]
 
 
 @register((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d))
@@ -79,6 +87,9 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
         weight_dtype=next(p for p in params if p is not None).dtype,
     )
     # The input saved as given, as plain's batch_norm saves it: changed in place before
-    # backward, it makes backward raise as plain's does.
-    output = defer_weight_grads(output, params, (x,), kernel, group=group)
+    # backward, it makes backward raise as plain's does. Under the user's saved-tensor hooks the
+    # statistics too, as plain saves them: a lossy pack hands back other values than the
+    # flush would recompute from the unpacked input.
+    saved = (x, *_statistics(x, module.eps)) if saved_through_user_hooks() else (x,)
+    output = defer_weight_grads(output, params, saved, kernel, group=group)
     return output.squeeze(0) if unbatched else output

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checkpoint_paths import saved_through_user_hooks
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .autocast import as_autocast_casts
@@ -71,8 +72,10 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     x, (weight,) = as_autocast_casts("rms_norm", x, detached(param))
     assert weight is not None  # an RMSNorm without weight has no parameter to defer
     # An input that needs no gradient is not kept, as plain keeps only x_hat then (the input may
-    # change in place after the forward: a residual stream updated in place).
-    keeps_input = x.requires_grad
+    # change in place after the forward: a residual stream updated in place). Nor under the
+    # user's saved-tensor hooks: plain's weight gradient reads x_hat as they hand it back, which
+    # a lossy pack makes other than its unpacked input times its unpacked 1/rms.
+    keeps_input = x.requires_grad and not saved_through_user_hooks()
     kernel, group = configured_kernel(
         rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype, normalized=not keeps_input
     )
