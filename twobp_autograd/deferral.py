@@ -560,6 +560,14 @@ def defer_weight_grads(
             f"{[type(t).__name__ for t in saved_tensors]} (pass values that are not tensors to the kernel "
             "with functools.partial; tensors go in saved, where in-place changes are checked)"
         ) from None
+    except RuntimeError:
+        if any(t.is_inference() for t in (*outs, *saved_tensors)):  # no version counter to read
+            # Made in inference mode (token ids): plain's op refuses to save it for backward.
+            raise RuntimeError(
+                "twobp: Inference tensors cannot be saved for backward. To work around you can make "
+                "a clone to get a normal tensor and use it in autograd (as plain PyTorch says)."
+            ) from None
+        raise
     aliases = [_shares_memory(t, outs) for t in saved_tensors]
     if any(aliases):
         # An output saved for the kernel as it is (exp's result, for its weight's gradient)

@@ -211,6 +211,19 @@ def test_nothing_written_before_flush(module_type):
     assert model.weight.grad is not None
 
 
+@BOTH
+def test_indices_made_in_inference_mode_are_refused_with_plain_error(module_type):
+    """Token ids made under torch.inference_mode(): plain's op refuses to save them for
+    backward; so does the deferred one, with plain's advice (it read their version counter,
+    which inference tensors lack, and said only that)."""
+    with torch.inference_mode():
+        indices = torch.randint(0, NUM, (2, 5))
+    for model in (module_type(NUM, DIM), twobp.patch(module_type(NUM, DIM))):
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+            model(indices)
+    assert twobp.pending().jobs == 0
+
+
 # nn.EmbeddingBag. Nine indices in four bags by default: bag 0 only padding where there is a
 # padding row, bag 1 empty, bag 2 padding and others, bag 3 three indices.
 OFFSETS = (0, 2, 2, 6)
