@@ -197,14 +197,14 @@ class ParamDeferral(NamedTuple):
         if "defer" in decisions:
             self._enqueue(
                 nodes,
-                WeightGradJob(
-                    kernel=kernel,
-                    group=group,
-                    concatenate=concatenate,
-                    params=tuple([p if d == "defer" else None for p, d in zip(self.params, decisions, strict=True)]),
-                    saved=tuple([t.detach() for t in saved]),
-                    grad_outputs=tuple([g.detach() for g in grad_outputs]),
-                    tag=self.tag,
+                WeightGradJob(  # positional: keywords cost a quarter of a microsecond per backward
+                    kernel,
+                    group,
+                    concatenate,
+                    tuple([p if d == "defer" else None for p, d in zip(self.params, decisions, strict=True)]),
+                    tuple([t.detach() for t in saved]),
+                    tuple([g.detach() for g in grad_outputs]),
+                    self.tag,
                 ),
             )
         return param_grads

@@ -160,11 +160,12 @@ def run_jobs(
             if param is not None:
                 last_group[id(param)] = index
                 hooked = hooked or has_user_hooks(param)
-    watches = _watches_for(groups, early) if _watchers and any(active() for _, active in _watchers) else []
+    # Lists, not generators, for any(): a generator costs more than asking each (cheap) question.
+    watches = _watches_for(groups, early) if _watchers and any([active() for _, active in _watchers]) else []
     # Per group, as plain autograd checks the nodes of backwards run under anomaly mode only (or
     # every group, where the flush itself runs under it).
     check_all = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
-    check_some = check_all or any(job.check_nan for job in jobs)
+    check_some = check_all or any([job.check_nan for job in jobs])
     delivery = _HookedDelivery(groups) if hooked else None
     deliver = delivery.deliver if delivery is not None else _deliver
     if delivery is not None:
@@ -688,7 +689,9 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
     for param, grad in zip(params, () if wrong else grads, strict=False):  # a loop: no generator per call
         if grad is not None and (
             not isinstance(grad, Tensor)
-            or (param is not None and (grad.shape != param.shape or _on_another_device(grad, param)))
+            # On another device, as the engine's own check (inline: a frame per gradient costs):
+            # a 0-d gradient is moved to its parameter's device, any other refused.
+            or (param is not None and (grad.shape != param.shape or (grad.device != param.device and grad.dim() != 0)))
         ):
             wrong = True
             break
@@ -702,11 +705,6 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
             "twobp.discard_weight_grads()."
         )
     return grads
-
-
-def _on_another_device(grad: Tensor, param: Tensor) -> bool:
-    """As the engine's own check: a 0-d gradient is moved to its parameter's device, any other refused."""
-    return grad.device != param.device and grad.dim() != 0
 
 
 def _described(grads: object) -> str:

@@ -52,11 +52,22 @@ def fsdp_in_use() -> bool:
     """Whether a module sharded by FSDP2 may exist: its module is loaded and some composable
     state is registered. (Loaded alone says little: importing Dynamo loads it. This runs at
     every flush.)"""
-    if _STATE_MODULE not in sys.modules:
-        return False
-    from torch.distributed._composable_state import _module_state_mapping
+    global _state_mapping
+    mapping = _state_mapping
+    if mapping is None:
+        if _STATE_MODULE not in sys.modules:
+            return False
+        # Once loaded, kept: an import statement per flush costs more than the rest of this
+        # check (importing Dynamo, which this package's deferral does, loads FSDP2's state).
+        from torch.distributed._composable_state import _module_state_mapping
 
-    return len(_module_state_mapping) > 0
+        mapping = _state_mapping = _module_state_mapping
+    return len(mapping) > 0
+
+
+#: ``torch.distributed._composable_state._module_state_mapping`` once FSDP2's state module is
+#: loaded (a module global that is only ever mutated, never rebound).
+_state_mapping: Any = None
 
 
 def class_before_fully_shard(cls: type) -> type:

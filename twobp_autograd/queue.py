@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class PendingWork(NamedTuple):
@@ -166,9 +167,11 @@ class WeightGradQueue:
         self._lock = threading.RLock()
         self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
         self._flight_landed = threading.Condition(self._lock)
+        self._flight_waiters = 0  # threads waiting on _flight_landed (changed with the lock held)
         # graph task id -> the thread it runs on where that is its caller's (CPU work), else None
         self._running_backwards: dict[int, int | None] = {}
         self._backward_ended = threading.Condition(self._lock)
+        self._backward_waiters = 0  # threads waiting on _backward_ended (changed with the lock held)
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
@@ -220,8 +223,11 @@ class WeightGradQueue:
             if self.max_pending_bytes is not None:
                 self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
-                self._running_backwards[task] = threading.get_ident() if job.device.type == "cpu" else None
-                torch.autograd.Variable._execution_engine.queue_callback(_BackwardEnd(self, task))
+                home = job.home  # the parameters' device, as the job read it just now (job.device reads it again)
+                if home is None:
+                    home = job.device
+                self._running_backwards[task] = threading.get_ident() if home.type == "cpu" else None
+                _queue_callback(_BackwardEnd(self, task))
         if self.max_pending_bytes is not None and not self._cap_deferred:
             self._enforce_cap()
 
@@ -229,7 +235,8 @@ class WeightGradQueue:
         """The backward ``task`` has ended (see :class:`_BackwardEnd`), or ``raised``."""
         with self._lock:
             self._running_backwards.pop(task, None)
-            self._backward_ended.notify_all()
+            if self._backward_waiters:
+                self._backward_ended.notify_all()
             left_work = raised and any(job.task == task for job in self._jobs)
         if left_work:
             _warn_raised_backward_once()
@@ -394,6 +401,8 @@ class WeightGradQueue:
         if tags is None:
             self._wait_for_flights_elsewhere(_ANY_WORK)
             taken, self._jobs = self._jobs, []
+            if self.max_pending_bytes is None:  # nothing counted (see _count): the usual case, no call
+                return taken
         else:
             wanted = set(tags)
             self._wait_for_flights_elsewhere(lambda flight: flight.has_tags(wanted))
@@ -465,14 +474,19 @@ class WeightGradQueue:
 
     def _take_off(self, jobs: Sequence[WeightGradJob]) -> _Flight:
         """With the lock held: ``jobs`` start running on this thread."""
-        flight = _Flight(threading.get_ident(), jobs)
+        flight = tuple.__new__(_Flight, (threading.get_ident(), jobs))  # NamedTuple's __new__ is a Python frame
         self._flights.append(flight)
         return flight
 
     def _land(self, flight: _Flight) -> None:
         with self._lock:
-            self._flights = [f for f in self._flights if f is not flight]
-            self._flight_landed.notify_all()
+            flights = self._flights
+            if len(flights) == 1 and flights[0] is flight:  # usually the only one: no list to rebuild
+                self._flights = []
+            else:
+                self._flights = [f for f in flights if f is not flight]
+            if self._flight_waiters:  # a notify_all with none waiting still costs two Python frames
+                self._flight_landed.notify_all()
 
     def _wait_for_flights_elsewhere(self, concerns: Callable[[_Flight], bool]) -> None:
         """With the lock held: until no other thread runs a flush that ``concerns``. Not from
@@ -480,7 +494,11 @@ class WeightGradQueue:
         on that backward's thread (autograd's device thread on CUDA), and cannot land until
         they return."""
         while self._flights_elsewhere(concerns):
-            self._flight_landed.wait()
+            self._flight_waiters += 1  # the lock is held: counted with the wait it stands for
+            try:
+                self._flight_landed.wait()
+            finally:
+                self._flight_waiters -= 1
 
     def _flights_elsewhere(self, concerns: Callable[[_Flight], bool]) -> bool:
         if not self._flights or torch._C._current_graph_task_id() >= 0:
@@ -505,7 +523,11 @@ class WeightGradQueue:
         with self._lock:
             # A backward that raised on autograd's device thread (CUDA) is forgotten when that
             # thread drops its graph task, a moment after the caller has seen the exception.
-            self._backward_ended.wait_for(lambda: not elsewhere(), timeout=_RAISED_BACKWARD_GRACE_S)
+            self._backward_waiters += 1  # the lock is held: counted with the wait it stands for
+            try:
+                self._backward_ended.wait_for(lambda: not elsewhere(), timeout=_RAISED_BACKWARD_GRACE_S)
+            finally:
+                self._backward_waiters -= 1
             running_elsewhere = elsewhere()
             on_device_threads = all(self._running_backwards[task] is None for task in running_elsewhere)
         if running_elsewhere and current >= 0 and on_device_threads:
