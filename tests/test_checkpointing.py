@@ -811,3 +811,23 @@ def test_a_nested_checkpoint_made_again_with_more_calls_than_its_forwards_twin_r
         output.square().sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("norm_last", [True, False], ids=["norm-last", "layer-after"])
+def test_checkpointed_instance_norm_updates_its_running_statistics_as_plain(use_reentrant, norm_last):
+    """torch.instance_norm copies the running statistics back after batch_norm saved its
+    tensors, so a non-reentrant recomputation that stops at those (the region's last) leaves them
+    updated once. Updated before the tap saved its own, they were updated a second time there
+    (silently one momentum step off); with a layer after the norm both recompute it whole."""
+    layers = [nn.Conv1d(3, 3, 1), nn.InstanceNorm1d(3, affine=True, track_running_stats=True)]
+    region = nn.Sequential(*layers, *([] if norm_last else [nn.Conv1d(3, 3, 1)])).double()
+    patched, reference = patched_and_reference(region)
+    for _ in range(3):
+        x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+        for model in (patched, reference):
+            loss_of(_checkpointed(model, x, use_reentrant=use_reentrant)).backward()
+        twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+    for (name, ours), plain in zip(patched.named_buffers(), reference.buffers(), strict=True):
+        torch.testing.assert_close(ours, plain, rtol=1e-12, atol=1e-12, msg=name)

@@ -53,6 +53,17 @@ def _statistics(input: Tensor, eps: float) -> list[Tensor]:
     return [mean, (var + eps).rsqrt()]
 
 
+def _updated_on_copies(module: nn.modules.instancenorm._InstanceNorm) -> tuple[tuple[Tensor, Tensor], ...] | None:
+    """The running statistics, and copies for the call to update: copied back once the tap has
+    saved its tensors, as torch.instance_norm copies them back after batch_norm saved its own. A
+    non-reentrant checkpoint's recomputation stops at the region's last saved tensor: where that
+    is this layer's, it must not update them a second time (plain's does not)."""
+    mean, var = module.running_mean, module.running_var
+    if mean is None or var is None:
+        return None
+    return (mean, var), (mean.clone(), var.clone())
+
+
 @register((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d))
 def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) -> Tensor:
     """``_InstanceNorm.forward`` (an ``affine=False`` module has no parameters and is never
@@ -71,13 +82,16 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
             f" ({module.num_features}), but got: {x.size(1)}."
         )
     weight, bias = map(detached, params)
+    use_input_stats = module.training or not module.track_running_stats
+    running = _updated_on_copies(module) if use_input_stats else None
+    running_mean, running_var = running[1] if running is not None else (module.running_mean, module.running_var)
     output = F.instance_norm(
         x,
-        module.running_mean,
-        module.running_var,
+        running_mean,
+        running_var,
         weight,
         bias,
-        module.training or not module.track_running_stats,
+        use_input_stats,
         module.momentum if module.momentum is not None else 0.0,
         module.eps,
     )
@@ -92,4 +106,8 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
     # flush would recompute from the unpacked input.
     saved = (x, *_statistics(x, module.eps)) if saved_through_user_hooks() else (x,)
     output = defer_weight_grads(output, params, saved, kernel, group=group)
+    if running is not None:
+        with torch.no_grad():
+            for buffer, updated in zip(*running, strict=True):
+                buffer.copy_(updated)
     return output.squeeze(0) if unbatched else output
