@@ -598,7 +598,7 @@ def defer_weight_grads(
     except BaseException:
         _restore_versions(outs, output_versions, saved_tensors, saved_versions)
         raise
-    _restore_versions(outs, output_versions, saved_tensors, saved_versions)
+    _restore_versions(outs, output_versions, saved_tensors, saved_versions, views=False)
     return tapped
 
 
@@ -702,10 +702,25 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
 
 @torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
 def _restore_versions(
-    outs: Sequence[Tensor], output_versions: list[int], saved: Sequence[Tensor], saved_versions: list[int]
+    outs: Sequence[Tensor],
+    output_versions: list[int],
+    saved: Sequence[Tensor],
+    saved_versions: list[int],
+    *,
+    views: bool = True,
 ) -> None:
-    if [t._version for t in saved] == saved_versions and [t._version for t in outs] != output_versions:
-        torch._C._autograd._unsafe_set_version_counter(tuple(outs), tuple(output_versions))
+    """The outputs' counters put back (see :func:`defer_weight_grads`), but a view's where not
+    ``views``: put back on a view the tap re-parented, the counter no longer matches the view's
+    cached grad_fn, which autograd then regenerates on access, and ``register_hook`` on that
+    crashes the process (FSDP2 registers one on every module output; F.instance_norm returns a
+    view of batch_norm's output)."""
+    if [t._version for t in saved] != saved_versions:
+        return
+    moved = [
+        (t, v) for t, v in zip(outs, output_versions, strict=True) if t._version != v and (views or not t._is_view())
+    ]
+    if moved:
+        torch._C._autograd._unsafe_set_version_counter(tuple(t for t, _ in moved), tuple(v for _, v in moved))
 
 
 def _shares_memory(tensor: Tensor, outputs: Sequence[Tensor]) -> bool:

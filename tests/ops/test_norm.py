@@ -248,3 +248,25 @@ def test_lossy_saved_tensor_hooks_change_the_weight_grads_as_they_change_plain(s
             cubic_loss(output).backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["hook", "hook-then-relu_"])
+@pytest.mark.parametrize("setting", ALL, ids=setting_ids(ALL))
+def test_hook_on_the_output_sees_what_plain_sees(setting: Setting, in_place: bool) -> None:
+    """A tensor hook on the output (FSDP2 registers one on every module output), then perhaps an
+    in-place op on it: InstanceNorm's output is a view, and with its version counter put back
+    after the tap the hook's registration crashed the process; on plain's view an in-place op
+    after the hook leaves the hook uncalled, and so it must stay here."""
+    patched, reference = patched_and_reference(setting.module(torch.float64))
+    calls = []
+    inputs = [setting.input(shape, torch.float64) for shape in setting.shapes]
+    for model in (patched, reference):
+        for x in inputs:
+            output = model(x.clone().requires_grad_())
+            output.register_hook(lambda grad, model=model: calls.append(model) or grad * 2)
+            if in_place:
+                torch.relu_(output)
+            cubic_loss(output).backward()
+    assert calls.count(patched) == calls.count(reference)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
