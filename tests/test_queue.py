@@ -5,10 +5,12 @@ import contextlib
 import copy
 import gc
 import math
+import os
 import random
 import sys
 import threading
 import warnings
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -1229,3 +1231,86 @@ def test_a_backward_that_raised_before_queueing_work_does_not_warn(monkeypatch):
         with pytest.raises(ValueError, match="a hook failed"):
             output.sum().backward()
     assert twobp.pending().jobs == 0
+
+
+def _in_forked_child(train: Callable[[], None]) -> int:
+    """``train()`` in a forked child: its exit status (0: done, 1: raised, 2: hung past 20 s)."""
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        import faulthandler
+
+        faulthandler.dump_traceback_later(20, exit=True)  # exits with status 1 too, after a dump
+        try:
+            train()
+            status = 0
+        except BaseException:
+            status = 1
+        os._exit(status)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def _trains_like_plain() -> None:
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)).double())
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_another_thread_holds_the_queue_trains_like_plain() -> None:
+    """The child has the forking thread alone: the queue's lock another thread held at the fork
+    stayed held there, and the child's first deferred backward hung on it."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with queue_module._default_queue._lock:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        assert _in_forked_child(_trains_like_plain) == 0
+    finally:
+        release.set()
+        holder.join()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_another_threads_flush_refuses_until_the_work_is_dropped() -> None:
+    """Which of that flush's gradients reached the child's .grad is unknown: its next flush
+    refuses (it waited forever for the flush's thread, which the child does not have) until
+    discard_weight_grads, after which it trains like plain."""
+    model = twobp.patch(nn.Linear(4, 3).double())
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    queue = queue_module._default_queue
+    started, release = threading.Event(), threading.Event()
+
+    def flush_slowly() -> None:
+        with queue._lock:
+            jobs = queue._take_locked(None)
+            flight = queue._take_off(jobs)
+        started.set()
+        release.wait()
+        queue._run(jobs, flight)
+
+    flusher = threading.Thread(target=flush_slowly)
+    flusher.start()
+    started.wait()
+
+    def refuses_then_trains() -> None:
+        with pytest.raises(RuntimeError, match="forked while another thread of its parent flushed"):
+            twobp.flush_weight_grads()
+        twobp.discard_weight_grads()
+        _trains_like_plain()
+
+    try:
+        assert _in_forked_child(refuses_then_trains) == 0
+    finally:
+        release.set()
+        flusher.join()
+    assert model.weight.grad is not None  # the parent's flush went on

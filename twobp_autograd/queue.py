@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import os
 import sys
 import threading
 import warnings
@@ -162,19 +163,35 @@ class WeightGradQueue:
         self._jobs: list[WeightGradJob] = []
         self._held: dict[tuple[int, torch.device], list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
-        # Reentrant, as a safeguard: a backward's end is noted when autograd frees its graph task
-        # (_BackwardEnd), on whichever thread drops it last.
-        self._lock = threading.RLock()
         self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
-        self._flight_landed = threading.Condition(self._lock)
-        self._flight_waiters = 0  # threads waiting on _flight_landed (changed with the lock held)
         # graph task id -> the thread it runs on where that is its caller's (CPU work), else None
         self._running_backwards: dict[int, int | None] = {}
-        self._backward_ended = threading.Condition(self._lock)
-        self._backward_waiters = 0  # threads waiting on _backward_ended (changed with the lock held)
+        self._new_lock()
+        # Set in a process forked while another thread flushed this queue (see _after_fork).
+        self._forked_mid_flush = False
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
+
+    def _new_lock(self) -> None:
+        # Reentrant, as a safeguard: a backward's end is noted when autograd frees its graph task
+        # (_BackwardEnd), on whichever thread drops it last.
+        self._lock = threading.RLock()
+        self._flight_landed = threading.Condition(self._lock)
+        self._flight_waiters = 0  # threads waiting on _flight_landed (changed with the lock held)
+        self._backward_ended = threading.Condition(self._lock)
+        self._backward_waiters = 0  # threads waiting on _backward_ended (changed with the lock held)
+
+    def _after_fork(self) -> None:
+        """In a forked child, which has the forking thread alone: the lock another thread held at
+        the fork would stay held, and its flushes and backwards would never end. A flush another
+        thread was running may have put part of its gradients into ``.grad`` (the child's copy):
+        the next flush or take refuses until :meth:`clear`, rather than add them twice or not at all."""
+        me = threading.get_ident()
+        self._new_lock()
+        self._forked_mid_flush = any(flight.thread != me for flight in self._flights)
+        self._flights = [flight for flight in self._flights if flight.thread == me]
+        self._running_backwards = {task: t for task, t in self._running_backwards.items() if t == me}
 
     def __del__(self) -> None:
         # Jobs do not keep their queue alive: a queue dropped with work would lose it silently.
@@ -362,6 +379,7 @@ class WeightGradQueue:
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
+            self._forked_mid_flush = False
             # Running backwards stay recorded: one still running elsewhere keeps queuing work, and
             # one that raised is forgotten when autograd frees its graph task (_BackwardEnd).
 
@@ -397,6 +415,13 @@ class WeightGradQueue:
             return self._take_locked(tags)
 
     def _take_locked(self, tags: Sequence[Hashable] | None) -> list[WeightGradJob]:
+        if self._forked_mid_flush:
+            raise RuntimeError(
+                "twobp: this process was forked while another thread of its parent flushed this queue: "
+                "which of that flush's gradients reached .grad here is unknown. Zero the gradients "
+                "(optimizer.zero_grad()), drop the queued work (twobp.discard_weight_grads()) and run "
+                "the step again."
+            )
         tags = _tag_list(tags)
         if tags is None:
             self._wait_for_flights_elsewhere(_ANY_WORK)
@@ -660,6 +685,14 @@ class _Block:
 #: thread-local stack handed one task's work to the other's queue).
 _queue_stack: contextvars.ContextVar[tuple[_Block, ...]] = contextvars.ContextVar("twobp_queue_stack", default=())
 _default_queue = WeightGradQueue()
+
+
+def _after_fork_in_child() -> None:
+    for queue in list(_live_queues):
+        queue._after_fork()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def current_queue() -> WeightGradQueue:
