@@ -938,6 +938,32 @@ def test_recompute_rule_on_a_module_whose_last_op_saves_its_result(last):
     finish_and_compare(patched, reference, jobs=6)
 
 
+class ViewOfGate(Gate):
+    """``Gate`` whose output is a view of what its last op made (and saved, as sigmoid and exp
+    save their result)."""
+
+    def forward(self, x):
+        return super().forward(x)[:, 1:]
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain-use", "hook-on-output"])
+@pytest.mark.parametrize("last", [torch.sigmoid, torch.exp], ids=["sigmoid", "exp"])
+def test_an_output_that_is_a_view_of_what_the_op_saved(last, hooked):
+    """A view shares its counter with its base: left bumped after the tap, the op's saved result
+    read as modified in place and backward refused; put back without more, a hook registered on
+    the view crashed the process (its cached grad_fn went stale)."""
+    twobp.register(ViewOfGate, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), ViewOfGate(6, last)).double())
+    for _ in range(2):
+        x = torch.randn(4, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            output = model(x)
+            if hooked:
+                output.register_hook(lambda grad: grad * 2)
+            output.pow(2).sum().backward()
+    finish_and_compare(patched, reference, jobs=4)
+
+
 @pytest.mark.parametrize("substitute", ["other-leaves", "computed-from-the-parameters"])
 @pytest.mark.parametrize("input_requires_grad", [True, False], ids=["input-requires-grad", "input-without-grad"])
 def test_recompute_rule_under_functional_call_differentiates_the_parameters_it_was_given(

@@ -598,7 +598,7 @@ def defer_weight_grads(
     except BaseException:
         _restore_versions(outs, output_versions, saved_tensors, saved_versions)
         raise
-    _restore_versions(outs, output_versions, saved_tensors, saved_versions, views=False)
+    _restore_versions(outs, output_versions, saved_tensors, saved_versions)
     return tapped
 
 
@@ -702,25 +702,18 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
 
 @torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
 def _restore_versions(
-    outs: Sequence[Tensor],
-    output_versions: list[int],
-    saved: Sequence[Tensor],
-    saved_versions: list[int],
-    *,
-    views: bool = True,
+    outs: Sequence[Tensor], output_versions: list[int], saved: Sequence[Tensor], saved_versions: list[int]
 ) -> None:
-    """The outputs' counters put back (see :func:`defer_weight_grads`), but a view's where not
-    ``views``: put back on a view the tap re-parented, the counter no longer matches the view's
-    cached grad_fn, which autograd then regenerates on access, and ``register_hook`` on that
-    crashes the process (FSDP2 registers one on every module output; F.instance_norm returns a
-    view of batch_norm's output)."""
-    if [t._version for t in saved] != saved_versions:
+    if [t._version for t in saved] != saved_versions or [t._version for t in outs] == output_versions:
         return
-    moved = [
-        (t, v) for t, v in zip(outs, output_versions, strict=True) if t._version != v and (views or not t._is_view())
-    ]
-    if moved:
-        torch._C._autograd._unsafe_set_version_counter(tuple(t for t, _ in moved), tuple(v for _, v in moved))
+    torch._C._autograd._unsafe_set_version_counter(tuple(outs), tuple(output_versions))
+    for t in outs:
+        if t._is_view():
+            # Its cached grad_fn no longer matches the counter: read once, autograd makes it anew
+            # for the version put back (left for register_hook to find, it crashed the process:
+            # FSDP2 hooks every module output, and F.instance_norm returns a view). Leaving the
+            # counter moved instead fails a base the op saved (exp's, sigmoid's result).
+            t.grad_fn  # noqa: B018
 
 
 def _shares_memory(tensor: Tensor, outputs: Sequence[Tensor]) -> bool:
