@@ -1283,8 +1283,9 @@ def test_a_child_forked_while_another_thread_holds_the_queue_trains_like_plain()
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_during_another_threads_flush_refuses_until_the_work_is_dropped() -> None:
     """Which of that flush's gradients reached the child's .grad is unknown: its next flush
-    refuses (it waited forever for the flush's thread, which the child does not have) until
-    discard_weight_grads, after which it trains like plain."""
+    refuses (it waited forever for the flush's thread, which the child does not have), and so do
+    the optimizer step and clipping (they saw no work and ran on partial gradients), until
+    zero_grad zeroes them; then it trains like plain."""
     model = twobp.patch(nn.Linear(4, 3).double())
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
     queue = queue_module._default_queue
@@ -1305,7 +1306,10 @@ def test_a_child_forked_during_another_threads_flush_refuses_until_the_work_is_d
     def refuses_then_trains() -> None:
         with pytest.raises(RuntimeError, match="forked while another thread of its parent flushed"):
             twobp.flush_weight_grads()
-        twobp.discard_weight_grads()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        with pytest.raises(RuntimeError, match="still queued"):
+            optimizer.step()
+        optimizer.zero_grad()
         _trains_like_plain()
 
     try:

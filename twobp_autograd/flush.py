@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import os
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -275,6 +277,7 @@ class _HookedDelivery:
                     if param is not None:
                         calls.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)  # id(param): gradients not handed over yet
+        self.thread = threading.get_ident()  # the flush's (a forked child has the forking one alone)
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
 
     def forget_undeliverable(
@@ -374,6 +377,16 @@ def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandl
 #: The flushes to hooked parameters running now (in any thread; a flush inside a backward runs
 #: its hooks on that backward's thread, autograd's device thread on CUDA).
 _hooked_flushes: list[_HookedDelivery] = []
+
+
+def _forget_other_threads_flushes() -> None:
+    """In a forked child: other threads' flushes never end there (the queue refuses what they
+    may have left half delivered, see ``WeightGradQueue._after_fork``)."""
+    me = threading.get_ident()
+    _hooked_flushes[:] = [delivery for delivery in _hooked_flushes if delivery.thread == me]
+
+
+os.register_at_fork(after_in_child=_forget_other_threads_flushes)
 
 
 class _Delivered(NamedTuple):

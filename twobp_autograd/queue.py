@@ -167,8 +167,9 @@ class WeightGradQueue:
         # graph task id -> the thread it runs on where that is its caller's (CPU work), else None
         self._running_backwards: dict[int, int | None] = {}
         self._new_lock()
-        # Set in a process forked while another thread flushed this queue (see _after_fork).
-        self._forked_mid_flush = False
+        # In a forked child: the parameters (ids) of each flush of another thread the fork cut
+        # off, until zero_grad drops them (see _after_fork).
+        self._cut_by_fork: list[set[int]] = []
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
@@ -186,10 +187,12 @@ class WeightGradQueue:
         """In a forked child, which has the forking thread alone: the lock another thread held at
         the fork would stay held, and its flushes and backwards would never end. A flush another
         thread was running may have put part of its gradients into ``.grad`` (the child's copy):
-        the next flush or take refuses until :meth:`clear`, rather than add them twice or not at all."""
+        rather than add them twice or not at all, its parameters count as having work (the
+        optimizer step and clipping refuse) and flushes refuse, until ``zero_grad`` zeroes them."""
         me = threading.get_ident()
         self._new_lock()
-        self._forked_mid_flush = any(flight.thread != me for flight in self._flights)
+        cut = [flight for flight in self._flights if flight.thread != me]
+        self._cut_by_fork = [{id(p) for job in f.jobs for p in job.params if p is not None} for f in cut]
         self._flights = [flight for flight in self._flights if flight.thread == me]
         self._running_backwards = {task: t for task, t in self._running_backwards.items() if t == me}
 
@@ -347,9 +350,11 @@ class WeightGradQueue:
         """Whether work for one of ``params`` is queued, once another thread's flush that runs
         some has put it in ``.grad`` (``wait=False``: such a flush counts as work, for a caller
         that has already read the gradients)."""
-        if not self._jobs and not self._flights:
+        if not self._jobs and not self._flights and not self._cut_by_fork:
             return False
         wanted = {id(p) for p in params}
+        if any(cut & wanted for cut in self._cut_by_fork):
+            return True
 
         def concerns(flight: _Flight) -> bool:
             return flight.has_params(wanted)
@@ -364,7 +369,7 @@ class WeightGradQueue:
     def busy(self) -> bool:
         """Whether work is queued, or running in another thread's flush (seen from outside
         autograd, see :meth:`_wait_for_flights_elsewhere`)."""
-        return bool(self._jobs) or self._flights_elsewhere(_ANY_WORK)
+        return bool(self._jobs) or bool(self._cut_by_fork) or self._flights_elsewhere(_ANY_WORK)
 
     # -- running -------------------------------------------------------------------------
 
@@ -379,7 +384,6 @@ class WeightGradQueue:
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
-            self._forked_mid_flush = False
             # Running backwards stay recorded: one still running elsewhere keeps queuing work, and
             # one that raised is forgotten when autograd frees its graph task (_BackwardEnd).
 
@@ -404,6 +408,7 @@ class WeightGradQueue:
                     kept.append(job)
                     self._count([job], +1)
             self._jobs = kept
+            self._cut_by_fork = [cut - dropped for cut in self._cut_by_fork if cut - dropped]
         return list(had_work.values())
 
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
@@ -415,12 +420,11 @@ class WeightGradQueue:
             return self._take_locked(tags)
 
     def _take_locked(self, tags: Sequence[Hashable] | None) -> list[WeightGradJob]:
-        if self._forked_mid_flush:
+        if self._cut_by_fork:
             raise RuntimeError(
                 "twobp: this process was forked while another thread of its parent flushed this queue: "
                 "which of that flush's gradients reached .grad here is unknown. Zero the gradients "
-                "(optimizer.zero_grad()), drop the queued work (twobp.discard_weight_grads()) and run "
-                "the step again."
+                "(optimizer.zero_grad()) and run the step again."
             )
         tags = _tag_list(tags)
         if tags is None:
