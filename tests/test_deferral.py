@@ -964,6 +964,59 @@ def test_an_output_that_is_a_view_of_what_the_op_saved(last, hooked):
     finish_and_compare(patched, reference, jobs=4)
 
 
+VIEWS = {
+    "slice": (lambda y: y[:, 1:], True),
+    "transpose": (lambda y: y.t(), True),
+    "diagonal": (lambda y: y.diagonal(), True),
+    "unfold": (lambda y: y.unfold(1, 2, 1), False),
+    "expand": (lambda y: y[:, :1].expand(-1, 3), False),
+    "chunk": (lambda y: y.chunk(2, 1)[0], False),
+    "split": (lambda y: y.split(2, 1)[1], False),
+    "unbind": (lambda y: y.unbind(1)[0], False),
+}
+
+
+class ViewOfProduct(nn.Module):
+    def __init__(self, view) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6))
+        self.view = view
+
+    def forward(self, x):
+        return self.view(x * self.weight)
+
+
+@pytest.mark.filterwarnings("ignore:twobp. ViewOfProduct called with")
+@pytest.mark.parametrize("kind", VIEWS)
+def test_the_recompute_rule_on_a_module_whose_output_is_a_view(kind):
+    """A view the tap can re-parent is deferred. One whose elements overlap (unfold, expand)
+    gave each overlapping element's weight gradient twice (silently 2x plain's), one made by an
+    op with several outputs (chunk, split, unbind) crashed with autograd's error: such calls
+    keep plain autograd."""
+    view, deferred = VIEWS[kind]
+    twobp.register(ViewOfProduct, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), ViewOfProduct(view)).double())
+    for _ in range(2):
+        x = torch.randn(6, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x).pow(2).sum().backward()
+    if deferred:
+        finish_and_compare(patched, reference, jobs=4)
+    else:  # the Linear's work alone; the view's module wrote its .grad in backward, as plain
+        assert twobp.pending().jobs == 2
+        twobp.flush_weight_grads()
+        assert_grads_match(patched, reference)
+
+
+@pytest.mark.parametrize("kind", [kind for kind, (_, deferred) in VIEWS.items() if not deferred])
+def test_defer_weight_grads_refuses_a_view_it_cannot_tap(kind):
+    model = ScaleShift()
+    x = torch.randn(6, 4, requires_grad=True)
+    output = VIEWS[kind][0](torch.cat([x, x], 1).t() * 2)
+    with pytest.raises(RuntimeError, match="twobp: defer_weight_grads cannot take an output that is a view"):
+        twobp.deferral.defer_weight_grads(output, (model.weight,), (x.detach(),), _scale_shift_grads)
+
+
 @pytest.mark.parametrize("substitute", ["other-leaves", "computed-from-the-parameters"])
 @pytest.mark.parametrize("input_requires_grad", [True, False], ids=["input-requires-grad", "input-without-grad"])
 def test_recompute_rule_under_functional_call_differentiates_the_parameters_it_was_given(

@@ -54,6 +54,7 @@ __all__ = [
     "kernel_group",
     "param_inputs",
     "param_from_input",
+    "untappable_view",
     "sees_post_hooks",
 ]
 
@@ -534,6 +535,13 @@ def defer_weight_grads(
             "(module.weight, module.bias) and (rows,), not a tensor alone (iterated, it would be its rows)"
         )
     outs = (outputs,) if isinstance(outputs, Tensor) else tuple(outputs)
+    if len(outs) == 1 and outs[0]._is_view():
+        why = untappable_view(outs[0])
+        if why is not None:
+            raise RuntimeError(
+                f"twobp: defer_weight_grads cannot take an output that is {why}: pass the tensor it "
+                "views and take the view of what it returns, or pass a copy"
+            )
     deferral = ParamDeferral.at_forward(params)
     group = kernel_group(kernel) if group is None else group
     try:
@@ -701,6 +709,29 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
 
 
 @torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
+def untappable_view(view: Tensor) -> str | None:
+    """Why the tap, which re-parents its output in place, cannot take this view, or None.
+    Autograd refuses it for a view made by an op with several outputs; for a view whose
+    elements overlap (``unfold``, ``expand``) it takes it, and each overlapping element's
+    weight gradient then arrives twice (silently: 2x plain's on an unfolded window)."""
+    if torch._C._autograd._get_creation_meta(view) == torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE:
+        return "a view made by an op with several outputs (chunk, split, unbind)"
+    if _overlaps_itself(view):
+        return "a view whose elements overlap (unfold, expand)"
+    return None
+
+
+def _overlaps_itself(view: Tensor) -> bool:
+    """Whether two elements of ``view`` may share memory: its dims, by stride, each step past
+    all that the smaller ones span (a layout that interleaves without overlap counts too)."""
+    spanned = 0
+    for stride, size in sorted((st, sz) for st, sz in zip(view.stride(), view.shape, strict=True) if sz > 1):
+        if stride <= spanned:
+            return True
+        spanned += stride * (size - 1)
+    return False
+
+
 def _restore_versions(
     outs: Sequence[Tensor], output_versions: list[int], saved: Sequence[Tensor], saved_versions: list[int]
 ) -> None:

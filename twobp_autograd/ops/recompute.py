@@ -45,7 +45,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 
 from .. import fsdp_hooks
 from ..checkpoint_paths import forget_since, recorded_so_far, took_plain
-from ..deferral import defer_weight_grads, detached
+from ..deferral import defer_weight_grads, detached, untappable_view
 from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
 
@@ -78,6 +78,10 @@ def _unfit_outputs(output: Any, own: Sequence[Tensor]) -> str | None:
     if len(output) > 1 and any(t._is_view() for t in output):
         # The tap re-parents its outputs in place, which autograd refuses for a view among several.
         return _VIEW_AMONG_SEVERAL
+    if len(output) == 1 and output[0]._is_view():
+        why = untappable_view(output[0])
+        if why is not None:
+            return f"an output that is {why}"
     return None
 
 
