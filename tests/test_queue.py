@@ -7,6 +7,7 @@ import gc
 import math
 import os
 import random
+import signal
 import sys
 import threading
 import warnings
@@ -1234,12 +1235,11 @@ def test_a_backward_that_raised_before_queueing_work_does_not_warn(monkeypatch):
 
 
 def _in_forked_child(train: Callable[[], None]) -> int:
-    """``train()`` in a forked child: its exit status (0: done, 1: raised, 2: hung past 20 s)."""
+    """``train()`` in a forked child: its exit status (0: done, 1: raised, -SIGALRM: hung past
+    20 s; an alarm, not faulthandler's watchdog, whose thread a child forked again lacks)."""
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
-        import faulthandler
-
-        faulthandler.dump_traceback_later(20, exit=True)  # exits with status 1 too, after a dump
+        signal.alarm(20)
         try:
             train()
             status = 0
@@ -1280,12 +1280,9 @@ def test_a_child_forked_while_another_thread_holds_the_queue_trains_like_plain()
         holder.join()
 
 
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
-def test_a_child_forked_during_another_threads_flush_refuses_until_the_work_is_dropped() -> None:
-    """Which of that flush's gradients reached the child's .grad is unknown: its next flush
-    refuses (it waited forever for the flush's thread, which the child does not have), and so do
-    the optimizer step and clipping (they saw no work and ran on partial gradients), until
-    zero_grad zeroes them; then it trains like plain."""
+def _forked_during_another_threads_flush(in_child: Callable[[nn.Module], None]) -> int:
+    """``in_child(model)`` in a child forked while another thread flushes the model's queued work
+    (taken out of the queue, its gradients not delivered yet): the child's exit status."""
     model = twobp.patch(nn.Linear(4, 3).double())
     model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
     queue = queue_module._default_queue
@@ -1302,19 +1299,38 @@ def test_a_child_forked_during_another_threads_flush_refuses_until_the_work_is_d
     flusher = threading.Thread(target=flush_slowly)
     flusher.start()
     started.wait()
-
-    def refuses_then_trains() -> None:
-        with pytest.raises(RuntimeError, match="forked while another thread of its parent flushed"):
-            twobp.flush_weight_grads()
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        with pytest.raises(RuntimeError, match="still queued"):
-            optimizer.step()
-        optimizer.zero_grad()
-        _trains_like_plain()
-
     try:
-        assert _in_forked_child(refuses_then_trains) == 0
+        return _in_forked_child(lambda: in_child(model))
     finally:
         release.set()
         flusher.join()
-    assert model.weight.grad is not None  # the parent's flush went on
+        assert model.weight.grad is not None  # the parent's flush went on
+
+
+def _refuses_until_zeroed(model: nn.Module) -> None:
+    with pytest.raises(RuntimeError, match="forked while another thread of its parent flushed"):
+        twobp.flush_weight_grads()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(RuntimeError, match="still queued"):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())  # zeros, as plain's
+    _trains_like_plain()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("forks_again", [False, True], ids=["child", "grandchild"])
+def test_a_child_forked_during_another_threads_flush_refuses_until_zero_grad(forks_again: bool) -> None:
+    """Which of that flush's gradients reached the child's .grad is unknown: its next flush
+    refuses (it waited forever for the flush's thread, which the child does not have), and so do
+    the optimizer step and clipping (they saw no work and ran on partial gradients), until
+    zero_grad zeroes them (zeros with set_to_none=False, as plain's); then it trains like plain.
+    A child that forks again passes that on (the grandchild's fork cut nothing of its own)."""
+
+    def in_child(model: nn.Module) -> None:
+        if forks_again:
+            assert _in_forked_child(lambda: _refuses_until_zeroed(model)) == 0
+        else:
+            _refuses_until_zeroed(model)
+
+    assert _forked_during_another_threads_flush(in_child) == 0

@@ -167,9 +167,9 @@ class WeightGradQueue:
         # graph task id -> the thread it runs on where that is its caller's (CPU work), else None
         self._running_backwards: dict[int, int | None] = {}
         self._new_lock()
-        # In a forked child: the parameters (ids) of each flush of another thread the fork cut
+        # In a forked child: the parameters (by id) of each flush of another thread a fork cut
         # off, until zero_grad drops them (see _after_fork).
-        self._cut_by_fork: list[set[int]] = []
+        self._cut_by_fork: list[dict[int, Tensor]] = []
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
@@ -192,7 +192,8 @@ class WeightGradQueue:
         me = threading.get_ident()
         self._new_lock()
         cut = [flight for flight in self._flights if flight.thread != me]
-        self._cut_by_fork = [{id(p) for job in f.jobs for p in job.params if p is not None} for f in cut]
+        # Added to what an earlier fork cut off (a child forking again): nothing zeroed that yet.
+        self._cut_by_fork += [{id(p): p for job in f.jobs for p in job.params if p is not None} for f in cut]
         self._flights = [flight for flight in self._flights if flight.thread == me]
         self._running_backwards = {task: t for task, t in self._running_backwards.items() if t == me}
 
@@ -353,7 +354,7 @@ class WeightGradQueue:
         if not self._jobs and not self._flights and not self._cut_by_fork:
             return False
         wanted = {id(p) for p in params}
-        if any(cut & wanted for cut in self._cut_by_fork):
+        if any(wanted & cut.keys() for cut in self._cut_by_fork):
             return True
 
         def concerns(flight: _Flight) -> bool:
@@ -408,7 +409,12 @@ class WeightGradQueue:
                     kept.append(job)
                     self._count([job], +1)
             self._jobs = kept
-            self._cut_by_fork = [cut - dropped for cut in self._cut_by_fork if cut - dropped]
+            for cut in self._cut_by_fork:  # plain's .grad held their gradient: zero_grad zeroes it
+                for key in dropped & cut.keys():
+                    param = cut.pop(key)
+                    if given_grads and param.grad is None:
+                        had_work[key] = param
+            self._cut_by_fork = [cut for cut in self._cut_by_fork if cut]
         return list(had_work.values())
 
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
