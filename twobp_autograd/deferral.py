@@ -711,11 +711,14 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
 @torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
 def untappable_view(view: Tensor) -> str | None:
     """Why the tap, which re-parents its output in place, cannot take this view, or None.
-    Autograd refuses it for a view made by an op with several outputs; for a view whose
+    Autograd refuses it for a view made by an op with several outputs (and the like); for one whose
     elements overlap (``unfold``, ``expand``) it takes it, and each overlapping element's
     weight gradient then arrives twice (silently: 2x plain's on an unfolded window)."""
-    if torch._C._autograd._get_creation_meta(view) == torch._C._autograd.CreationMeta.MULTI_OUTPUT_NODE:
-        return "a view made by an op with several outputs (chunk, split, unbind)"
+    if torch._C._autograd._get_creation_meta(view) != torch._C._autograd.CreationMeta.DEFAULT:
+        return (
+            "a view autograd lets no one change in place (made by an op with several outputs: chunk, "
+            "split, unbind; or in no_grad mode, or inside a custom Function)"
+        )
     if _overlaps_itself(view):
         return "a view whose elements overlap (unfold, expand)"
     return None
