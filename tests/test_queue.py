@@ -16,7 +16,7 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, patched_and_reference
@@ -1280,11 +1280,16 @@ def test_a_child_forked_while_another_thread_holds_the_queue_trains_like_plain()
         holder.join()
 
 
-def _forked_during_another_threads_flush(in_child: Callable[[nn.Module], None]) -> int:
+def _forked_during_another_threads_flush(
+    in_child: Callable[[nn.Module], None],
+    model: nn.Module | None = None,
+    loss: Callable[[nn.Module], Tensor] | None = None,
+) -> int:
     """``in_child(model)`` in a child forked while another thread flushes the model's queued work
     (taken out of the queue, its gradients not delivered yet): the child's exit status."""
-    model = twobp.patch(nn.Linear(4, 3).double())
-    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    model = twobp.patch(model if model is not None else nn.Linear(4, 3).double())
+    x = torch.randn(2, 4, dtype=torch.float64)
+    (loss(model) if loss is not None else model(x).sum()).backward()
     queue = queue_module._default_queue
     started, release = threading.Event(), threading.Event()
 
@@ -1304,7 +1309,7 @@ def _forked_during_another_threads_flush(in_child: Callable[[nn.Module], None]) 
     finally:
         release.set()
         flusher.join()
-        assert model.weight.grad is not None  # the parent's flush went on
+        assert any(p.grad is not None for p in model.parameters())  # the parent's flush went on
 
 
 def _refuses_until_zeroed(model: nn.Module) -> None:
@@ -1334,3 +1339,28 @@ def test_a_child_forked_during_another_threads_flush_refuses_until_zero_grad(for
             _refuses_until_zeroed(model)
 
     assert _forked_during_another_threads_flush(in_child) == 0
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.b = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return x * self.a, x * self.b
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_zero_grad_in_a_child_cut_mid_flush_zeroes_only_what_plain_backward_gave():
+    """A kernel that may give a parameter nothing (the recompute rule's, one output unused):
+    zero_grad(set_to_none=False) in the child zeroes a, which plain's backward gave a gradient,
+    and leaves b None, as plain's (zeroed, a weight decay step moved it)."""
+    twobp.register(TwoHeads, twobp.ops.recompute)
+
+    def in_child(model: nn.Module) -> None:
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+        assert model.a.grad is not None and not model.a.grad.any() and model.b.grad is None
+
+    x = torch.randn(3, 4, dtype=torch.float64)
+    assert _forked_during_another_threads_flush(in_child, TwoHeads(), lambda m: m(x)[0].sum()) == 0

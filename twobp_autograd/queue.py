@@ -167,9 +167,9 @@ class WeightGradQueue:
         # graph task id -> the thread it runs on where that is its caller's (CPU work), else None
         self._running_backwards: dict[int, int | None] = {}
         self._new_lock()
-        # In a forked child: the parameters (by id) of each flush of another thread a fork cut
-        # off, until zero_grad drops them (see _after_fork).
-        self._cut_by_fork: list[dict[int, Tensor]] = []
+        # In a forked child: the jobs of other threads' flushes a fork cut off, until zero_grad
+        # or clear drops them (see _after_fork).
+        self._cut_by_fork: list[WeightGradJob] = []
         self._tag: Hashable = None
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
@@ -188,12 +188,13 @@ class WeightGradQueue:
         the fork would stay held, and its flushes and backwards would never end. A flush another
         thread was running may have put part of its gradients into ``.grad`` (the child's copy):
         rather than add them twice or not at all, its parameters count as having work (the
-        optimizer step and clipping refuse) and flushes refuse, until ``zero_grad`` zeroes them."""
+        optimizer step and clipping refuse) and flushes refuse, until ``zero_grad`` zeroes them or
+        :meth:`clear` drops that flush."""
         me = threading.get_ident()
         self._new_lock()
         cut = [flight for flight in self._flights if flight.thread != me]
         # Added to what an earlier fork cut off (a child forking again): nothing zeroed that yet.
-        self._cut_by_fork += [{id(p): p for job in f.jobs for p in job.params if p is not None} for f in cut]
+        self._cut_by_fork += [job for flight in cut for job in flight.jobs]
         self._flights = [flight for flight in self._flights if flight.thread == me]
         self._running_backwards = {task: t for task, t in self._running_backwards.items() if t == me}
 
@@ -354,7 +355,7 @@ class WeightGradQueue:
         if not self._jobs and not self._flights and not self._cut_by_fork:
             return False
         wanted = {id(p) for p in params}
-        if any(wanted & cut.keys() for cut in self._cut_by_fork):
+        if any(id(p) in wanted for job in self._cut_by_fork for p in job.params if p is not None):
             return True
 
         def concerns(flight: _Flight) -> bool:
@@ -385,6 +386,7 @@ class WeightGradQueue:
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
+            self._cut_by_fork = []
             # Running backwards stay recorded: one still running elsewhere keeps queuing work, and
             # one that raised is forgotten when autograd frees its graph task (_BackwardEnd).
 
@@ -409,12 +411,10 @@ class WeightGradQueue:
                     kept.append(job)
                     self._count([job], +1)
             self._jobs = kept
-            for cut in self._cut_by_fork:  # plain's .grad held their gradient: zero_grad zeroes it
-                for key in dropped & cut.keys():
-                    param = cut.pop(key)
-                    if given_grads and param.grad is None:
-                        had_work[key] = param
-            self._cut_by_fork = [cut for cut in self._cut_by_fork if cut]
+            if self._cut_by_fork:  # plain's .grad held their gradients: zero_grad zeroes them
+                if given_grads:
+                    had_work.update(_given_grads_but_none_yet(self._cut_by_fork, among=dropped))
+                self._cut_by_fork = [job for job in self._cut_by_fork if job.drop_params(dropped)]
         return list(had_work.values())
 
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
