@@ -708,7 +708,7 @@ def _refuse_undetached_params(outputs: Sequence[Tensor], params: Sequence[Tensor
                 stack.append(child)
 
 
-@torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
+@torch.compiler.disable  # creation metadata and strides of the real tensor, not of a traced stand-in
 def untappable_view(view: Tensor) -> str | None:
     """Why the tap, which re-parents its output in place, cannot take this view, or None.
     Autograd refuses it for a view made by an op with several outputs (and the like); for one whose
@@ -735,6 +735,7 @@ def _overlaps_itself(view: Tensor) -> bool:
     return False
 
 
+@torch.compiler.disable  # traced, Dynamo's functionalization drops the reset: run it on the real tensors
 def _restore_versions(
     outs: Sequence[Tensor], output_versions: list[int], saved: Sequence[Tensor], saved_versions: list[int]
 ) -> None:
