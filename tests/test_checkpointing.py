@@ -813,20 +813,38 @@ def test_a_nested_checkpoint_made_again_with_more_calls_than_its_forwards_twin_r
     assert_grads_match(patched, reference)
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        functools.partial(_checkpointed, use_reentrant=False),
+        functools.partial(_checkpointed, use_reentrant=True),
+        selective(save_all_but_attention),
+    ],
+    ids=["non-reentrant", "reentrant", "sac-save-all"],
+)
 @pytest.mark.parametrize("norm_last", [True, False], ids=["norm-last", "layer-after"])
-def test_checkpointed_instance_norm_updates_its_running_statistics_as_plain(use_reentrant, norm_last):
+def test_checkpointed_instance_norm_updates_its_running_statistics_as_plain(wrap, norm_last):
     """torch.instance_norm copies the running statistics back after batch_norm saved its
     tensors, so a non-reentrant recomputation that stops at those (the region's last) leaves them
     updated once. Updated before the tap saved its own, they were updated a second time there
-    (silently one momentum step off); with a layer after the norm both recompute it whole."""
+    (silently one momentum step off); with a layer after the norm both recompute it whole. A
+    policy caching every op refused its cached running statistics as mutated where plain's
+    recomputation never reached them (with a layer after the norm plain's reaches them too, and
+    refuses as ours does)."""
     layers = [nn.Conv1d(3, 3, 1), nn.InstanceNorm1d(3, affine=True, track_running_stats=True)]
     region = nn.Sequential(*layers, *([] if norm_last else [nn.Conv1d(3, 3, 1)])).double()
     patched, reference = patched_and_reference(region)
+    if wrap.keywords.get("context_fn") is not None and not norm_last:
+        for model in (patched, reference):
+            x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
+            with pytest.raises(RuntimeError, match="cached during selective activation checkpoint has been mutated"):
+                loss_of(wrap(model, x)).backward()
+        twobp.discard_weight_grads()
+        return
     for _ in range(3):
         x = torch.randn(2, 3, 5, dtype=torch.float64, requires_grad=True)
         for model in (patched, reference):
-            loss_of(_checkpointed(model, x, use_reentrant=use_reentrant)).backward()
+            loss_of(wrap(model, x)).backward()
         twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
     for (name, ours), plain in zip(patched.named_buffers(), reference.buffers(), strict=True):

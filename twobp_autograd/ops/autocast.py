@@ -22,6 +22,7 @@ AUTOCAST_PROBES: dict[str, Callable[[Tensor], Tensor]] = {
     "layer_norm": lambda x: F.layer_norm(x, (1,)),
     "group_norm": lambda x: F.group_norm(x, 1),
     "rms_norm": lambda x: F.rms_norm(x, (1,)),
+    "instance_norm": lambda x: F.instance_norm(x.view(1, 1, 2)),
 }
 
 

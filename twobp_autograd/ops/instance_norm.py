@@ -1,7 +1,8 @@
-"""nn.InstanceNorm1d/2d/3d with ``affine=True``: the forward makes plain's own call,
-``F.instance_norm``, with the parameters detached, so the output, the input gradient and the
-running statistics (``track_running_stats=True``) are PyTorch's own. Instance norm is group norm
-with one group per channel, so the weight kernel is GroupNorm's; the per-(sample, channel)
+"""nn.InstanceNorm1d/2d/3d with ``affine=True``: the forward runs the ops ``torch.instance_norm``
+runs (``batch_norm`` over the samples' channels as one sample's), with the parameters detached,
+so the output, the input gradient and the running statistics (``track_running_stats=True``) are
+PyTorch's own. Instance norm is group norm with one group per channel, so the weight kernel is
+GroupNorm's; the per-(sample, channel)
 statistics are recomputed at the flush from the saved input (``instance_norm`` does not hand them
 out), off the backward's critical path (under the user's saved-tensor hooks they are saved, as
 plain saves its own). Each sample is normalised on its own: queued
@@ -19,6 +20,7 @@ from torch import Tensor, nn
 from ..checkpoint_paths import saved_through_user_hooks
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
+from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
 from .group_norm import group_norm_weight_grad
 from .precision import accumulation_dtype
@@ -36,9 +38,11 @@ def instance_norm_weight_grad(
 ) -> list[Tensor | None]:
     input, *statistics = saved  # (N, C, *), as the forward normalised it; (N, C) mean and 1/std
     mean, rstd = statistics or _statistics(input, eps)
+    # batch_norm's output gradient, (1, N * C, *) per micro-batch (joined: (k, N * C, *)).
+    grad = grad_outputs[0].reshape(input.shape)
     return group_norm_weight_grad(
         (input, mean, rstd),
-        grad_outputs,
+        (grad,),
         needs,
         num_groups=input.shape[1],
         weight_dtype=weight_dtype,
@@ -53,15 +57,8 @@ def _statistics(input: Tensor, eps: float) -> list[Tensor]:
     return [mean, (var + eps).rsqrt()]
 
 
-def _updated_on_copies(module: nn.modules.instancenorm._InstanceNorm) -> tuple[tuple[Tensor, Tensor], ...] | None:
-    """The running statistics, and copies for the call to update: copied back once the tap has
-    saved its tensors, as torch.instance_norm copies them back after batch_norm saved its own. A
-    non-reentrant checkpoint's recomputation stops at the region's last saved tensor: where that
-    is this layer's, it must not update them a second time (plain's does not)."""
-    mean, var = module.running_mean, module.running_var
-    if mean is None or var is None:
-        return None
-    return (mean, var), (mean.clone(), var.clone())
+def _repeated(tensor: Tensor | None, times: int) -> Tensor | None:
+    return None if tensor is None else tensor.repeat(times)
 
 
 @register((nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d))
@@ -81,33 +78,44 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
             f"expected input's size at dim={input.dim() - module._get_no_batch_dim()} to match num_features"
             f" ({module.num_features}), but got: {x.size(1)}."
         )
-    weight, bias = map(detached, params)
     use_input_stats = module.training or not module.track_running_stats
-    running = _updated_on_copies(module) if use_input_stats else None
-    running_mean, running_var = running[1] if running is not None else (module.running_mean, module.running_var)
-    output = F.instance_norm(
-        x,
+    if use_input_stats:
+        F._verify_spatial_size(x.size())  # type: ignore[attr-defined]  # private: absent from torch's stubs
+    x, (weight, bias) = as_autocast_casts("instance_norm", x, *map(detached, params))
+    # torch.instance_norm's composite, spelled out: batch_norm over the samples' channels as one
+    # sample's (the parameters and running statistics repeated), its statistics averaged back into
+    # the buffers, its output viewed in the input's shape. So the tap takes batch_norm's output,
+    # not the view instance_norm returns (a view's re-parenting makes autograd copy every output
+    # gradient and rebuild the view's grad_fn), and the buffers are written after the tap saved
+    # its tensors, as instance_norm writes them after batch_norm saved its own: a non-reentrant
+    # checkpoint's recomputation stops at the region's last saved tensor, so where that is this
+    # layer's it does not update them a second time (plain's does not).
+    batch, channels = x.shape[:2]
+    running_mean, running_var = (_repeated(t, batch) for t in (module.running_mean, module.running_var))
+    output = torch.batch_norm(
+        x.contiguous().view(1, batch * channels, *x.shape[2:]),
+        _repeated(weight, batch),
+        _repeated(bias, batch),
         running_mean,
         running_var,
-        weight,
-        bias,
         use_input_stats,
         module.momentum if module.momentum is not None else 0.0,
         module.eps,
+        torch.backends.cudnn.enabled,
     )
     kernel, group = configured_kernel(
         instance_norm_weight_grad,
         eps=module.eps,
         weight_dtype=next(p for p in params if p is not None).dtype,
     )
-    # The input saved as given, as plain's batch_norm saves it: changed in place before
-    # backward, it makes backward raise as plain's does. Under the user's saved-tensor hooks the
-    # statistics too, as plain saves them: a lossy pack hands back other values than the
-    # flush would recompute from the unpacked input.
+    # The input saved as given (plain's batch_norm saves a view of it, unless it had to copy it
+    # contiguous): changed in place before backward, it makes backward raise as plain's does.
+    # Under the user's saved-tensor hooks the statistics too, as plain saves them: a lossy pack
+    # hands back other values than the flush would recompute from the unpacked input.
     saved = (x, *_statistics(x, module.eps)) if saved_through_user_hooks() else (x,)
-    output = defer_weight_grads(output, params, saved, kernel, group=group)
-    if running is not None:
-        with torch.no_grad():
-            for buffer, updated in zip(*running, strict=True):
-                buffer.copy_(updated)
+    output = defer_weight_grads(output, params, saved, kernel, group=group).view(x.shape)
+    with torch.no_grad():
+        for buffer, repeated in ((module.running_mean, running_mean), (module.running_var, running_var)):
+            if buffer is not None and repeated is not None:
+                buffer.copy_(repeated.view(batch, channels).mean(0))
     return output.squeeze(0) if unbatched else output
