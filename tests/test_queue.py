@@ -1352,6 +1352,20 @@ class TwoHeads(nn.Module):
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_discard_in_a_child_cut_mid_flush_then_zero_grad_leaves_zeros_as_plain():
+    """discard_weight_grads drops the cut flush too; a zero_grad(set_to_none=False) after it
+    leaves zeros where plain's backward gave a gradient (it left None, and a weight-decay step
+    skipped the parameters that plain's moved)."""
+
+    def in_child(model: nn.Module) -> None:
+        twobp.discard_weight_grads()
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+        assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+    assert _forked_during_another_threads_flush(in_child) == 0
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_zero_grad_in_a_child_cut_mid_flush_zeroes_only_what_plain_backward_gave():
     """A kernel that may give a parameter nothing (the recompute rule's, one output unused):
     zero_grad(set_to_none=False) in the child zeroes a, which plain's backward gave a gradient,

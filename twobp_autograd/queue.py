@@ -382,7 +382,7 @@ class WeightGradQueue:
             self._wait_for_flights_elsewhere(_ANY_WORK)
             # Plain backward would have given these a .grad: a zero_grad(set_to_none=False)
             # after the discard must leave zeros there, as plain's does (grad_guard).
-            dropped_without_grad.update(_given_grads_but_none_yet(self._jobs))
+            dropped_without_grad.update(_given_grads_but_none_yet([*self._jobs, *self._cut_by_fork]))
             self._jobs.clear()
             self._held.clear()
             self._held_bytes = 0
