@@ -745,9 +745,9 @@ def _restore_versions(
     for t in outs:
         if t._is_view():
             # Its cached grad_fn no longer matches the counter: read once, autograd makes it anew
-            # for the version put back (left for register_hook to find, it crashed the process:
-            # FSDP2 hooks every module output, and F.instance_norm returns a view). Leaving the
-            # counter moved instead fails a base the op saved (exp's, sigmoid's result).
+            # for the version put back (left for register_hook to find, it crashed the process;
+            # FSDP2 hooks every module output). Leaving the counter moved instead fails a base
+            # the op saved (exp's, sigmoid's result). The built-in rules tap no views.
             t.grad_fn  # noqa: B018
 
 

@@ -82,10 +82,15 @@ class _Flight(NamedTuple):
     jobs: Sequence[WeightGradJob]
 
     def has_params(self, ids: set[int]) -> bool:
-        return any(id(p) in ids for job in self.jobs for p in job.params if p is not None)
+        return _have_params(self.jobs, ids)
 
     def has_tags(self, tags: set[Hashable]) -> bool:
         return any(job.tag in tags for job in self.jobs)
+
+
+def _have_params(jobs: Sequence[WeightGradJob], ids: set[int]) -> bool:
+    """Whether one of ``jobs`` computes for a parameter whose id is in ``ids``."""
+    return any(id(p) in ids for job in jobs for p in job.params if p is not None)
 
 
 #: How long a flush waits for a backward that raised on another thread to be forgotten before
@@ -355,7 +360,7 @@ class WeightGradQueue:
         if not self._jobs and not self._flights and not self._cut_by_fork:
             return False
         wanted = {id(p) for p in params}
-        if any(id(p) in wanted for job in self._cut_by_fork for p in job.params if p is not None):
+        if _have_params(self._cut_by_fork, wanted):
             return True
 
         def concerns(flight: _Flight) -> bool:

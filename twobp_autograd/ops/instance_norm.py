@@ -2,11 +2,10 @@
 runs (``batch_norm`` over the samples' channels as one sample's), with the parameters detached,
 so the output, the input gradient and the running statistics (``track_running_stats=True``) are
 PyTorch's own. Instance norm is group norm with one group per channel, so the weight kernel is
-GroupNorm's; the per-(sample, channel)
-statistics are recomputed at the flush from the saved input (``instance_norm`` does not hand them
-out), off the backward's critical path (under the user's saved-tensor hooks they are saved, as
-plain saves its own). Each sample is normalised on its own: queued
-micro-batches concatenate on the batch dimension.
+GroupNorm's; the per-(sample, channel) statistics are recomputed at the flush from the saved
+input (batch_norm keeps them to itself), off the backward's critical path (under the user's
+saved-tensor hooks they are saved, as plain saves its own). Each sample is normalised on its
+own: queued micro-batches concatenate on the batch dimension.
 """
 
 from __future__ import annotations
