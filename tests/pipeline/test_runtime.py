@@ -486,6 +486,29 @@ def _batches_and_losses(rank: int) -> dict:
 
 
 #: scenario -> (what each rank runs, number of ranks)
+def _order_matched_backend(rank: int) -> dict:
+    """On a backend that matches the messages between two ranks in the order they are posted
+    (NCCL; gloo told to answer so), a schedule whose ranks post them in different orders is
+    refused on every rank before any step, and the others are built."""
+    dist = torch.distributed
+    dist.get_backend = lambda group=None: "nccl"  # this spawned rank's own module
+    errors = {}
+    for name in MULTI_STAGE_SCHEDULES + SCHEDULES:
+        owners = placement(name, WORLD)
+        stages = {index: nn.Linear(4, 4) for index, owner in enumerate(owners) if owner == rank}
+        m = default_num_micro_batches(name, WORLD) * 2
+        try:
+            PipelineRuntime(
+                stages if len(stages) > 1 else stages[rank], schedule(name, WORLD, m)[rank], num_micro_batches=m,
+                loss_fn=_mse, timeout=FAILURE_TIMEOUT, placement=owners,
+            )  # fmt: skip
+        except ValueError as error:
+            errors[name] = str(error)
+        else:
+            errors[name] = None
+    return {"errors": errors}
+
+
 SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "correctness": (_correctness, WORLD),
     "three_ranks": (_three_ranks, 3),
@@ -497,6 +520,7 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "integer_activations": (_integer_activations, WORLD),
     "in_place_first_op": (_in_place_first_op, WORLD),
     "batches_and_losses": (_batches_and_losses, WORLD),
+    "order_matched_backend": (_order_matched_backend, WORLD),
 }
 
 
@@ -613,6 +637,15 @@ def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
     first, second = launch("in_place_first_op", str(tmp_path), deadline=90.0)
     assert second is not None and second["error"] and "changes its input in place" in second["error"], second
     assert first is not None and first["error"] and "rank 1" in first["error"], first
+
+
+def test_a_schedule_posting_out_of_order_is_refused_on_nccl(tmp_path) -> None:
+    for rank, result in enumerate(launch("order_matched_backend", str(tmp_path), deadline=90.0)):
+        assert result is not None and "crash" not in result, result
+        refused = {name for name, error in result["errors"].items() if error is not None}
+        assert refused == {"zbv"}, (rank, result)
+        assert "nccl backend matches the messages between two ranks in the order" in result["errors"]["zbv"]
+        assert "run it on a gloo process group" in result["errors"]["zbv"]
 
 
 def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) -> None:

@@ -23,6 +23,7 @@ What a step reports is measured by :mod:`.metrics` (times) and :mod:`.memory_pro
 from __future__ import annotations
 
 import datetime
+import hashlib
 import inspect
 import os
 import pickle
@@ -52,9 +53,7 @@ _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
     torch.uint8, torch.int8, torch.int16,
 )  # fmt: skip
-# gloo matches messages by tag; NCCL by order, which the schedules keep equal per pair of
-# stages. Between two ranks that hold several stages each, ``zbv`` interleaves its pairs'
-# messages in different orders on the two sides: it runs on gloo (tags), not yet on NCCL.
+# gloo matches messages by tag; NCCL by the order two ranks post them (see _check_posted_in_order).
 _SHAPE_TAG = 1 << 20
 #: A step header's dtype code saying rank 0 refused the step's inputs.
 _REFUSED = -1
@@ -228,6 +227,39 @@ class PipelineRuntime:
             self._next_remote_receive.append(len(self._remote_receives))
         self._sent_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
+        if dist.get_backend(group) != dist.Backend.GLOO:
+            self._check_posted_in_order()
+
+    def _check_posted_in_order(self) -> None:
+        """Refuse, on every rank alike, a schedule whose messages between two ranks go out in
+        another order than they are taken, on a backend that matches them by that order (NCCL;
+        gloo matches by tag): they would land in the wrong micro-batch, or hang. ``zbv``
+        interleaves the messages of a rank's two stages differently on the two sides. Each rank
+        hashes its own sends to and receives from every peer; one all-gather compares them."""
+        num_stages = self._num_stages
+        sent: list[list[Message]] = [[] for _ in range(self.world_size)]
+        received: list[list[Message]] = [[] for _ in range(self.world_size)]
+        for action in self.actions:
+            out, into = action.sends(self.rank, num_stages), action.receives(self.rank, num_stages)
+            if out is not None and not self._is_local(out):
+                sent[self._rank_of(out.receiver)].append(out)
+            if into is not None and not self._is_local(into):
+                received[self._rank_of(into.sender)].append(into)
+        mine = torch.tensor([[_digest(sent[peer]), _digest(received[peer])] for peer in range(self.world_size)])
+        everyone = [torch.empty_like(mine, device=self._comm_device) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine.to(self._comm_device), group=self.group)
+        table = torch.stack(everyone).tolist()  # [rank][peer] = [sends to peer, receives from peer]
+        for sender in range(self.world_size):
+            for receiver in range(self.world_size):
+                if table[sender][receiver][0] != table[receiver][sender][1]:
+                    raise ValueError(
+                        f"twobp: rank {self.rank}: rank {sender} sends its messages to rank {receiver} in another "
+                        f"order than rank {receiver} takes them, and the {dist.get_backend(self.group)} backend "
+                        "matches the messages between two ranks in the order both post them (gloo matches them "
+                        "by tag): they would reach the wrong micro-batch. zbv interleaves the messages of a "
+                        "rank's two stages so; run it on a gloo process group, or choose a schedule whose ranks "
+                        f"exchange in one order ({', '.join(_IN_ORDER_SCHEDULES)})."
+                    )
 
     def _check_placement(self, actions: Sequence[Action]) -> None:
         for action in actions:
@@ -611,6 +643,16 @@ class PipelineRuntime:
             ) from error
         if timer is not None:
             timer.waited(start)
+
+
+#: The package's schedules whose messages between two ranks go out in the order they are taken.
+_IN_ORDER_SCHEDULES = ("gpipe", "1f1b-1", "1f1b-2", "zb", "interleaved-1f1b")
+
+
+def _digest(messages: Sequence[Message]) -> int:
+    """The same signed 64-bit number on every rank (``hash()`` of a string is salted per process)."""
+    text = repr([(m.sender, m.receiver, m.payload.value, m.micro_batch) for m in messages])
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 #: The tag of the step's metrics, sent to rank 0 after every action's messages (tagged from 0 up).

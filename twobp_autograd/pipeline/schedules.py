@@ -37,6 +37,7 @@ __all__ = [
     "execution_order",
     "stage_owners",
     "validate_rank",
+    "pairs_out_of_order",
 ]
 
 #: The schedules with one stage per rank; :data:`MULTI_STAGE_SCHEDULES` hold several.
@@ -413,6 +414,26 @@ def _check_message_order(ranks: Sequence[Sequence[Action]], owners: dict[int, in
             ranks,
             faulty,
         )
+
+
+def pairs_out_of_order(ranks: Sequence[Sequence[Action]]) -> list[tuple[int, int]]:
+    """The (sender, receiver) pairs of ranks whose messages the sender posts in another order
+    than the receiver takes them. :func:`validate_schedule` checks the order per pair of
+    *stages*, which is all gloo needs (it matches messages by tag); NCCL matches the messages
+    between two ranks in the order both post them, whatever the stages: where a rank holds
+    several stages, their messages to one other rank must interleave alike on both sides."""
+    num_stages = count_stages(ranks)
+    owners = stage_owners(ranks)
+    sent: defaultdict[tuple[int, int], list[Message]] = defaultdict(list)
+    received: defaultdict[tuple[int, int], list[Message]] = defaultdict(list)
+    for rank, actions in enumerate(ranks):
+        for action in actions:
+            out, into = action.sends(rank, num_stages), action.receives(rank, num_stages)
+            if out is not None and owners[out.receiver] != rank:
+                sent[rank, owners[out.receiver]].append(out)
+            if into is not None and owners[into.sender] != rank:
+                received[owners[into.sender], rank].append(into)
+    return sorted(pair for pair in sent.keys() | received.keys() if sent[pair] != received[pair])
 
 
 def _check_name(name: str) -> None:
