@@ -426,6 +426,32 @@ def test_a_frozen_tie_keeps_no_gradient_as_in_plain(tmp_path) -> None:
         assert result["ties"] == 1 and result["tie_grads"] == [True], (rank, result)
 
 
+def _check_ties_per_replica(rank: int) -> dict:
+    """A (dp, pp) = (2, 2) mesh, the tie summed over each replica's pipeline group: every rank's
+    own part says which replica and stage it is, so a sum across replicas shows."""
+    mesh = torch.distributed.device_mesh.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    replica, stage = mesh.get_local_rank("dp"), mesh.get_local_rank("pp")
+    sums = []
+    for _ in range(3):  # each build makes groups anew: replicas that disagree about them pair up by chance
+        pipeline = split_model(tiny_llama(), 2)
+        tied = TiedGradients(pipeline, group=mesh.get_group("pp"))
+        (tie,) = pipeline.ties
+        tie.parameter.grad = torch.full_like(tie.parameter, 10.0 * replica + stage + 1)
+        tied.all_reduce()
+        sums.append(tie.parameter.grad.unique().tolist())
+    return {"sums": sums, "expected": [20.0 * replica + 3]}
+
+
+def test_ties_on_a_data_parallel_mesh_are_summed_within_each_replica(tmp_path) -> None:
+    """Every process must make the same groups in the same order: each replica made only its own
+    holders' group, and ranks of different replicas met under one group name (a sum of 13 for 3
+    or 23, a hang, or a gloo connection reset)."""
+    store, results = str(tmp_path / "store"), str(tmp_path / "result")
+    run_ranks(gloo_rank_main, 4, (4, _check_ties_per_replica, store, results), 120.0, ": the reduction hung")
+    for rank, result in enumerate(read_results(results, 4)):
+        assert result["sums"] == [result["expected"]] * 3, (rank, result)
+
+
 def test_tied_gradients_refuse_a_placement_of_another_cut() -> None:
     pipeline = split_model(tiny_llama(), 4)
     with pytest.raises(ValueError, match="twobp: a placement of 2 stages for a pipeline of 4"):

@@ -70,17 +70,15 @@ class TiedGradients:
                 "pass the placement the schedule's stages run on (schedules.placement(name, world))"
             )
         rank = dist.get_rank(group)
-        groups: dict[tuple[int, ...], Any] = {}
-        self.reductions: list[tuple[nn.Parameter, Any]] = []
-        for tie in pipeline.ties:
-            holders = tuple(sorted({owners[s] for s in tie.stages}))
-            if len(holders) < 2:
-                continue  # one rank holds every use: its gradient is whole already
-            if holders not in groups:
-                ranks = [r if group is None else dist.get_global_rank(group, r) for r in holders]
-                groups[holders] = dist.new_group(ranks)
-            if rank in holders:
-                self.reductions.append((tie.parameter, groups[holders]))
+        # Each tie's holding ranks, as ranks of the world; one rank holding every use of a tie
+        # has its whole gradient already.
+        held = [(tie, tuple(sorted({owners[s] for s in tie.stages}))) for tie in pipeline.ties]
+        held = [(tie, holders) for tie, holders in held if len(holders) > 1]
+        world_ranks = {holders: tuple(_world_rank(group, r) for r in holders) for _, holders in held}
+        groups = {ranks: dist.new_group(list(ranks)) for ranks in _every_replicas(set(world_ranks.values()), group)}
+        self.reductions: list[tuple[nn.Parameter, Any]] = [
+            (tie.parameter, groups[world_ranks[holders]]) for tie, holders in held if rank in holders
+        ]
 
     def all_reduce(self) -> None:
         for parameter, group in self.reductions:
@@ -89,3 +87,20 @@ class TiedGradients:
             if parameter.grad is None:  # this rank's use of it got no gradient; the sum still needs it
                 parameter.grad = torch.zeros_like(parameter)
             dist.all_reduce(parameter.grad, group=group)
+
+
+def _world_rank(group: dist.ProcessGroup | None, rank: int) -> int:
+    return rank if group is None else dist.get_global_rank(group, rank)
+
+
+def _every_replicas(sets: set[tuple[int, ...]], group: dist.ProcessGroup | None) -> list[tuple[int, ...]]:
+    """The sets of ranks to make groups of, the same on every process in the same order, as
+    ``dist.new_group`` requires. Over a group smaller than the world (a data-parallel replica's
+    pipeline ranks, a 2-D mesh's ``"pp"`` dimension) the other replicas need groups of other
+    ranks: every process gathers them all (where each replica made only its own, processes of
+    different replicas met under one group name: sums across replicas, or a hang)."""
+    if group is not None and dist.get_world_size(group) != dist.get_world_size():
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, sorted(sets))
+        sets = {tuple(ranks) for replica in gathered for ranks in replica}
+    return sorted(sets)
