@@ -34,6 +34,26 @@ def test_compiled_patched_model_defers_and_matches_autograd(backend):
         torch.testing.assert_close(b, c, msg=name)
 
 
+def test_the_package_own_functions_are_never_compiled_as_frames_of_their_own():
+    """Entered eagerly after a patched layer ends the graph, each helper was compiled as a frame
+    of its own, once per layer shape (Dynamo's limit of 8 reached deep in ResNet-152), and its
+    guards checked on every call; the model still matches plain autograd."""
+    from twobp_autograd.deferral import ParamDeferral
+    from twobp_autograd.ops.conv import _DeferredConvolution
+
+    torch._dynamo.reset()
+    channels = [3, 4, 5, 6]
+    model = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in zip(channels, channels[1:])))
+    patched, reference = patched_and_reference(model)
+    x = torch.randn(2, 3, 6, 6)
+    torch.compile(patched, backend="aot_eager")(x).sum().backward()
+    reference(x).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+    for function in (ParamDeferral.at_forward, _DeferredConvolution.forward):
+        assert torch._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__) == [], function
+
+
 @pytest.mark.parametrize(
     ("make", "shapes"),
     [

@@ -20,6 +20,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .checkpoint_paths import enter_call, leave_call, link_nested_frames, record_under_checkpoint, took_plain
+from .compile_frames import keep_own_frames_eager
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
 from .grad_guard import install_grad_guards
@@ -310,6 +311,7 @@ def _install_guards() -> None:
     """What reads or reduces ``.grad`` around a step is checked once a patched module exists
     in this process (each installs once)."""
     install_grad_guards()
+    keep_own_frames_eager()
     refuse_ddp_over_patched_models(_is_patched, _patched_modules)
     _adopt_shallow_copies_when_made()
     link_nested_frames()

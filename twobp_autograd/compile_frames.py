@@ -1,0 +1,50 @@
+"""Keep ``torch.compile`` from compiling this package's own functions as frames of their own.
+
+A patched layer's autograd Function ends Dynamo's graph (a custom ``jvp``, a backward that
+queues work), and Dynamo compiles each function it then enters eagerly as a frame of its own:
+so this package's helpers became graphs of a few ops, each guarded on the shapes of the
+parameters it saw, compiled again for every layer shape until Dynamo's limit of 8 (ResNet-152's
+convolutions reached it) and guard-checked on every call. None of them holds work that
+compiling speeds up (their kernels are single ATen calls), so their code runs eagerly when
+entered as a frame; where Dynamo traces a caller, it still inlines them as before.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any
+
+from torch._dynamo.eval_frame import skip_code
+
+__all__ = ["keep_own_frames_eager"]
+
+_PACKAGE = __name__.rpartition(".")[0]
+_done: set[str] = set()  # the modules whose code is marked already
+
+
+def keep_own_frames_eager() -> None:
+    """Mark the code of every function of the package's loaded modules (nested ones included)."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name in _done or not (name == _PACKAGE or name.startswith(_PACKAGE + ".")):
+            continue
+        _done.add(name)
+        for value in list(vars(module).values()):
+            _mark(value, name)
+
+
+def _mark(value: Any, module: str) -> None:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, types.FunctionType) and value.__module__ == module:
+        _mark_code(value.__code__)
+    elif isinstance(value, type) and value.__module__ == module:
+        for attribute in list(vars(value).values()):
+            _mark(attribute, module)
+
+
+def _mark_code(code: types.CodeType) -> None:
+    skip_code(code)
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):  # a nested function's, a comprehension's
+            _mark_code(constant)
