@@ -3,6 +3,7 @@ defer, and the flush gives plain autograd's gradients and buffers."""
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -43,7 +44,7 @@ def test_the_package_own_functions_are_never_compiled_as_frames_of_their_own():
 
     torch._dynamo.reset()
     channels = [3, 4, 5, 6]
-    model = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in zip(channels, channels[1:])))
+    model = nn.Sequential(*(nn.Conv2d(a, b, 3, padding=1) for a, b in itertools.pairwise(channels)))
     patched, reference = patched_and_reference(model)
     x = torch.randn(2, 3, 6, 6)
     torch.compile(patched, backend="aot_eager")(x).sum().backward()
@@ -52,6 +53,22 @@ def test_the_package_own_functions_are_never_compiled_as_frames_of_their_own():
     assert_grads_match(patched, reference)
     for function in (ParamDeferral.at_forward, _DeferredConvolution.forward):
         assert torch._dynamo.eval_frame._debug_get_cache_entry_list(function.__code__) == [], function
+
+
+def test_only_the_package_own_code_is_kept_out_of_dynamo(monkeypatch):
+    """A decorator's wrapper takes its function's module name (functools.wraps) but is shared
+    code: contextmanager's helper, behind every context manager of the process, was marked."""
+    import os
+
+    from twobp_autograd import compile_frames
+
+    marked: list = []
+    monkeypatch.setattr(compile_frames, "skip_code", marked.append)
+    monkeypatch.setattr(compile_frames, "_done", set())
+    compile_frames.keep_own_frames_eager()
+    package = os.path.dirname(twobp.__file__) + os.sep
+    assert marked and all(code.co_filename.startswith(package) for code in marked)
+    assert twobp.deferral.first_call_checked.__wrapped__.__code__ in marked  # what the wrapper wraps
 
 
 @pytest.mark.parametrize(
@@ -189,9 +206,11 @@ def test_compiled_autograd_over_batch_norm_with_a_new_batch_size_matches_autogra
     assert_grads_match(patched, reference, dtype)
 
 
-def test_a_compiled_function_running_backward_matches_autograd():
-    """The weight-gradient bookkeeping traced inside a compiled function that calls backward
-    read version counters wrong (a false "modified in place" refusal at the flush)."""
+def test_a_compiled_function_running_backward_defers_and_matches_autograd():
+    """A compiled function that calls backward: the backward runs eagerly, and so does the
+    package's bookkeeping in it (never compiled as frames of its own: see compile_frames), so
+    it defers as in eager mode. (Compiled, that bookkeeping computed the weight gradients in
+    backward instead, and once read version counters wrong: a false "modified in place".)"""
     torch._dynamo.reset()
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 8), nn.RMSNorm(8), nn.Linear(8, 3)).double())
 
@@ -201,6 +220,8 @@ def test_a_compiled_function_running_backward_matches_autograd():
     x = torch.randn(4, 6, dtype=torch.float64)
     for model in (patched, reference):
         torch.compile(step, backend="aot_eager")(model, x)
+    assert_no_grads(patched)
+    assert twobp.pending().jobs == 3
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
 

@@ -21,6 +21,7 @@ __all__ = ["keep_own_frames_eager"]
 
 _PACKAGE = __name__.rpartition(".")[0]
 _done: set[str] = set()  # the modules whose code is marked already
+_OWN_FILES: set[str] = set()  # their source files
 
 
 def keep_own_frames_eager() -> None:
@@ -29,6 +30,7 @@ def keep_own_frames_eager() -> None:
         if module is None or name in _done or not (name == _PACKAGE or name.startswith(_PACKAGE + ".")):
             continue
         _done.add(name)
+        _OWN_FILES.add(getattr(module, "__file__", None) or "")
         for value in list(vars(module).values()):
             _mark(value, name)
 
@@ -37,7 +39,13 @@ def _mark(value: Any, module: str) -> None:
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
     if isinstance(value, types.FunctionType) and value.__module__ == module:
-        _mark_code(value.__code__)
+        # A decorator's wrapper (functools.wraps copies __module__: contextmanager's, a cache's)
+        # is other code, shared by everything it wraps: what it wraps is the package's.
+        wrapped = value.__dict__.get("__wrapped__")
+        while value.__code__.co_filename not in _OWN_FILES and isinstance(wrapped, types.FunctionType):
+            value, wrapped = wrapped, wrapped.__dict__.get("__wrapped__")
+        if value.__code__.co_filename in _OWN_FILES:
+            _mark_code(value.__code__)
     elif isinstance(value, type) and value.__module__ == module:
         for attribute in list(vars(value).values()):
             _mark(attribute, module)
