@@ -132,8 +132,8 @@ def test_a_forward_whose_code_is_swapped_in_place_is_judged_again() -> None:
 
 
 def test_defer_norms_finds_the_rms_norms_of_any_model() -> None:
-    """Outside the families this package splits (Qwen2, Mistral, Gemma, a model of one's own):
-    each unregistered class named *RMSNorm, by the Llama rule where it computes as Llama's does,
+    """Outside the families this package splits (Qwen2, Mistral, Gemma, T5, a model of one's own):
+    each unregistered class named *RMSNorm or *LayerNorm, by the Llama rule where it computes as Llama's does,
     else by the recompute rule; no family needed, and the gradients are plain's."""
     from twobp_autograd.pipeline.split import defer_norms
     from twobp_autograd.registry import rule_for
@@ -144,6 +144,19 @@ def test_defer_norms_finds_the_rms_norms_of_any_model() -> None:
     assert defer_norms(qwen2.Qwen2Model(config)) == [qwen2.Qwen2RMSNorm]
     rule = rule_for(qwen2.Qwen2RMSNorm(8))
     assert rule is not None and rule.forward is llama_rms_norm
+
+    t5 = pytest.importorskip("transformers.models.t5.modeling_t5")  # an RMS norm named T5LayerNorm
+    config = t5.T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2, dropout_rate=0.0)
+    encoder = t5.T5EncoderModel(config).double()
+    assert defer_norms(encoder) == [t5.T5LayerNorm]
+    rule = rule_for(t5.T5LayerNorm(8))
+    assert rule is not None and rule.forward is twobp.ops.recompute
+    patched, reference = patched_and_reference(encoder)
+    ids = torch.randint(0, 16, (2, 5))
+    for m in (patched, reference):
+        cubic_loss(m(input_ids=ids).last_hidden_state).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
 
     model = nn.Sequential(nn.Linear(8, 8), LookAlikeRMSNorm(8), nn.Linear(8, 2)).double()
     assert defer_norms(model) == [LookAlikeRMSNorm]

@@ -97,11 +97,15 @@ def loss_fn_of(model: nn.Module) -> LossFn:
     return family_of(model).loss(model)
 
 
+_NORM_NAMES = ("RMSNorm", "LayerNorm")
+
+
 def defer_norms(model: nn.Module) -> list[type]:
     """Register the model's own per-token norm classes for 2BP, so that their weight gradients
     are deferred too: its family's (``LlamaRMSNorm``, ``MambaRMSNorm``) and, in any model, each
-    not yet registered class named ``*RMSNorm`` with parameters (Hugging Face's Qwen2, Mistral,
-    Gemma, ... name theirs so; an RMS norm treats each token on its own). By
+    not yet registered class named ``*RMSNorm`` or ``*LayerNorm`` with parameters (Hugging Face's
+    Qwen2, Mistral, Gemma, ... name theirs so, T5 its RMS norm ``T5LayerNorm``, torchvision
+    ConvNeXt's ``LayerNorm2d``; a layer or RMS norm treats each sample on its own). By
     :func:`twobp_autograd.ops.llama_rms_norm` where a class computes as Llama's does, else with its
     forward re-run at the flush (:func:`twobp_autograd.ops.recompute`). The registration is
     global, like any ``twobp.register``. Returns the classes registered."""
@@ -111,7 +115,7 @@ def defer_norms(model: nn.Module) -> list[type]:
         found = []
     for module in model.modules():
         kind = type(module)
-        named_so = kind.__name__.endswith("RMSNorm") and any(True for _ in module.parameters(recurse=False))
+        named_so = kind.__name__.endswith(_NORM_NAMES) and any(True for _ in module.parameters(recurse=False))
         if named_so and kind not in found and rule_for(module) is None:
             found.append(kind)
     for norm in found:
