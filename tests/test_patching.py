@@ -95,8 +95,11 @@ def test_a_subclass_is_reported_by_its_full_name_with_the_rule_that_fits_it():
     assert keeps.startswith("tests.test_patching._MyLinear is not registered")
     assert "twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)" in keeps
     assert "with a forward of its own: register a rule for it" in own
+    assert "twobp.register(_LinearOfItsOwn, twobp_autograd.ops.recompute)" in own  # Falcon's FalconLinear, say
     twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)  # as the report says
     assert twobp.patch(model, report=True).patched == ["0"]
+    twobp.register(_LinearOfItsOwn, twobp_autograd.ops.recompute)
+    assert twobp.patch(model, report=True).patched == ["0", "1"]
 
 
 def test_a_lazy_module_is_told_to_run_a_forward_and_patch_again():

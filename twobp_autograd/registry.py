@@ -152,7 +152,11 @@ def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
     if issubclass(module_type, LazyModuleMixin):  # its first forward makes it the covered class
         return f"{why}; a lazy module: run one forward to make it a {base.__name__}, then patch again"
     if getattr(module_type, "forward", None) is not getattr(base, "forward", None):
-        return f"{why}; it derives from {base.__name__} with a forward of its own: register a rule for it"
+        return (
+            f"{why}; it derives from {base.__name__} with a forward of its own: register a rule for it "
+            f"(twobp.register({module_type.__name__}, twobp_autograd.ops.recompute) re-runs its forward at the "
+            "flush, for a module that treats each sample of a batch on its own)"
+        )
     rule = _rules[base].forward
     return (
         f"{why}; it derives from {base.__name__} and keeps its forward: if it computes what "
