@@ -133,6 +133,20 @@ def tiny_mamba() -> nn.Module:
     return tiny_models.mamba(VOCAB, HIDDEN, LAYERS, state_size=8, conv_kernel=4)
 
 
+def tiny_mixtral() -> nn.Module:
+    """Mixture of experts as transformers 5 builds it: every expert in one 3-D parameter."""
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=SEQUENCE, tie_word_embeddings=True, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config).train()
+
+
+#: The experts and their router read their parameters themselves (``self.gate_up_proj[e]``):
+#: registered with the recompute rule, as the README says, they defer.
+_MIXTRAL_OWN = ("MixtralRMSNorm", "MixtralExperts", "MixtralTopKRouter")
+
 #: MambaMixer's forward reads these parameters itself (``self.A_log``, ``self.D``,
 #: ``self.conv1d.weight.squeeze(1)``, ``self.dt_proj.weight @ ...``) instead of calling the
 #: submodules, so no patched forward sees them: they stay on plain autograd, computed in
@@ -157,6 +171,13 @@ HF_CASES: list[tuple[str, Callable[[], nn.Module], tuple[type, ...], set[str], t
     ("llama-sdpa-tied", tiny_llama, (LlamaRMSNorm,), set(), ()),
     ("bert-eager-tied", tiny_bert, (), BERT_SKIPPED, ()),
     ("mamba-tied", tiny_mamba, (MambaRMSNorm,), MAMBA_SKIPPED, MAMBA_IMMEDIATE),
+    (
+        "mixtral-experts-tied",
+        tiny_mixtral,
+        tuple(getattr(transformers.models.mixtral.modeling_mixtral, name) for name in _MIXTRAL_OWN),
+        set(),
+        (),
+    ),
 ]
 
 
