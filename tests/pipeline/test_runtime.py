@@ -489,11 +489,12 @@ def _batches_and_losses(rank: int) -> dict:
 def _order_matched_backend(rank: int) -> dict:
     """On a backend that matches the messages between two ranks in the order they are posted
     (NCCL; gloo told to answer so), a schedule whose ranks post them in different orders is
-    refused on every rank before any step, and the others are built."""
+    refused on every rank before any step, and the others are built; a group of several
+    backends (``init_process_group()`` on a CUDA machine) sends CPU tensors through gloo."""
     dist = torch.distributed
-    dist.get_backend = lambda group=None: "nccl"  # this spawned rank's own module
-    errors = {}
-    for name in MULTI_STAGE_SCHEDULES + SCHEDULES:
+    errors: dict = {}
+    for backend, name in [(b, n) for b in ("nccl", "cpu:gloo,cuda:nccl") for n in MULTI_STAGE_SCHEDULES + SCHEDULES]:
+        dist.get_backend = lambda group=None, backend=backend: backend  # this spawned rank's own module
         owners = placement(name, WORLD)
         stages = {index: nn.Linear(4, 4) for index, owner in enumerate(owners) if owner == rank}
         m = default_num_micro_batches(name, WORLD) * 2
@@ -503,9 +504,9 @@ def _order_matched_backend(rank: int) -> dict:
                 loss_fn=_mse, timeout=FAILURE_TIMEOUT, placement=owners,
             )  # fmt: skip
         except ValueError as error:
-            errors[name] = str(error)
+            errors[backend, name] = str(error)
         else:
-            errors[name] = None
+            errors[backend, name] = None
     return {"errors": errors}
 
 
@@ -642,10 +643,11 @@ def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
 def test_a_schedule_posting_out_of_order_is_refused_on_nccl(tmp_path) -> None:
     for rank, result in enumerate(launch("order_matched_backend", str(tmp_path), deadline=90.0)):
         assert result is not None and "crash" not in result, result
-        refused = {name for name, error in result["errors"].items() if error is not None}
-        assert refused == {"zbv"}, (rank, result)
-        assert "nccl backend matches the messages between two ranks in the order" in result["errors"]["zbv"]
-        assert "run it on a gloo process group" in result["errors"]["zbv"]
+        # A group of several backends sends CPU tensors through gloo: nothing refused there.
+        refused = {key for key, error in result["errors"].items() if error is not None}
+        assert refused == {("nccl", "zbv")}, (rank, result)
+        assert "nccl backend matches the messages between two ranks in the order" in result["errors"]["nccl", "zbv"]
+        assert "run it on a gloo process group" in result["errors"]["nccl", "zbv"]
 
 
 def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) -> None:

@@ -227,8 +227,19 @@ class PipelineRuntime:
             self._next_remote_receive.append(len(self._remote_receives))
         self._sent_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
-        if dist.get_backend(group) != dist.Backend.GLOO:
+        if not self._matched_by_tag():
             self._check_posted_in_order()
+
+    def _matched_by_tag(self) -> bool:
+        """Whether the backend carrying this rank's messages is gloo: the group's, or in a
+        group of several (``"cpu:gloo,cuda:nccl"``, what ``init_process_group()`` makes on a
+        CUDA machine) the one for the device the messages travel on."""
+        device = self._comm_device.type
+        for entry in str(dist.get_backend(self.group)).split(","):
+            kind, _, name = entry.rpartition(":")
+            if kind in ("", device):
+                return name == "gloo"
+        return False
 
     def _check_posted_in_order(self) -> None:
         """Refuse, on every rank alike, a schedule whose messages between two ranks go out in
