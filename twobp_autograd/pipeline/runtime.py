@@ -44,7 +44,7 @@ from ..warn_once import warn_once
 from .actions import Action, ActionKind, Message, Payload
 from .memory_probe import MemoryProbe, peak_rss
 from .metrics import RankMetrics, StepReport, StepTimer
-from .schedules import validate_rank
+from .schedules import messages_between_ranks, validate_rank
 
 __all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed"]
 
@@ -247,16 +247,9 @@ class PipelineRuntime:
         gloo matches by tag): they would land in the wrong micro-batch, or hang. ``zbv``
         interleaves the messages of a rank's two stages differently on the two sides. Each rank
         hashes its own sends to and receives from every peer; one all-gather compares them."""
-        num_stages = self._num_stages
-        sent: list[list[Message]] = [[] for _ in range(self.world_size)]
-        received: list[list[Message]] = [[] for _ in range(self.world_size)]
-        for action in self.actions:
-            out, into = action.sends(self.rank, num_stages), action.receives(self.rank, num_stages)
-            if out is not None and not self._is_local(out):
-                sent[self._rank_of(out.receiver)].append(out)
-            if into is not None and not self._is_local(into):
-                received[self._rank_of(into.sender)].append(into)
-        mine = torch.tensor([[_digest(sent[peer]), _digest(received[peer])] for peer in range(self.world_size)])
+        sent, received = messages_between_ranks(self.actions, self.rank, self.placement, self._num_stages)
+        peers = range(self.world_size)
+        mine = torch.tensor([[_digest(sent.get(peer, [])), _digest(received.get(peer, []))] for peer in peers])
         everyone = [torch.empty_like(mine, device=self._comm_device) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine.to(self._comm_device), group=self.group)
         table = torch.stack(everyone).tolist()  # [rank][peer] = [sends to peer, receives from peer]

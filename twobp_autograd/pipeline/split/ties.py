@@ -75,7 +75,8 @@ class TiedGradients:
         held = [(tie, tuple(sorted({owners[s] for s in tie.stages}))) for tie in pipeline.ties]
         held = [(tie, holders) for tie, holders in held if len(holders) > 1]
         world_ranks = {holders: tuple(_world_rank(group, r) for r in holders) for _, holders in held}
-        groups = {ranks: dist.new_group(list(ranks)) for ranks in _every_replicas(set(world_ranks.values()), group)}
+        everyones = _groups_every_process_makes(set(world_ranks.values()), group)
+        groups = {ranks: dist.new_group(list(ranks)) for ranks in everyones}
         self.reductions: list[tuple[nn.Parameter, Any]] = [
             (tie.parameter, groups[world_ranks[holders]]) for tie, holders in held if rank in holders
         ]
@@ -93,7 +94,7 @@ def _world_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
-def _every_replicas(sets: set[tuple[int, ...]], group: dist.ProcessGroup | None) -> list[tuple[int, ...]]:
+def _groups_every_process_makes(sets: set[tuple[int, ...]], group: dist.ProcessGroup | None) -> list[tuple[int, ...]]:
     """The sets of ranks to make groups of, the same on every process in the same order, as
     ``dist.new_group`` requires. Over a group smaller than the world (a data-parallel replica's
     pipeline ranks, a 2-D mesh's ``"pp"`` dimension) the other replicas need groups of other
