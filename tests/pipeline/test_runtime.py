@@ -10,13 +10,15 @@ error in bounded time.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import itertools
 import math
 import os
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -28,9 +30,14 @@ from torch import Tensor, nn
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
 from twobp_autograd.pipeline import PipelineError, PipelineRuntime, RankMetrics, StepReport, split_model
+from twobp_autograd.pipeline.actions import B, Payload
+from twobp_autograd.pipeline.actions import F as Forward
+from twobp_autograd.pipeline.posting import posting_order
+from twobp_autograd.pipeline.runtime import _METRICS_TAG, _SHAPE_TAG
 from twobp_autograd.pipeline.schedules import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
+    ScheduleError,
     default_num_micro_batches,
     placement,
     schedule,
@@ -191,12 +198,40 @@ def _correctness(rank: int) -> dict:
 
 
 def _three_ranks(rank: int) -> dict:
-    """A middle rank both receives and sends, in each direction."""
-    return {
-        setting_id: _check_setting(rank, *setting, world=3)
-        for setting_id, setting in zip(SETTING_IDS, SETTINGS, strict=True)
-        if setting[0] == "mlp"
-    }
+    """A middle rank both receives and sends, in each direction. Every schedule on gloo, and
+    told it runs on NCCL (which pairs messages in the order they are posted; gloo by tag), with
+    what each rank posts, as (``"send"`` or ``"receive"``, peer, tag), in order."""
+    results = {}
+    for setting_id, setting in zip(SETTING_IDS, SETTINGS, strict=True):
+        if setting[0] == "mlp":
+            results[setting_id] = _check_setting(rank, *setting, world=3)
+            with _posts_logged(backend="nccl") as posted:
+                results[f"{setting_id}-nccl"] = _check_setting(rank, *setting, world=3)
+            results[f"{setting_id}-nccl"]["posted"] = posted
+    return results
+
+
+@contextlib.contextmanager
+def _posts_logged(backend: str) -> Iterator[list[tuple[str, int, int]]]:
+    """Log the posts, with ``dist.get_backend`` answering ``backend``."""
+    dist = torch.distributed
+    isend, irecv, get_backend = dist.isend, dist.irecv, dist.get_backend
+    posted: list[tuple[str, int, int]] = []
+
+    def logged_send(tensor: Tensor, **options: Any) -> Any:
+        posted.append(("send", options["group_dst"], options["tag"]))
+        return isend(tensor, **options)
+
+    def logged_receive(tensor: Tensor, **options: Any) -> Any:
+        posted.append(("receive", options["group_src"], options["tag"]))
+        return irecv(tensor, **options)
+
+    # this spawned rank's own module
+    dist.isend, dist.irecv, dist.get_backend = logged_send, logged_receive, lambda group=None: backend
+    try:
+        yield posted
+    finally:
+        dist.isend, dist.irecv, dist.get_backend = isend, irecv, get_backend
 
 
 class _DieOnArm(nn.Module):
@@ -312,8 +347,8 @@ def _integer_activations(rank: int) -> dict:
     """The rank after an integer activation sends no gradient for it, and the rank before must not
     wait for one (it did, until the timeout, then said its peer had died)."""
     results = {}
-    for name in ("gpipe", "1f1b-1"):
-        for twobp_on in (False, True):
+    for name, twobp_on, backend in itertools.product(("gpipe", "1f1b-1"), (False, True), ("gloo", "nccl")):
+        with _posts_logged(backend):  # on "nccl", posted in the one order, where no gradient is one message less
             torch.manual_seed(0)
             model = nn.Sequential(_NextToken(), nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 4)))
             reference = copy.deepcopy(model)
@@ -326,7 +361,7 @@ def _integer_activations(rank: int) -> dict:
             runtime.step(tokens if rank == 0 else None, targets if rank == 1 else None)
             for x, y in zip(tokens.tensor_split(m), targets.tensor_split(m), strict=True):
                 (_mse(reference(x), y) / m).backward()
-            results[f"{name}-{twobp_on}"] = _mismatches(model[rank], reference[rank])
+            results[f"{name}-{twobp_on}-{backend}"] = _mismatches(model[rank], reference[rank])
     return results
 
 
@@ -485,31 +520,19 @@ def _batches_and_losses(rank: int) -> dict:
     return results
 
 
+def _mismatched_lists(rank: int) -> dict:
+    """Rank 1 sends its gradients back in another order than rank 0 takes them: both would
+    wait for a message the other sends later."""
+    backwards_reversed = [Forward(0), Forward(1), Forward(2), Forward(3), B(3), B(2), B(1), B(0)]
+    mine = schedule("gpipe", WORLD, 4, False)[0] if rank == 0 else backwards_reversed
+    try:
+        PipelineRuntime(nn.Linear(4, 4), mine, num_micro_batches=4, loss_fn=_mse, timeout=FAILURE_TIMEOUT)
+    except ScheduleError as error:
+        return {"error": str(error)}
+    return {"error": None}
+
+
 #: scenario -> (what each rank runs, number of ranks)
-def _order_matched_backend(rank: int) -> dict:
-    """On a backend that matches the messages between two ranks in the order they are posted
-    (NCCL; gloo told to answer so), a schedule whose ranks post them in different orders is
-    refused on every rank before any step, and the others are built; a group of several
-    backends (``init_process_group()`` on a CUDA machine) sends CPU tensors through gloo."""
-    dist = torch.distributed
-    errors: dict = {}
-    for backend, name in [(b, n) for b in ("nccl", "cpu:gloo,cuda:nccl") for n in MULTI_STAGE_SCHEDULES + SCHEDULES]:
-        dist.get_backend = lambda group=None, backend=backend: backend  # this spawned rank's own module
-        owners = placement(name, WORLD)
-        stages = {index: nn.Linear(4, 4) for index, owner in enumerate(owners) if owner == rank}
-        m = default_num_micro_batches(name, WORLD) * 2
-        try:
-            PipelineRuntime(
-                stages if len(stages) > 1 else stages[rank], schedule(name, WORLD, m)[rank], num_micro_batches=m,
-                loss_fn=_mse, timeout=FAILURE_TIMEOUT, placement=owners,
-            )  # fmt: skip
-        except ValueError as error:
-            errors[backend, name] = str(error)
-        else:
-            errors[backend, name] = None
-    return {"errors": errors}
-
-
 SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "correctness": (_correctness, WORLD),
     "three_ranks": (_three_ranks, 3),
@@ -521,7 +544,7 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "integer_activations": (_integer_activations, WORLD),
     "in_place_first_op": (_in_place_first_op, WORLD),
     "batches_and_losses": (_batches_and_losses, WORLD),
-    "order_matched_backend": (_order_matched_backend, WORLD),
+    "mismatched_lists": (_mismatched_lists, WORLD),
 }
 
 
@@ -559,13 +582,40 @@ def test_pipelined_step_matches_one_process(correctness: list[dict], setting: st
     _assert_matches(correctness, setting)
 
 
-@pytest.mark.parametrize("setting", [s for s in SETTING_IDS if s.startswith("mlp-")])
+THREE_RANK_IDS = [i for i, s in zip(SETTING_IDS, SETTINGS, strict=True) if s[0] == "mlp"]
+
+
+@pytest.mark.parametrize("setting", THREE_RANK_IDS + [f"{i}-nccl" for i in THREE_RANK_IDS])
 def test_three_ranks_match_one_process(three_ranks: list[dict], setting: str) -> None:
     _assert_matches(three_ranks, setting)
 
 
+@pytest.mark.parametrize("setting", THREE_RANK_IDS)
+def test_on_nccl_every_rank_posts_in_the_one_posting_order(three_ranks: list[dict], setting: str) -> None:
+    """What NCCL needs (tests/pipeline/test_posting.py replays the order under its rules): each
+    rank posts its sends and receives in the posting order, an activation's shape before it on
+    each step with a new input shape (the 1st and 3rd of BATCH_SIZES)."""
+    _, name, twobp = SETTINGS[SETTING_IDS.index(setting)]
+    world, m = 3, default_num_micro_batches(name, 3)
+    ranks = schedule(name, world, m, twobp)
+    num_stages = len(placement(name, world))
+    owners = placement(name, world)
+    for rank, result in enumerate(three_ranks):
+        expected = []
+        for new_shape in (True, False, True):
+            for message, sends in posting_order(ranks, rank):
+                peer = owners[message.receiver] if sends else owners[message.sender]
+                tag = 2 * (message.micro_batch * num_stages + message.sender) + (message.payload is Payload.GRADIENTS)
+                kind = "send" if sends else "receive"
+                if new_shape and message.payload is Payload.ACTIVATIONS:
+                    expected.append((kind, peer, _SHAPE_TAG + tag))
+                expected.append((kind, peer, tag))
+        posted = [tuple(post) for post in result[f"{setting}-nccl"]["posted"] if post[2] < _METRICS_TAG]
+        assert posted == expected, rank
+
+
 def _assert_matches(ranks: list[dict], setting: str) -> None:
-    twobp = setting.endswith("-2bp")
+    twobp = "-2bp" in setting
     for rank, results in enumerate(ranks):
         result = results[setting]
         assert not result["mismatches"], f"rank {rank}: {result['mismatches']}"
@@ -631,7 +681,7 @@ def test_an_integer_activation_between_stages_needs_no_gradient(tmp_path) -> Non
     ranks = launch("integer_activations", str(tmp_path), deadline=90.0)
     for rank, result in enumerate(ranks):
         assert result is not None and "crash" not in result, result
-        assert all(not mismatches for mismatches in result.values()), (rank, result)
+        assert len(result) == 8 and all(not mismatches for mismatches in result.values()), (rank, result)
 
 
 def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
@@ -640,14 +690,11 @@ def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
     assert first is not None and first["error"] and "rank 1" in first["error"], first
 
 
-def test_a_schedule_posting_out_of_order_is_refused_on_nccl(tmp_path) -> None:
-    for rank, result in enumerate(launch("order_matched_backend", str(tmp_path), deadline=90.0)):
-        assert result is not None and "crash" not in result, result
-        # A group of several backends sends CPU tensors through gloo: nothing refused there.
-        refused = {key for key, error in result["errors"].items() if error is not None}
-        assert refused == {("nccl", "zbv")}, (rank, result)
-        assert "nccl backend matches the messages between two ranks in the order" in result["errors"]["nccl", "zbv"]
-        assert "run it on a gloo process group" in result["errors"]["nccl", "zbv"]
+def test_ranks_given_lists_that_make_no_schedule_all_refuse_before_any_step(tmp_path) -> None:
+    for rank, result in enumerate(launch("mismatched_lists", str(tmp_path), deadline=60.0)):
+        assert result is not None and result["error"], (rank, result)
+        assert result["error"].startswith(f"twobp: rank {rank}: the ranks' action lists do not make one schedule")
+        assert "exchange gradients in different orders" in result["error"], result["error"]
 
 
 def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) -> None:

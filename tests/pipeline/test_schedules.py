@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 
 from twobp_autograd.pipeline.actions import Action, B, F, I, W
-from twobp_autograd.pipeline.runtime import _IN_ORDER_SCHEDULES
 from twobp_autograd.pipeline.schedules import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     ScheduleError,
     default_num_micro_batches,
     execution_order,
-    pairs_out_of_order,
     placement,
     schedule,
     stage_owners,
@@ -324,22 +322,6 @@ def test_the_v_hands_over_at_its_tip_without_a_message() -> None:
     sent = [(rank, a.sends(rank, 4)) for rank, a in order]
     crossing = {message for rank, message in sent if message is not None and owners[message.receiver] != rank}
     assert all({m.sender, m.receiver} != {1, 2} for m in crossing) and crossing
-
-
-def test_only_zbv_posts_the_messages_between_two_ranks_out_of_order() -> None:
-    """Per pair of ranks (what NCCL matches in order; the runtime refuses the rest there, and
-    names the others): every schedule but zbv, whose V interleaves two stages' messages."""
-    in_order = set(SCHEDULES + MULTI_STAGE_SCHEDULES)
-    for name in SCHEDULES + MULTI_STAGE_SCHEDULES:
-        for num_ranks in range(1, 6):
-            for num_micro_batches in range(num_ranks, 4 * num_ranks + 1, num_ranks):
-                for twobp in (False, True):
-                    if pairs_out_of_order(schedule(name, num_ranks, num_micro_batches, twobp)):
-                        in_order.discard(name)
-    assert in_order == set(SCHEDULES + MULTI_STAGE_SCHEDULES) - {"zbv"}
-    assert set(_IN_ORDER_SCHEDULES) == in_order
-    assert pairs_out_of_order(schedule("zbv", 2, 4)) == [(0, 1)]
-    assert pairs_out_of_order(schedule("zbv", 3, 6)) == [(0, 1), (1, 2)]
 
 
 @pytest.mark.parametrize("max_pending", [1, 2])

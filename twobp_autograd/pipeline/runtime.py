@@ -12,8 +12,10 @@ With 2BP on the stage is patched, so backward only computes input gradients and 
 weight work under the micro-batch's tag; with 2BP off it is unpatched and ``B`` is plain
 autograd.
 
-Shapes travel once per step shape (the first rank's batch shape, broadcast at each step start),
-then come from a cache. Nothing waits forever: every receive and send waits at most
+Every rank posts its sends and receives in one order, that of one replay of the whole
+schedule (:mod:`.posting`): NCCL pairs messages by the order two ranks post them. Shapes travel
+once per step shape (the first rank's batch shape, broadcast at each step start), then come from
+a cache. Nothing waits forever: every receive and send waits at most
 ``timeout`` seconds and then raises a :class:`PipelineError` naming the peer, so a rank that
 died, raised or disagrees about shapes ends every rank with an error instead of a hang.
 
@@ -23,7 +25,6 @@ What a step reports is measured by :mod:`.metrics` (times) and :mod:`.memory_pro
 from __future__ import annotations
 
 import datetime
-import hashlib
 import inspect
 import os
 import pickle
@@ -44,7 +45,8 @@ from ..warn_once import warn_once
 from .actions import Action, ActionKind, Message, Payload
 from .memory_probe import MemoryProbe, peak_rss
 from .metrics import RankMetrics, StepReport, StepTimer
-from .schedules import messages_between_ranks, validate_rank
+from .posting import posting_order
+from .schedules import ScheduleError, validate_rank, validate_schedule
 
 __all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed"]
 
@@ -53,10 +55,16 @@ _DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool,
     torch.uint8, torch.int8, torch.int16,
 )  # fmt: skip
-# gloo matches messages by tag; NCCL by the order two ranks post them (see _check_posted_in_order).
+# gloo matches messages by tag; NCCL by the order two ranks post them (see .posting).
 _SHAPE_TAG = 1 << 20
 #: A step header's dtype code saying rank 0 refused the step's inputs.
 _REFUSED = -1
+#: What a gradient's receive expects for an integer output: nothing (none is sent back).
+_NOTHING_COMES = object()
+#: What a receive will get: its shape and dtype, _NOTHING_COMES, or None while not known.
+_Incoming = tuple[torch.Size, torch.dtype] | object | None
+#: The tag of the step's metrics, sent to rank 0 after every action's messages (tagged from 0 up).
+_METRICS_TAG = 1 << 30
 
 
 class GradientSync(Protocol):
@@ -141,6 +149,7 @@ class _Step:
     handed_over: dict[Message, Tensor] = field(default_factory=dict)  # between two stages of this rank
     sends: list[tuple[Any, Tensor, str]] = field(default_factory=list)  # posted, each tensor alive until sent
     posted: dict[Message, tuple[Any, Tensor]] = field(default_factory=dict)  # receives posted ahead: work, buffer
+    next_posting: int = 0  # the first of the rank's postings (PipelineRuntime._postings) not yet posted
     losses: list[Tensor] = field(default_factory=list)
 
 
@@ -216,19 +225,24 @@ class PipelineRuntime:
         for position, action in enumerate(self.actions):
             if action.kind.is_backward:
                 self.stages[action.stage_on(self.rank)].last_backward_position = position
-        # The actions that receive from another rank, with their messages, in schedule order; and
-        # per position, how many of them run at or before it (the index of the next one after it).
-        self._remote_receives: list[tuple[Action, Message]] = []
+        # The messages the actions receive from another rank, in schedule order; and per position,
+        # how many of them are received at or before it (the index of the next one after it).
+        self._remote_receives: list[Message] = []
         self._next_remote_receive: list[int] = []
         for action in self.actions:
             message = action.receives(self.rank, self._num_stages)
             if message is not None and not self._is_local(message):
-                self._remote_receives.append((action, message))
+                self._remote_receives.append(message)
             self._next_remote_receive.append(len(self._remote_receives))
         self._sent_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
-        if not self._matched_by_tag():
-            self._check_posted_in_order()
+        everyone = self._schedule_of_every_rank() if self.world_size > 1 else [self.actions]
+        # On a backend that pairs messages by the order two ranks post them (NCCL; gloo pairs them
+        # by tag, and each receive is posted when its action or the one before needs it): what
+        # this rank sends and receives, in the one order all ranks post (see .posting).
+        self._in_order = not self._matched_by_tag()
+        self._postings = posting_order(everyone, self.rank) if self._in_order else []
+        self._posting_index = {posting.message: index for index, posting in enumerate(self._postings)}
 
     def _matched_by_tag(self) -> bool:
         """Whether the backend carrying this rank's messages is gloo: the group's, or in a
@@ -241,29 +255,30 @@ class PipelineRuntime:
                 return name == "gloo"
         return False
 
-    def _check_posted_in_order(self) -> None:
-        """Refuse, on every rank alike, a schedule whose messages between two ranks go out in
-        another order than they are taken, on a backend that matches them by that order (NCCL;
-        gloo matches by tag): they would land in the wrong micro-batch, or hang. ``zbv``
-        interleaves the messages of a rank's two stages differently on the two sides. Each rank
-        hashes its own sends to and receives from every peer; one all-gather compares them."""
-        sent, received = messages_between_ranks(self.actions, self.rank, self.placement, self._num_stages)
-        peers = range(self.world_size)
-        mine = torch.tensor([[_digest(sent.get(peer, [])), _digest(received.get(peer, []))] for peer in peers])
-        everyone = [torch.empty_like(mine, device=self._comm_device) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine.to(self._comm_device), group=self.group)
-        table = torch.stack(everyone).tolist()  # [rank][peer] = [sends to peer, receives from peer]
-        for sender in range(self.world_size):
-            for receiver in range(self.world_size):
-                if table[sender][receiver][0] != table[receiver][sender][1]:
-                    raise ValueError(
-                        f"twobp: rank {self.rank}: rank {sender} sends its messages to rank {receiver} in another "
-                        f"order than rank {receiver} takes them, and the {dist.get_backend(self.group)} backend "
-                        "matches the messages between two ranks in the order both post them (gloo matches them "
-                        "by tag): they would reach the wrong micro-batch. zbv interleaves the messages of a "
-                        "rank's two stages so; run it on a gloo process group, or choose a schedule whose ranks "
-                        f"exchange in one order ({', '.join(_IN_ORDER_SCHEDULES)})."
-                    )
+    def _schedule_of_every_rank(self) -> list[list[Action]]:
+        """Every rank's action list (one all-gather), checked to be one schedule on every rank
+        alike: ranks given lists that do not fit together would otherwise wait on each other."""
+        payload = torch.frombuffer(bytearray(pickle.dumps(self.actions)), dtype=torch.uint8)
+        size = torch.tensor([payload.numel()], device=self._comm_device)
+        sizes = [torch.empty_like(size) for _ in range(self.world_size)]
+        dist.all_gather(sizes, size, group=self.group)
+        lengths = [int(n) for n in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self._comm_device)
+        padded[: payload.numel()] = payload.to(self._comm_device)
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded, group=self.group)
+        ranks = [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths, strict=True)]
+        try:
+            validate_schedule(ranks, self.num_micro_batches)
+        except ScheduleError as error:
+            raise ScheduleError(
+                f"twobp: rank {self.rank}: the ranks' action lists do not make one schedule ({error.reason}); give "
+                "every rank its own list of one schedule(name, ranks, micro_batches), or hand-written lists that "
+                "validate_schedule accepts",
+                ranks,
+                error.faulty,
+            ) from error
+        return ranks
 
     def _check_placement(self, actions: Sequence[Action]) -> None:
         for action in actions:
@@ -420,7 +435,7 @@ class PipelineRuntime:
         if source is None:
             x = step.inputs[k].to(self.device)
         else:
-            x = step.handed_over.pop(source) if self._is_local(source) else self._receive_activation(step, source)
+            x = step.handed_over.pop(source) if self._is_local(source) else self._receive(step, source)
             x.requires_grad_(x.is_floating_point())
         with use_queue(stage.queue), stage.queue.tagged(k):
             try:
@@ -473,31 +488,35 @@ class PipelineRuntime:
         # Inside the stage's queue and tag, as the forward: a reentrant checkpoint re-runs its
         # region's forward here, and that work must land where the forward's would.
         with stage.queue.cap_enforced_after(), use_queue(stage.queue), stage.queue.tagged(action.micro_batch):
-            x, out = step.held.pop((stage.index, action.micro_batch))
             source = action.receives(self.rank, self._num_stages)
+            remote = source if source is not None and not self._is_local(source) else None
+            if remote is not None:  # while the output is held: it gives the gradient's shape
+                self._post_receives_through(step, remote)
+            x, out = step.held.pop((stage.index, action.micro_batch))
             if source is None:  # the last stage: ``out`` is the loss
                 out.backward()
             elif out.is_floating_point():  # an integer output (token ids) gets no gradient back
-                if self._is_local(source):
-                    grad = step.handed_over.pop(source)
-                else:
-                    grad = self._receive_message(step, source, out.shape, out.dtype)
+                grad = self._take_posted(step, remote) if remote is not None else step.handed_over.pop(source)
                 # A stage with every parameter frozen, fed data that needs no gradient (the first
                 # stage, when fine-tuning leaves it frozen), has nothing to differentiate.
                 if out.requires_grad:
                     out.backward(grad)
                 del grad
             destination = action.sends(self.rank, self._num_stages)
-            if destination is not None and x.is_floating_point():
-                grad_input = x.grad
-                if grad_input is None:
-                    _warn_output_without_input(stage.index)
-                    grad_input = torch.zeros_like(x)
-                if self._is_local(destination):
-                    step.handed_over[destination] = grad_input
-                else:
-                    peer = self._rank_of(destination.receiver)
-                    self._send(step, grad_input, peer, self._tag(destination), _what(destination))
+            if destination is None:
+                return
+            if not x.is_floating_point():  # nothing goes back for an integer input
+                if not self._is_local(destination):
+                    self._pass_posting(step, destination)
+                return
+            grad_input = x.grad
+            if grad_input is None:
+                _warn_output_without_input(stage.index)
+                grad_input = torch.zeros_like(x)
+            if self._is_local(destination):
+                step.handed_over[destination] = grad_input
+            else:
+                self._post_send(step, grad_input, destination)
 
     def _loss_divisors(self, step: _Step) -> list[float]:
         """What each micro-batch's loss is divided by: for a mean, the step's items over the
@@ -560,64 +579,106 @@ class PipelineRuntime:
         return key
 
     def _send_activation(self, step: _Step, out: Tensor, message: Message) -> None:
-        k, peer = message.micro_batch, self._rank_of(message.receiver)
+        k = message.micro_batch
         known = self._sent_shapes.get((step.shape_key, message.sender, k))
-        if known is None:
-            self._sent_shapes[(step.shape_key, message.sender, k)] = (out.shape, out.dtype)
-            self._send(step, _meta(out), peer, _SHAPE_TAG + self._tag(message), f"the shape of micro-batch {k}")
-        elif known != (out.shape, out.dtype):
+        if known is not None and known != (out.shape, out.dtype):
             raise PipelineError(
                 f"twobp: rank {self.rank}: the stage output of micro-batch {k} is {tuple(out.shape)} {out.dtype}, but "
                 f"{tuple(known[0])} {known[1]} was exchanged for this input shape; a stage's output shape must "
                 "depend only on the batch shape"
             )
-        self._send(step, out.contiguous(), peer, self._tag(message), _what(message))
+        self._post_send(step, out.contiguous(), message, with_shape=known is None)
+        self._sent_shapes[(step.shape_key, message.sender, k)] = (out.shape, out.dtype)
 
-    def _receive_activation(self, step: _Step, message: Message) -> Tensor:
-        k, peer = message.micro_batch, self._rank_of(message.sender)
-        known = self._received_shapes.get((step.shape_key, message.sender, k))
-        if known is None:
-            buffer = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
-            meta = self._receive(step, buffer, peer, _SHAPE_TAG + self._tag(message), f"the shape of micro-batch {k}")
-            code, ndim, *dims = meta.tolist()
-            known = (torch.Size(dims[:ndim]), _DTYPES[code])
-            self._received_shapes[(step.shape_key, message.sender, k)] = known
-        return self._receive_message(step, message, *known)
+    # -- posting, in the order every rank posts (see .posting) ----------------------------
 
-    def _receive_message(self, step: _Step, message: Message, shape: torch.Size, dtype: torch.dtype) -> Tensor:
-        """The message's tensor: from the receive posted ahead for it, else posted now."""
-        posted = step.posted.pop(message, None)
-        work, buffer = posted if posted is not None else self._post_receive(message, shape, dtype)
+    def _post_send(self, step: _Step, tensor: Tensor, message: Message, *, with_shape: bool = False) -> None:
+        """Send ``message`` (its shape first, ``with_shape``), after posting the receives that
+        come before it in the posting order."""
+        self._pass_posting(step, message)
+        peer, tag = self._rank_of(message.receiver), self._tag(message)
+        if with_shape:
+            self._send(step, _meta(tensor), peer, _SHAPE_TAG + tag, f"the shape of micro-batch {message.micro_batch}")
+        self._send(step, tensor, peer, tag, _what(message))
+
+    def _pass_posting(self, step: _Step, message: Message) -> None:
+        """Move past this rank's send of ``message`` in the posting order (posted by the caller,
+        or not at all: no gradient goes back for an integer input), after the receives before it."""
+        if not self._in_order:
+            return
+        index = self._posting_index[message]
+        self._post_receives(step, until=index, block=True)
+        if step.next_posting != index:  # the schedule's replay put a send of a later action first
+            raise PipelineError(
+                f"twobp: rank {self.rank}: {_what(message)} is not next in this rank's posting order "
+                f"({self._postings[step.next_posting]} is); please report this with the schedule"
+            )
+        step.next_posting += 1
+
+    def _receive(self, step: _Step, message: Message) -> Tensor:
+        self._post_receives_through(step, message)
+        return self._take_posted(step, message)
+
+    def _post_receives_through(self, step: _Step, message: Message, *, block: bool = True) -> None:
+        """Post the receive of ``message`` (in order: and those before it), unless posted already
+        or, not ``block``ing, its shape is yet to come."""
+        if self._in_order:
+            self._post_receives(step, until=self._posting_index[message] + 1, block=block)
+        elif message not in step.posted:
+            self._post_receive(step, message, self._incoming_meta(step, message, block=block))
+
+    def _take_posted(self, step: _Step, message: Message) -> Tensor:
+        work, buffer = step.posted.pop(message)
         self._wait(work, f"receiving {_what(message)} from rank {self._rank_of(message.sender)}", step.timer)
         return buffer
 
-    def _post_receive(self, message: Message, shape: torch.Size, dtype: torch.dtype) -> tuple[Any, Tensor]:
-        buffer = torch.empty(shape, dtype=dtype, device=self.device)
-        work = dist.irecv(buffer, group_src=self._rank_of(message.sender), group=self.group, tag=self._tag(message))
-        return work, buffer
+    def _post_receives(self, step: _Step, *, until: int, block: bool) -> None:
+        """Post this rank's receives in the posting order, from the first not yet posted to
+        ``until`` (exclusive): up to a send (its action posts it) or, unless ``block``, an
+        activation whose shape is yet to come (else received first)."""
+        while step.next_posting < until:
+            message, sends = self._postings[step.next_posting]
+            if sends:
+                return
+            meta = self._incoming_meta(step, message, block=block)
+            if meta is None:
+                return
+            self._post_receive(step, message, meta)
+            step.next_posting += 1
+
+    def _post_receive(self, step: _Step, message: Message, meta: _Incoming) -> None:
+        if isinstance(meta, tuple):  # else nothing comes, or its shape is yet to come
+            buffer = torch.empty(meta[0], dtype=meta[1], device=self.device)
+            peer, tag = self._rank_of(message.sender), self._tag(message)
+            step.posted[message] = (dist.irecv(buffer, group_src=peer, group=self.group, tag=tag), buffer)
 
     def _post_next_receive(self, step: _Step, position: int) -> None:
-        """Post the receive of the next action that gets a message from another rank, once its
-        shape is known, before running the one at ``position``: the transfer then overlaps
-        this action instead of starting when that action waits for it."""
+        """Post the receives up to the next action's that gets a message from another rank,
+        those whose shapes are known, before running the one at ``position``: the transfers
+        then overlap this action instead of starting when that action waits for them."""
         index = self._next_remote_receive[position]
-        if index == len(self._remote_receives):
-            return
-        action, message = self._remote_receives[index]
-        if message not in step.posted:
-            meta = self._expected_meta(step, action, message)
-            if meta is not None:
-                step.posted[message] = self._post_receive(message, *meta)
+        if index < len(self._remote_receives):
+            self._post_receives_through(step, self._remote_receives[index], block=False)
 
-    def _expected_meta(self, step: _Step, action: Action, message: Message) -> tuple[torch.Size, torch.dtype] | None:
-        """The shape and dtype ``message`` will have, where already known: an activation's from
-        this input shape's first step, a gradient's from the output it is the gradient of."""
+    def _incoming_meta(self, step: _Step, message: Message, *, block: bool) -> _Incoming:
+        """The shape and dtype ``message`` will have: a gradient's from the output it is the
+        gradient of (:data:`_NOTHING_COMES` for an integer output), an activation's from this
+        input shape's first step, or from the sender (``block``); None if not known yet."""
+        k = message.micro_batch
         if message.payload is Payload.GRADIENTS:
-            held = step.held.get((action.stage_on(self.rank), message.micro_batch))
-            if held is None or not held[1].is_floating_point():  # none comes back for integers
+            held = step.held.get((message.receiver, k))
+            if held is None:  # its forward is yet to run (only looking ahead)
                 return None
-            return held[1].shape, held[1].dtype
-        return self._received_shapes.get((step.shape_key, message.sender, message.micro_batch))
+            output = held[1]
+            return (output.shape, output.dtype) if output.is_floating_point() else _NOTHING_COMES
+        key = (step.shape_key, message.sender, k)
+        if key not in self._received_shapes and block:
+            buffer = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self._comm_device)
+            peer, tag = self._rank_of(message.sender), _SHAPE_TAG + self._tag(message)
+            meta = self._receive_now(step, buffer, peer, tag, f"the shape of micro-batch {k}")
+            code, ndim, *dims = meta.tolist()
+            self._received_shapes[key] = (torch.Size(dims[:ndim]), _DTYPES[code])
+        return self._received_shapes.get(key)
 
     # -- messages -----------------------------------------------------------------------
 
@@ -629,7 +690,7 @@ class PipelineRuntime:
         work = dist.isend(tensor, group_dst=peer, group=self.group, tag=tag)
         step.sends.append((work, tensor, f"sending {what} to rank {peer}"))  # the tensor lives until sent
 
-    def _receive(self, step: _Step, buffer: Tensor, peer: int, tag: int, what: str) -> Tensor:
+    def _receive_now(self, step: _Step, buffer: Tensor, peer: int, tag: int, what: str) -> Tensor:
         work = dist.irecv(buffer, group_src=peer, group=self.group, tag=tag)
         self._wait(work, f"receiving {what} from rank {peer}", step.timer)
         return buffer
@@ -647,20 +708,6 @@ class PipelineRuntime:
             ) from error
         if timer is not None:
             timer.waited(start)
-
-
-#: The package's schedules whose messages between two ranks go out in the order they are taken.
-_IN_ORDER_SCHEDULES = ("gpipe", "1f1b-1", "1f1b-2", "zb", "interleaved-1f1b")
-
-
-def _digest(messages: Sequence[Message]) -> int:
-    """The same signed 64-bit number on every rank (``hash()`` of a string is salted per process)."""
-    text = repr([(m.sender, m.receiver, m.payload.value, m.micro_batch) for m in messages])
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
-
-
-#: The tag of the step's metrics, sent to rank 0 after every action's messages (tagged from 0 up).
-_METRICS_TAG = 1 << 30
 
 
 def _stages_of(

@@ -21,7 +21,7 @@ which work each ``W`` concatenates.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 
 from .actions import Action, ActionKind, B, F, Held, I, Message, Payload, W, count_stages
 from .multi_stage import MULTI_STAGE_SCHEDULES, interleaved_one_f_one_b, placement, zero_bubble_v
@@ -37,8 +37,6 @@ __all__ = [
     "execution_order",
     "stage_owners",
     "validate_rank",
-    "pairs_out_of_order",
-    "messages_between_ranks",
 ]
 
 #: The schedules with one stage per rank; :data:`MULTI_STAGE_SCHEDULES` hold several.
@@ -415,36 +413,6 @@ def _check_message_order(ranks: Sequence[Sequence[Action]], owners: dict[int, in
             ranks,
             faulty,
         )
-
-
-def pairs_out_of_order(ranks: Sequence[Sequence[Action]]) -> list[tuple[int, int]]:
-    """The (sender, receiver) pairs of ranks whose messages the sender posts in another order
-    than the receiver takes them. :func:`validate_schedule` checks the order per pair of
-    *stages*, which is all gloo needs (it matches messages by tag); NCCL matches the messages
-    between two ranks in the order both post them, whatever the stages: where a rank holds
-    several stages, their messages to one other rank must interleave alike on both sides."""
-    num_stages = count_stages(ranks)
-    owners = stage_owners(ranks)
-    posted = [messages_between_ranks(actions, rank, owners, num_stages) for rank, actions in enumerate(ranks)]
-    pairs = {(rank, peer) for rank, (sent, _) in enumerate(posted) for peer in sent}
-    pairs |= {(peer, rank) for rank, (_, received) in enumerate(posted) for peer in received}
-    return sorted((a, b) for a, b in pairs if posted[a][0].get(b, []) != posted[b][1].get(a, []))
-
-
-def messages_between_ranks(
-    actions: Sequence[Action], rank: int, owners: Mapping[int, int] | Sequence[int], num_stages: int
-) -> tuple[dict[int, list[Message]], dict[int, list[Message]]]:
-    """What ``rank``'s actions send to and take from each other rank (``owners``: each stage's
-    rank), in the order it posts them; messages between its own stages stay out."""
-    sent: defaultdict[int, list[Message]] = defaultdict(list)
-    received: defaultdict[int, list[Message]] = defaultdict(list)
-    for action in actions:
-        out, into = action.sends(rank, num_stages), action.receives(rank, num_stages)
-        if out is not None and owners[out.receiver] != rank:
-            sent[owners[out.receiver]].append(out)
-        if into is not None and owners[into.sender] != rank:
-            received[owners[into.sender]].append(into)
-    return sent, received
 
 
 def _check_name(name: str) -> None:
