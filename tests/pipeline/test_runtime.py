@@ -520,6 +520,19 @@ def _batches_and_losses(rank: int) -> dict:
     return results
 
 
+def _failed_construction(rank: int) -> dict:
+    """Rank 1 holds the last stage but passes no loss_fn: its constructor raises, before the
+    all-gather of every rank's actions that rank 0's waits in."""
+    start = time.monotonic()
+    try:
+        loss_fn = _mse if rank == 0 else None
+        PipelineRuntime(nn.Linear(4, 4), schedule("gpipe", WORLD, 2)[rank], num_micro_batches=2, loss_fn=loss_fn,
+                        timeout=FAILURE_TIMEOUT)  # fmt: skip
+    except (PipelineError, ValueError) as error:
+        return {"error": f"{type(error).__name__}: {error}", "elapsed": time.monotonic() - start}
+    return {"error": None, "elapsed": time.monotonic() - start}
+
+
 def _mismatched_lists(rank: int) -> dict:
     """Rank 1 sends its gradients back in another order than rank 0 takes them: both would
     wait for a message the other sends later."""
@@ -545,6 +558,7 @@ SCENARIOS: dict[str, tuple[Callable[[int], dict], int]] = {
     "in_place_first_op": (_in_place_first_op, WORLD),
     "batches_and_losses": (_batches_and_losses, WORLD),
     "mismatched_lists": (_mismatched_lists, WORLD),
+    "failed_construction": (_failed_construction, WORLD),
 }
 
 
@@ -688,6 +702,14 @@ def test_a_stage_changing_its_received_input_in_place_says_so(tmp_path) -> None:
     first, second = launch("in_place_first_op", str(tmp_path), deadline=90.0)
     assert second is not None and second["error"] and "changes its input in place" in second["error"], second
     assert first is not None and first["error"] and "rank 1" in first["error"], first
+
+
+def test_a_rank_failing_to_build_its_runtime_ends_the_others_within_the_timeout(tmp_path) -> None:
+    survivor, culprit = launch("failed_construction", str(tmp_path), deadline=60.0)
+    assert culprit is not None and "the last stage needs a loss_fn" in culprit["error"], culprit
+    assert survivor is not None and survivor["error"].startswith("PipelineError: twobp: rank 0"), survivor
+    assert "every rank's action list" in survivor["error"], survivor
+    assert survivor["elapsed"] < FAILURE_TIMEOUT + 5, survivor
 
 
 def test_ranks_given_lists_that_make_no_schedule_all_refuse_before_any_step(tmp_path) -> None:

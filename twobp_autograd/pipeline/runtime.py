@@ -261,12 +261,13 @@ class PipelineRuntime:
         payload = torch.frombuffer(bytearray(pickle.dumps(self.actions)), dtype=torch.uint8)
         size = torch.tensor([payload.numel()], device=self._comm_device)
         sizes = [torch.empty_like(size) for _ in range(self.world_size)]
-        dist.all_gather(sizes, size, group=self.group)
+        what = "every rank's action list (a rank probably failed building its PipelineRuntime)"
+        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True), what, timer=None)
         lengths = [int(n) for n in sizes]
         padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self._comm_device)
         padded[: payload.numel()] = payload.to(self._comm_device)
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
-        dist.all_gather(gathered, padded, group=self.group)
+        self._wait(dist.all_gather(gathered, padded, group=self.group, async_op=True), what, timer=None)
         ranks = [pickle.loads(t[:n].cpu().numpy().tobytes()) for t, n in zip(gathered, lengths, strict=True)]
         try:
             validate_schedule(ranks, self.num_micro_batches)
