@@ -229,6 +229,67 @@ def test_a_hooked_parameter_frozen_between_backward_and_flush_gets_its_gradient(
     assert_grads_match(patched, reference)
 
 
+def test_post_accumulate_hooks_at_the_flush_are_those_of_the_backward():
+    """Plain calls the hooks a parameter has when its backward accumulates: not one registered
+    after that backward, and one removed since was called already. The flush calls the same
+    ones, leaves the hooks as it found them, and keeps what a hook registers or removes."""
+    patched, reference = patched_and_reference(mlp())
+    weight, calls = patched[0].weight, []
+
+    def at_flush(p):
+        return not twobp.has_queued_work(p)
+
+    def kept(p):
+        calls.append(("kept", at_flush(p)))
+
+    def after_backward(p):
+        calls.append(("after backward", at_flush(p)))
+
+    weight.register_post_accumulate_grad_hook(kept)
+    removed = weight.register_post_accumulate_grad_hook(lambda p: calls.append(("removed", at_flush(p))))
+
+    def register_once(p):
+        calls.append(("registering", at_flush(p)))
+        if at_flush(p):  # once: at the first flush
+            registering.remove()
+            p.register_post_accumulate_grad_hook(lambda q: calls.append(("registered by a hook", at_flush(q))))
+
+    registering = weight.register_post_accumulate_grad_hook(register_once)
+    x = torch.randn(4, 6)
+    loss_of(patched, x).backward()
+    assert calls == [("kept", False), ("removed", False), ("registering", False)]
+    removed.remove()
+    weight.register_post_accumulate_grad_hook(after_backward)
+    calls.clear()
+    twobp.flush_weight_grads()
+    assert calls == [("kept", True), ("removed", True), ("registering", True)]
+    hooks = list(weight._post_accumulate_grad_hooks.values())
+    assert len(hooks) == 3 and hooks[:2] == [kept, after_backward]  # and the one registered by a hook
+    loss_of(reference, x).backward()
+    assert_grads_match(patched, reference)
+    calls.clear()
+    loss_of(patched, x).backward()
+    twobp.flush_weight_grads()
+    assert [name for name, got in calls if got] == ["kept", "after backward", "registered by a hook"]
+
+
+def test_an_optimizer_in_backward_hook_removed_before_the_flush_still_steps():
+    """Taking optimizer-in-backward's hooks down after the last backward, before its flush:
+    plain stepped in that backward; the flush steps too (it lost that step, silently)."""
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(mlp())
+    handles = _optimizer_in_backward(patched, skip="queued", set_to_none=True)
+    reference_handles = _optimizer_in_backward(reference, skip="queued", set_to_none=True)
+    x = torch.randn(4, 6)
+    loss_of(patched, x).backward()
+    loss_of(reference, x).backward()
+    for handle in handles + reference_handles:
+        handle.remove()
+    twobp.flush_weight_grads()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
 class _TiedLM(nn.Module):
     """Embedding and head sharing one weight: two contributions to it in every backward."""
 
@@ -332,7 +393,7 @@ def test_optimizer_in_backward_with_a_capped_queue_steps_once_on_the_whole_gradi
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = True) -> None:
+def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = True) -> list:
     """PyTorch's optimizer-in-backward idiom: one optimizer per parameter, stepped (and its
     gradient freed, or zeroed) by the parameter's post-accumulate-grad hook, which returns at
     once while ``p.grad`` is None (``skip="none"``) or work is queued for ``p`` (``"queued"``),
@@ -345,8 +406,7 @@ def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = T
         optimizers[p].step()
         optimizers[p].zero_grad(set_to_none=set_to_none)
 
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(step)
+    return [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
 
 
 def test_optimizer_in_backward_steps_at_the_flush():

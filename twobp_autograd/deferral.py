@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
+from .flush import hooks_at_backward
 from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads
 from .queue import WeightGradQueue, current_queue
 from .warn_once import warn_once
@@ -165,6 +166,10 @@ class ParamDeferral(NamedTuple):
     def _enqueue(self, nodes: Sequence[Any], job: WeightGradJob) -> None:
         # The parameters' accumulators, from the node's own edges to them (see WeightGradJob).
         job.accumulators = tuple([node for node, p in zip(nodes, job.params, strict=True) if p is not None])
+        for param in job.params:  # inline: this runs for every patched call
+            if param is not None and param._post_accumulate_grad_hooks:
+                job.hooks_at_backward = hooks_at_backward(job.params)
+                break
         self.queue.enqueue(job)
 
     def route(

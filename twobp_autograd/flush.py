@@ -44,6 +44,7 @@ __all__ = [
     "undelivered",
     "forget_deliveries",
     "has_user_hooks",
+    "hooks_at_backward",
     "OWN_HOOK_MARK",
 ]
 
@@ -152,11 +153,14 @@ def run_jobs(
         # gradients are made as the backward that queued them would have made them.
         with torch.inference_mode(False):
             return run_jobs(jobs, options, early=early)
+    snapshots: dict[int, tuple[tuple[int, Any], ...]] = {}  # id(param) -> its hooks in its last backward
     for job in jobs:
         job.check_unmodified()
+        if job.hooks_at_backward is not None:
+            snapshots.update((id(param), hooks) for param, hooks in job.hooks_at_backward)
     groups = _grouped(jobs)
     last_group: dict[int, int] = {}  # id(param) -> the last group computing for it
-    hooked = False
+    hooked = bool(snapshots)
     for index, group in enumerate(groups):
         for param in group[0].params:
             if param is not None:
@@ -168,7 +172,7 @@ def run_jobs(
     # every group, where the flush itself runs under it).
     check_all = torch.is_anomaly_enabled() and torch.is_anomaly_check_nan_enabled()
     check_some = check_all or any([job.check_nan for job in jobs])
-    delivery = _HookedDelivery(groups) if hooked else None
+    delivery = _HookedDelivery(groups, snapshots) if hooked else None
     deliver = delivery.deliver if delivery is not None else _deliver
     if delivery is not None:
         _hooked_flushes.append(delivery)
@@ -269,7 +273,8 @@ class _HookedDelivery:
     (:func:`undelivered`), and remembers which backward calls each delivery came from
     (:func:`summed_over_backward_calls`)."""
 
-    def __init__(self, groups: list[list[WeightGradJob]]) -> None:
+    def __init__(self, groups: list[list[WeightGradJob]], snapshots: dict[int, tuple[tuple[int, Any], ...]]) -> None:
+        self.snapshots = snapshots  # id(param) -> its hooks as its last backward saw them
         calls: dict[int, set[int]] = {}
         for group in groups:
             for job in group:
@@ -301,20 +306,21 @@ class _HookedDelivery:
         plain: list[tuple[Tensor, Tensor]] = []
         hooked: list[tuple[Tensor, Tensor]] = []
         for item in ready:
-            (hooked if has_user_hooks(item[0]) else plain).append(item)
+            (hooked if id(item[0]) in self.snapshots or has_user_hooks(item[0]) else plain).append(item)
         ready.clear()
         if plain:
             self.pending.difference_update(id(p) for p, _ in plain)
             with self._remembering(p for p, _ in plain):
                 _deliver(plain, watches)
         if hooked:
-            handles = [_hook_first(p, self._arrived) for p, _ in hooked]
-            try:
-                with self._remembering(p for p, _ in hooked):
-                    _deliver(hooked, watches)
-            finally:
-                for handle in handles:
-                    handle.remove()
+            with _hooks_as_in_backward([p for p, _ in hooked], self.snapshots):
+                handles = [_hook_first(p, self._arrived) for p, _ in hooked]
+                try:
+                    with self._remembering(p for p, _ in hooked):
+                        _deliver(hooked, watches)
+                finally:
+                    for handle in handles:
+                        handle.remove()
 
     def _arrived(self, param: Tensor) -> None:
         self.pending.discard(id(param))
@@ -356,7 +362,54 @@ OWN_HOOK_MARK = "_twobp_takes_partial_gradients"
 def has_user_hooks(param: Tensor) -> bool:
     """Whether ``param`` has a post-accumulate-grad hook not marked as this package's own."""
     hooks = param._post_accumulate_grad_hooks
-    return bool(hooks) and any(not getattr(hook, OWN_HOOK_MARK, False) for hook in hooks.values())
+    return bool(hooks) and any(not _is_own(hook) for hook in hooks.values())
+
+
+def hooks_at_backward(params: Sequence[Tensor | None]) -> tuple[tuple[Tensor, tuple[tuple[int, Any], ...]], ...] | None:
+    """Called as a backward queues work for ``params``: the post-accumulate-grad hooks of those
+    with a user's hook, as plain autograd calls them with this backward's gradient. None (the
+    common case, checked in a few attribute reads) where no parameter has one."""
+    remembered = None
+    for param in params:
+        if param is not None and param._post_accumulate_grad_hooks and has_user_hooks(param):
+            remembered = (*(remembered or ()), (param, tuple(param._post_accumulate_grad_hooks.items())))
+    return remembered
+
+
+@contextlib.contextmanager
+def _hooks_as_in_backward(
+    params: Sequence[Tensor], snapshots: dict[int, tuple[tuple[int, Any], ...]]
+) -> Iterator[None]:
+    """Give each parameter, while its gradient is handed over, the user's post-accumulate-grad
+    hooks its last backward saw (none, where it saw none), this package's own where they are
+    now: plain calls those with the gradient, not one registered since (it never calls that for
+    this backward), and also one removed since (an optimizer-in-backward hook taken down before
+    the flush would lose its step). What the hooks add or remove meanwhile stays."""
+    restore = []
+    for param in params:
+        hooks = param._post_accumulate_grad_hooks  # it has hooks: a user's now, or in the snapshot
+        now = tuple(hooks.items())
+        users = [item for item in snapshots.get(id(param), ()) if not _is_own(item[1])]
+        first_user = next((i for i, (_, hook) in enumerate(now) if not _is_own(hook)), len(now))
+        then = (*now[:first_user], *users, *(item for item in now[first_user:] if _is_own(item[1])))
+        if now != then:
+            hooks.clear()
+            hooks.update(then)
+            restore.append((hooks, now, dict(then)))
+    try:
+        yield
+    finally:
+        for hooks, now, then_by_key in restore:
+            left = dict(hooks)
+            removed = then_by_key.keys() - left.keys()
+            added = [(key, hook) for key, hook in left.items() if key not in then_by_key]
+            hooks.clear()
+            hooks.update((key, hook) for key, hook in now if key not in removed)
+            hooks.update(added)
+
+
+def _is_own(hook: Callable[..., Any]) -> bool:
+    return getattr(hook, OWN_HOOK_MARK, False)
 
 
 def _hook_first(param: Tensor, hook: Callable[[Tensor], None]) -> RemovableHandle:

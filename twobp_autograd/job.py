@@ -34,7 +34,7 @@ class WeightGradJob:
 
     __slots__ = (
         "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
-        "versions", "parked", "accumulators", "home",
+        "versions", "parked", "accumulators", "home", "hooks_at_backward",
     )
 
     def __init__(
@@ -66,6 +66,9 @@ class WeightGradJob:
         # The parameters' device in the backward that made the job (None without a parameter):
         # a flush refuses the work once they are elsewhere (the model moved before the flush).
         self.home = _params_device(params)
+        # (param, its post-accumulate-grad hooks) where a user's were registered in that backward
+        # (see flush.hooks_at_backward); None for the others.
+        self.hooks_at_backward: tuple[tuple[Tensor, tuple[tuple[int, Any], ...]], ...] | None = None
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *self.params)
