@@ -25,6 +25,24 @@ def test_heap_probe_sees_a_tensor_held_between_actions() -> None:
     assert peak_rss() > 0
 
 
+class _CountedQueue(WeightGradQueue):
+    reads = 0
+
+    def pending(self):
+        self.reads += 1
+        return super().pending()
+
+
+@pytest.mark.skipif(heap_in_use() is None, reason="needs glibc's mallinfo2")
+def test_the_queue_is_read_only_after_actions_that_may_queue_work() -> None:
+    queue = _CountedQueue()
+    probe = MemoryProbe(torch.device("cpu"), queue)
+    probe.sample([], queued_more=False)
+    assert queue.reads == 0
+    probe.sample([])
+    assert queue.reads == 1
+
+
 def test_without_mallinfo2_it_counts_the_held_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(memory_probe, "heap_in_use", lambda: None)
     probe = MemoryProbe(torch.device("cpu"), WeightGradQueue())

@@ -383,7 +383,8 @@ class PipelineRuntime:
             stage = self.stages[action.stage_on(self.rank)]
             self._run(step, stage, action, position=position)
             step.timer.action_ends(action)
-            step.memory.sample(tensor for pair in step.held.values() for tensor in pair)
+            held = (tensor for pair in step.held.values() for tensor in pair)
+            step.memory.sample(held, queued_more=action.kind.is_backward)
         for stage in self.stages.values():
             if len(stage.queue):
                 raise PipelineError(
