@@ -5,17 +5,18 @@ runs a rank's point-to-point operations on one stream per peer (or one for every
 the process group was created with a ``device_id``), where each operation waits for the one
 before it and a large send waits until its receive runs. So posting each message when an
 action needs it can pair the wrong tensors or hang: a rank holding two stages of a V posts the
-messages to one peer in another order than the peer takes them, and a rank that posts
-``send X, receive Y`` while its peer posts ``send Y, receive X`` waits forever once X and Y are
-too large for NCCL's buffers.
+messages to one peer in another order than the peer takes them, and two ranks that each post
+a receive before the send the other one waits for (1F1B's one-ahead receives, from its second
+step) wait forever once the tensors are too large for NCCL's buffers.
 
-Every rank therefore posts in one global order: one replay of the whole schedule by the
-simulator (unit costs), each message timed when the action that sends it ends, ties broken by
-rank and position. A rank sends when its action does, and posts each receive no later than its
-next send that comes after it in that order (earlier where it can, for overlap). Nothing can
-wait forever: the earliest message not yet delivered was sent by an action all of whose
-inputs came earlier, and the receiving rank has posted everything before it, so both sides
-have posted it, and it is at the head of every stream it is on.
+So, on any backend but gloo, every rank posts in one global order: one replay of the whole
+schedule by the simulator (unit costs), each message timed when the action that sends it ends,
+ties broken by rank and position. A rank sends when its action does, and posts each receive no
+later than its next send that comes after it in that order (earlier where it can, for overlap).
+Nothing can wait forever: the earliest message not yet delivered was sent by an action all of
+whose inputs came earlier, and the receiving rank has posted everything before it, so both
+sides have posted it, and it is at the head of every stream it is on. (On gloo the runtime posts
+each receive for its action, or the one before: the one order delayed receives there.)
 """
 
 from __future__ import annotations
