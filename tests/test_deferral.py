@@ -464,6 +464,28 @@ def test_optimizer_in_backward_skipping_while_work_is_queued(model_kind, set_to_
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_optimizer_in_backward_hooks_registered_between_two_backwards_step_once_on_the_sum():
+    """Plain's hooks, registered after the first backward, step once, in the second, on both
+    backwards' gradients; so does the flush of both (it was refused as a sum over two calls).
+    Hooked in both backwards, the same flush is still refused: plain stepped twice."""
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(mlp())
+    x1, x2 = torch.randn(4, 6), torch.randn(4, 6)
+    loss_of(patched, x1).backward()
+    loss_of(reference, x1).backward()
+    _optimizer_in_backward(patched, skip="queued")
+    _optimizer_in_backward(reference, skip="queued")
+    loss_of(patched, x2).backward()
+    loss_of(reference, x2).backward()
+    twobp.flush_weight_grads()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+    loss_of(patched, x1).backward()
+    loss_of(patched, x2).backward()
+    with pytest.raises(PartlyDelivered, match="sums the weight gradients of several backward calls"):
+        twobp.flush_weight_grads()
+
+
 def test_one_optimizer_stepped_from_one_parameters_hook_is_refused_mid_flush():
     """One optimizer over the whole model stepped from a parameter's hook ("the last gradient
     is in"): a flush delivers in its own order, not plain backward's, so the step would run on

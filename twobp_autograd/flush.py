@@ -276,14 +276,18 @@ class _HookedDelivery:
     def __init__(self, groups: list[list[WeightGradJob]], snapshots: dict[int, tuple[tuple[int, Any], ...]]) -> None:
         self.snapshots = snapshots  # id(param) -> its hooks as its last backward saw them
         calls: dict[int, set[int]] = {}
+        hooked: dict[int, set[int]] = {}
         for group in groups:
             for job in group:
                 for param in job.params:
                     if param is not None:
                         calls.setdefault(id(param), set()).add(job.task)
+                for param, _ in job.hooks_at_backward or ():
+                    hooked.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)  # id(param): gradients not handed over yet
         self.thread = threading.get_ident()  # the flush's (a forked child has the forking one alone)
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
+        self.hooked_tasks = {key: frozenset(tasks) for key, tasks in hooked.items()}  # -> those with a user's hook
 
     def forget_undeliverable(
         self,
@@ -494,16 +498,23 @@ def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
     """Whether a running flush delivers, to one of ``params``, work queued by more than one
     backward call, counting those earlier flushes put into its ``.grad`` (asked by the
     optimizer step guard: a step in a post-accumulate-grad hook, which only a flush with such
-    hooks runs)."""
-    hooked = list(_hooked_flushes)
-    if not hooked:  # every step asks
+    hooks runs), unless only the last of those calls saw a user's hook on it: plain's hook
+    stepped once then, on the sum (a hook registered between two backward calls)."""
+    deliveries = list(_hooked_flushes)
+    if not deliveries:  # every step asks
         return False
     for param in params:
         calls: set[int] = set()
-        for delivery in hooked:
+        hooked: set[int] = set()
+        for delivery in deliveries:
             calls |= delivery.tasks.get(id(param), frozenset())
-        if calls and len(calls | _earlier_calls(param)) > 1:
-            return True
+            hooked |= delivery.hooked_tasks.get(id(param), frozenset())
+        earlier = _earlier_calls(param)
+        if not calls or len(calls | earlier) == 1:
+            continue
+        if not earlier - calls and hooked == {max(calls)}:  # (earlier: this delivery's calls too)
+            continue  # hooked in the last backward alone (graph task ids grow): plain stepped once, on the sum
+        return True
     return False
 
 
