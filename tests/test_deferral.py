@@ -273,6 +273,44 @@ def test_post_accumulate_hooks_at_the_flush_are_those_of_the_backward():
     assert [name for name, got in calls if got] == ["kept", "after backward", "registered by a hook"]
 
 
+def test_a_hook_of_a_backward_whose_gradient_zero_grad_dropped_is_not_called_at_the_flush():
+    """The first backward's weight gradient is skipped (zero_grad) while its Linear's job stays
+    for the bias; a clamp hook of that backward, removed since, must not clamp the second
+    backward's gradient (it did: the job still carried the hook, 7.8 off)."""
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 3)).double())
+    x1, x2 = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 4, dtype=torch.float64)
+
+    def clamp(p):
+        if p.grad is not None:
+            p.grad.clamp_(-0.1, 0.1)
+
+    for model in (patched, reference):
+        weight = model[0].weight
+        handle = weight.register_post_accumulate_grad_hook(clamp)
+        model(x1).pow(2).sum().backward()
+        torch.optim.SGD([weight], lr=0.1).zero_grad(set_to_none=True)  # skip this micro-batch for the weight
+        handle.remove()
+        model(x2).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_hooks_changed_between_two_backwards_of_one_flush_are_the_last_ones_with_a_warning():
+    """A logger removed between two backwards that one flush sums: plain called it with the first
+    gradient; the flush calls the last backward's hooks (none), once, and says so."""
+    patched, _ = patched_and_reference(mlp())
+    weight, seen = patched[0].weight, []
+    handle = weight.register_post_accumulate_grad_hook(lambda p: seen.append(twobp.has_queued_work(p)))
+    loss_of(patched, torch.randn(4, 6)).backward()
+    handle.remove()
+    loss_of(patched, torch.randn(4, 6)).backward()
+    warn_once.given.discard("hooks changed between backwards")
+    with pytest.warns(UserWarning, match="hooks changed between backward calls whose work one flush delivers"):
+        twobp.flush_weight_grads()
+    assert seen == [True]  # during the first backward only
+
+
 def test_an_optimizer_in_backward_hook_removed_before_the_flush_still_steps():
     """Taking optimizer-in-backward's hooks down after the last backward, before its flush:
     plain stepped in that backward; the flush steps too (it lost that step, silently)."""

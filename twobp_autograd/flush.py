@@ -29,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .job import WeightGradJob
 from .streams import LaunchedGroups
+from .warn_once import warn_once
 
 __all__ = [
     "accumulated_dtype",
@@ -154,13 +155,27 @@ def run_jobs(
         with torch.inference_mode(False):
             return run_jobs(jobs, options, early=early)
     snapshots: dict[int, tuple[tuple[int, Any], ...]] = {}  # id(param) -> its hooks in its last backward
+    any_snapshot = False
     for job in jobs:
         job.check_unmodified()
-        if job.hooks_at_backward is not None:
-            snapshots.update((id(param), hooks) for param, hooks in job.hooks_at_backward)
+        any_snapshot = any_snapshot or job.hooks_at_backward is not None
+    if any_snapshot:
+        # Per parameter, the hooks of the last job computing for it (queue order): a later job
+        # without a snapshot had no user hook in its backward (()), and a parameter that
+        # zero_grad dropped from a job (job.params None there) takes nothing from that job.
+        changed = False
+        for job in jobs:
+            taken = {id(p): hooks for p, hooks in job.hooks_at_backward or ()}
+            for param in job.params:
+                if param is not None:
+                    hooks = taken.get(id(param), ())
+                    changed = changed or snapshots.get(id(param), hooks) != hooks
+                    snapshots[id(param)] = hooks
+        if changed:
+            _warn_hooks_changed_once()
     groups = _grouped(jobs)
     last_group: dict[int, int] = {}  # id(param) -> the last group computing for it
-    hooked = bool(snapshots)
+    hooked = any(snapshots.values())
     for index, group in enumerate(groups):
         for param in group[0].params:
             if param is not None:
@@ -283,7 +298,8 @@ class _HookedDelivery:
                     if param is not None:
                         calls.setdefault(id(param), set()).add(job.task)
                 for param, _ in job.hooks_at_backward or ():
-                    hooked.setdefault(id(param), set()).add(job.task)
+                    if any(p is param for p in job.params):  # not dropped since (zero_grad)
+                        hooked.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)  # id(param): gradients not handed over yet
         self.thread = threading.get_ident()  # the flush's (a forked child has the forking one alone)
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
@@ -310,7 +326,7 @@ class _HookedDelivery:
         plain: list[tuple[Tensor, Tensor]] = []
         hooked: list[tuple[Tensor, Tensor]] = []
         for item in ready:
-            (hooked if id(item[0]) in self.snapshots or has_user_hooks(item[0]) else plain).append(item)
+            (hooked if self.snapshots.get(id(item[0])) or has_user_hooks(item[0]) else plain).append(item)
         ready.clear()
         if plain:
             self.pending.difference_update(id(p) for p, _ in plain)
@@ -410,6 +426,15 @@ def _hooks_as_in_backward(
             hooks.clear()
             hooks.update((key, hook) for key, hook in now if key not in removed)
             hooks.update(added)
+
+
+def _warn_hooks_changed_once() -> None:
+    warn_once(
+        "hooks changed between backwards",
+        "twobp: a parameter's post-accumulate-grad hooks changed between backward calls whose work one flush "
+        "delivers: the flush calls those of the last backward, once, with the sum (plain called each "
+        "backward's hooks after it; a step one of them took there is not taken). Flush before changing hooks.",
+    )
 
 
 def _is_own(hook: Callable[..., Any]) -> bool:
