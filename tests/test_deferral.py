@@ -311,6 +311,23 @@ def test_hooks_changed_between_two_backwards_of_one_flush_are_the_last_ones_with
     assert seen == [True]  # during the first backward only
 
 
+def test_a_hook_registered_after_the_backward_and_removed_during_its_flush_stays_removed():
+    """The flush leaves out a hook registered after its backward; a hook of that backward
+    removing it during the flush removes it for good (it came back after the flush)."""
+    patched, _ = patched_and_reference(mlp())
+    weight, calls, late = patched[0].weight, [], []
+
+    def remover(p):
+        if not twobp.has_queued_work(p) and late:
+            late.pop().remove()
+
+    weight.register_post_accumulate_grad_hook(remover)
+    loss_of(patched, torch.randn(4, 6)).backward()
+    late.append(weight.register_post_accumulate_grad_hook(lambda p: calls.append("late")))
+    twobp.flush_weight_grads()
+    assert calls == [] and list(weight._post_accumulate_grad_hooks.values()) == [remover]
+
+
 def test_an_optimizer_in_backward_hook_removed_before_the_flush_still_steps():
     """Taking optimizer-in-backward's hooks down after the last backward, before its flush:
     plain stepped in that backward; the flush steps too (it lost that step, silently)."""

@@ -404,14 +404,17 @@ def _hooks_as_in_backward(
     hooks its last backward saw (none, where it saw none), this package's own where they are
     now: plain calls those with the gradient, not one registered since (it never calls that for
     this backward), and also one removed since (an optimizer-in-backward hook taken down before
-    the flush would lose its step). What the hooks add or remove meanwhile stays."""
+    the flush would lose its step). What the hooks add or remove meanwhile stays: a hook
+    registered since is silenced in place, not taken out, so that removing it then sticks."""
     restore = []
     for param in params:
         hooks = param._post_accumulate_grad_hooks  # it has hooks: a user's now, or in the snapshot
         now = tuple(hooks.items())
         users = [item for item in snapshots.get(id(param), ()) if not _is_own(item[1])]
         first_user = next((i for i, (_, hook) in enumerate(now) if not _is_own(hook)), len(now))
-        then = (*now[:first_user], *users, *(item for item in now[first_user:] if _is_own(item[1])))
+        kept = {key for key, _ in users}
+        since = [(key, _silenced) for key, hook in now if not _is_own(hook) and key not in kept]
+        then = (*now[:first_user], *users, *(item for item in now[first_user:] if _is_own(item[1])), *since)
         if now != then:
             hooks.clear()
             hooks.update(then)
@@ -426,6 +429,13 @@ def _hooks_as_in_backward(
             hooks.clear()
             hooks.update((key, hook) for key, hook in now if key not in removed)
             hooks.update(added)
+
+
+def _silenced(param: Tensor) -> None:
+    """Stands in for a hook registered after the backward whose gradient a flush delivers."""
+
+
+setattr(_silenced, OWN_HOOK_MARK, True)
 
 
 def _warn_hooks_changed_once() -> None:
