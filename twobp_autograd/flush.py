@@ -165,10 +165,8 @@ def run_jobs(
         # zero_grad dropped from a job (job.params None there) takes nothing from that job.
         changed = False
         for job in jobs:
-            taken = {id(p): hooks for p, hooks in job.hooks_at_backward or ()}
-            for param in job.params:
+            for param, hooks in zip(job.params, _hooks_of(job), strict=True):
                 if param is not None:
-                    hooks = taken.get(id(param), ())
                     changed = changed or snapshots.get(id(param), hooks) != hooks
                     snapshots[id(param)] = hooks
         if changed:
@@ -294,12 +292,11 @@ class _HookedDelivery:
         hooked: dict[int, set[int]] = {}
         for group in groups:
             for job in group:
-                for param in job.params:
+                for param, hooks in zip(job.params, _hooks_of(job), strict=True):
                     if param is not None:
                         calls.setdefault(id(param), set()).add(job.task)
-                for param, _ in job.hooks_at_backward or ():
-                    if any(p is param for p in job.params):  # not dropped since (zero_grad)
-                        hooked.setdefault(id(param), set()).add(job.task)
+                        if hooks:
+                            hooked.setdefault(id(param), set()).add(job.task)
         self.pending = set(calls)  # id(param): gradients not handed over yet
         self.thread = threading.get_ident()  # the flush's (a forked child has the forking one alone)
         self.tasks = {key: frozenset(tasks) for key, tasks in calls.items()}  # -> its work's backward calls
@@ -385,15 +382,14 @@ def has_user_hooks(param: Tensor) -> bool:
     return bool(hooks) and any(not _is_own(hook) for hook in hooks.values())
 
 
-def hooks_at_backward(params: Sequence[Tensor | None]) -> tuple[tuple[Tensor, tuple[tuple[int, Any], ...]], ...] | None:
-    """Called as a backward queues work for ``params``: the post-accumulate-grad hooks of those
-    with a user's hook, as plain autograd calls them with this backward's gradient. None (the
-    common case, checked in a few attribute reads) where no parameter has one."""
-    remembered = None
-    for param in params:
-        if param is not None and param._post_accumulate_grad_hooks and has_user_hooks(param):
-            remembered = (*(remembered or ()), (param, tuple(param._post_accumulate_grad_hooks.items())))
-    return remembered
+def hooks_at_backward(params: Sequence[Tensor | None]) -> tuple[tuple[tuple[int, Any], ...], ...] | None:
+    """Called as a backward queues work for ``params``: each one's post-accumulate-grad hooks
+    (``()`` without a user's), as plain autograd calls them with this backward's gradient; None
+    where no parameter has a user's hook."""
+    hooks = tuple(
+        tuple(p._post_accumulate_grad_hooks.items()) if p is not None and has_user_hooks(p) else () for p in params
+    )
+    return hooks if any(hooks) else None
 
 
 @contextlib.contextmanager
@@ -429,6 +425,11 @@ def _hooks_as_in_backward(
             hooks.clear()
             hooks.update((key, hook) for key, hook in now if key not in removed)
             hooks.update(added)
+
+
+def _hooks_of(job: WeightGradJob) -> tuple[tuple[tuple[int, Any], ...], ...]:
+    """Each of the job's parameters' hooks in its backward (``()`` for all, where none had one)."""
+    return job.hooks_at_backward or ((),) * len(job.params)
 
 
 def _silenced(param: Tensor) -> None:

@@ -66,9 +66,9 @@ class WeightGradJob:
         # The parameters' device in the backward that made the job (None without a parameter):
         # a flush refuses the work once they are elsewhere (the model moved before the flush).
         self.home = _params_device(params)
-        # (param, its post-accumulate-grad hooks) where a user's were registered in that backward
-        # (see flush.hooks_at_backward); None for the others.
-        self.hooks_at_backward: tuple[tuple[Tensor, tuple[tuple[int, Any], ...]], ...] | None = None
+        # Per parameter, its post-accumulate-grad hooks in that backward (see
+        # flush.hooks_at_backward); None where none of the parameters had a user's hook.
+        self.hooks_at_backward: tuple[tuple[tuple[int, Any], ...], ...] | None = None
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *self.params)
