@@ -99,10 +99,36 @@ def test_a_scaler_subclass_with_its_own_unscale_is_refused_before_the_flush(
     model = twobp.patch(_model())
     scaler = make()
     scaler.scale(model(torch.randn(4, 6)).pow(2).sum()).backward()
-    with pytest.raises(RuntimeError, match=r"twobp: GradScaler.unscale_"):
+    with pytest.raises(RuntimeError, match=r"twobp: \w+\.unscale_ over parameters"):
         scaler.unscale_(torch.optim.SGD(model.parameters(), lr=0.1))
     assert model[0].weight.grad is None
     twobp.discard_weight_grads()
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.SGD, torch.optim.Adam], ids=["SGD", "Adam"])
+def test_a_fused_optimizers_scaler_step_refused_before_the_flush_then_retried_steps_as_plain(optimizer) -> None:
+    """A fused optimizer unscales in its own step: GradScaler.step set its grad_scale, the step
+    guard refused, and the scale stayed: the retried step, as the refusal said, divided the
+    gradients by the scale twice (SGD's parameters up to 100% off)."""
+    model = _model()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(4, 6)
+    sides = []
+    for net in (model, reference):
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+        sides.append((net, scaler, optimizer(net.parameters(), lr=0.1, fused=True)))
+        scaler.scale(net(x).pow(2).sum()).backward()
+    model_scaler, model_optimizer = sides[0][1:]
+    with pytest.raises(RuntimeError, match=r"twobp: GradScaler.step over parameters whose weight gradients"):
+        model_scaler.step(model_optimizer)
+    assert not hasattr(model_optimizer, "grad_scale")
+    twobp.flush_weight_grads()
+    for _, scaler, opt in sides:
+        scaler.step(opt)
+        scaler.update()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("read", READERS.values(), ids=READERS.keys())

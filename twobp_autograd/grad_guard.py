@@ -209,7 +209,9 @@ def _optimizer_params(optimizer: torch.optim.Optimizer) -> Iterator[Any]:
 
 def _refuse_step_with_queued_work(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
     """Optimizer step pre-hook. With a closure (LBFGS, or any ``step(closure)``) the backward
-    runs inside the step, so the check goes after each call of the closure instead."""
+    runs inside the step, so the check goes after each call of the closure instead. (Work
+    queued before such a step is no misuse: PyTorch Lightning runs the accumulated micro-batches'
+    backward outside the step, and the last one's, and the flush, in the closure.)"""
     # ``args`` are step's own: (optimizer, closure?, ...).
     if callable(kwargs.get("closure")):
         return args, {**kwargs, "closure": _checked_closure(optimizer, kwargs["closure"])}
@@ -296,14 +298,20 @@ def _refusing_while_queued(clip: Callable[..., Any], name: str, wait: bool = Tru
 
 
 def _guard_unscale() -> None:
-    """``GradScaler.unscale_`` and every subclass's own (FSDP's ``ShardedGradScaler`` overrides
-    it without calling it, and its ``step`` calls its own): those defined already, and those
-    defined later (through ``__init_subclass__``, so that guarding imports nothing)."""
+    """``GradScaler.unscale_`` and ``step``, and every subclass's own (FSDP's ``ShardedGradScaler``
+    overrides ``unscale_`` without calling it, and its ``step`` calls its own): those defined
+    already, and those defined later (through ``__init_subclass__``, so that guarding imports
+    nothing)."""
     from torch.amp import GradScaler
 
     def guard(owner: type) -> None:
-        if "unscale_" in owner.__dict__:
-            owner.unscale_ = _refusing_unscale(owner.__dict__["unscale_"])  # type: ignore[attr-defined]
+        # ``step`` too: for an optimizer that unscales in its own step (fused Adam, AdamW, SGD:
+        # ``_step_supports_amp_scaling``) it calls no ``unscale_``, and it sets the optimizer's
+        # ``grad_scale`` before the step, which the step guard's refusal would leave set: the
+        # retried step would unscale twice.
+        for name in ("unscale_", "step"):
+            if name in owner.__dict__:
+                setattr(owner, name, _refusing_queued_work(owner.__dict__[name], f"{owner.__name__}.{name}"))
 
     pending = [GradScaler]
     while pending:
@@ -318,14 +326,17 @@ def _guard_unscale() -> None:
     GradScaler.__init_subclass__ = classmethod(guard_subclass)  # type: ignore[assignment]
 
 
-def _refusing_unscale(original: Callable[..., Any]) -> Callable[..., Any]:
-    @functools.wraps(original)
-    def unscale_(self: Any, optimizer: torch.optim.Optimizer) -> None:
-        if self.is_enabled():
-            refuse_if_queued(_optimizer_params(optimizer), "GradScaler.unscale_ (or scaler.step())")
-        original(self, optimizer)
+def _refusing_queued_work(original: Callable[..., Any], what: str) -> Callable[..., Any]:
+    """A scaler's ``unscale_`` or ``step``, refused while the optimizer's work is queued, before
+    it reads or changes anything."""
 
-    return unscale_
+    @functools.wraps(original)
+    def refusing(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if self.is_enabled():
+            refuse_if_queued(_optimizer_params(optimizer), what)
+        return original(self, optimizer, *args, **kwargs)
+
+    return refusing
 
 
 def _flush_before_pipeline_grad_scaling() -> None:
