@@ -10,6 +10,8 @@ import weakref
 
 import pytest
 import torch
+import torch.nn.utils.parametrize
+import torch.nn.utils.prune
 from torch import nn
 
 import twobp_autograd
@@ -194,6 +196,7 @@ def test_unpatch_restores_plain_autograd():
 def test_module_hooks_still_run_with_plain_values():
     patched, reference = patched_and_reference(mlp())
     seen = {}
+
     def record(tag):
         def pre_hook(module, args):
             seen[tag + "-pre"] = args[0].shape
@@ -785,3 +788,61 @@ def test_a_data_parallel_replica_called_through_its_forward_computes_with_its_ow
     reference(x).sum().backward()
     assert original.weight.grad is None
     assert_grads_match(replica, reference)
+
+
+class _OwnGetattr(nn.Linear):
+    def __getattr__(self, name: str) -> object:
+        value = super().__getattr__(name)
+        return value * 3 if name == "weight" else value
+
+
+def _parametrized() -> nn.Module:
+    module = nn.Linear(3, 2)
+    torch.nn.utils.parametrize.register_parametrization(module, "weight", nn.Tanh())
+    return module
+
+
+def _pruned() -> nn.Module:
+    module = nn.Linear(3, 2)
+    torch.nn.utils.prune.l1_unstructured(module, "weight", amount=0.5)
+    return module
+
+
+def _weight_property() -> nn.Module:
+    """A class attribute named ``weight`` (a property, as a parametrization's class has): reads get it."""
+    module = nn.Linear(3, 2)
+    module.__class__ = type(
+        "WithProperty", (nn.Linear,), {"weight": property(lambda self: self._parameters["weight"] * 2)}
+    )
+    return module
+
+
+def _shadowed() -> nn.Module:
+    module = nn.Linear(3, 2)
+    object.__setattr__(module, "bias", torch.ones(2))  # beside _parameters' bias, found first
+    return module
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nn.Linear(3, 2),
+        lambda: nn.Linear(3, 2, bias=False),
+        _parametrized,
+        _pruned,
+        _shadowed,
+        _weight_property,
+        lambda: _OwnGetattr(3, 2),
+    ],
+    ids=["plain", "no-bias", "parametrized", "pruned", "bias-in-instance-dict", "class-property", "own-getattr"],
+)
+def test_weight_and_bias_reads_what_attribute_reads_read(build):
+    """The rules' fast read of a module's weight and bias gives what ``module.weight`` and
+    ``module.bias`` give, wherever something other than ``_parameters`` answers them."""
+    module = build()
+    expected = (module.weight, module.bias)
+    for read, want in zip(twobp_autograd.registry.weight_and_bias(module), expected, strict=True):
+        if isinstance(want, torch.Tensor) and not want.is_leaf:  # rebuilt per read
+            torch.testing.assert_close(read, want, rtol=0, atol=0)
+        else:
+            assert read is want

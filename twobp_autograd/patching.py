@@ -120,7 +120,8 @@ class DeferredForwardCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.owner()  # None where only shallow copies sharing this call are left
-        if not _is_compiling():
+        compiling = _is_compiling()
+        if not compiling:
             # The module being called may be a shallow copy sharing this call through its copied
             # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it
             # computes with its own parameters and flags, and gets a call of its own.
@@ -145,7 +146,7 @@ class DeferredForwardCall:
             and _wants_grad(module)
         )
         replaying, record = False, None
-        if grad_enabled and not _is_compiling() and _top_saved_tensors_hooks(True) is not None:
+        if grad_enabled and not compiling and _top_saved_tensors_hooks(True) is not None:
             # Under a non-reentrant checkpoint: recorded, and its recomputation takes that path
             # (``replaying`` a call that deferred: its hooks see only the discarded recomputed graph).
             record = record_under_checkpoint(module, deferring)
@@ -166,7 +167,7 @@ class DeferredForwardCall:
                     # enclosing module's rule, not this module's later calls).
                     with first_call_unchecked():
                         return self.deferred(module, *args, **kwargs)
-                if _is_compiling():
+                if compiling:
                     return self.deferred(module, *args, **kwargs)
                 with first_call_checked(args, kwargs):  # the rule computed with its deferred parameters detached
                     output = self.deferred(module, *args, **kwargs)

@@ -28,7 +28,7 @@ from ..deferral import (
     param_inputs,
     sees_post_hooks,
 )
-from ..registry import register
+from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
 
@@ -155,7 +155,7 @@ def _check_num_features(input: Tensor, *tensors: Tensor | None) -> None:
 @register((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
 def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
     """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward)."""
-    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    weight, bias = weight_and_bias(module)
     reason = unsupported_tensors(input, weight, bias)
     if reason is not None:
         return plain_forward(module, reason, input)

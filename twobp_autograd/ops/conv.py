@@ -31,7 +31,7 @@ from ..deferral import (
     single_node_applies,
 )
 from ..job import WeightGradKernel
-from ..registry import register
+from ..registry import register, weight_and_bias
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
@@ -200,7 +200,7 @@ def _deferred_conv(
 @register((nn.Conv1d, nn.Conv2d, nn.Conv3d))
 def conv(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
     """The forward of ``nn.Conv1d/2d/3d`` (``_conv_forward``) with deferred weight gradients."""
-    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    weight, bias = weight_and_bias(module)
     reason = unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input)
@@ -235,7 +235,7 @@ def conv_transpose(
         raise ValueError(f"Only `zeros` padding mode is supported for {type(module).__name__}")
     if not isinstance(module.padding, tuple):
         raise AssertionError("self.padding must be a tuple")
-    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    weight, bias = weight_and_bias(module)
     reason = unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input, output_size)

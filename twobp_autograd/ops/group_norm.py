@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 
 from ..deferral import configured_kernel, defer_weight_grads, detached
-from ..registry import register
+from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
 from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
@@ -67,7 +67,7 @@ _SAMPLES_PER_CALL = 64
 
 @register(nn.GroupNorm)
 def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
-    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    params = weight_and_bias(module)
     reason = unsupported_tensors(input, *params)
     if reason is not None:
         return plain_forward(module, reason, input)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from ..checkpoint_paths import saved_through_user_hooks
 from ..deferral import configured_kernel, defer_weight_grads, detached
-from ..registry import register
+from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
 from .group_norm import group_norm_weight_grad
@@ -64,7 +64,7 @@ def _repeated(tensor: Tensor | None, times: int) -> Tensor | None:
 def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) -> Tensor:
     """``_InstanceNorm.forward`` (an ``affine=False`` module has no parameters and is never
     called here: it runs its own forward)."""
-    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    params = weight_and_bias(module)
     reason = unsupported_tensors(input, *params)
     if reason is not None:
         return plain_forward(module, reason, input)

@@ -24,7 +24,7 @@ from ..deferral import (
     single_node_applies,
 )
 from ..job import WeightGradKernel
-from ..registry import register
+from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
 from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
@@ -114,7 +114,7 @@ def _layer_norm_rows(x: Tensor, mean: Tensor, rstd: Tensor, shape: tuple[int, ..
 
 @register(nn.LayerNorm)
 def layer_norm(module: nn.LayerNorm, input: Tensor) -> Tensor:
-    params = (module.weight, module.bias)  # once: a parametrized weight is rebuilt per read
+    params = weight_and_bias(module)
     reason = unsupported_tensors(input, *params)
     if reason is not None:
         return plain_forward(module, reason, input)

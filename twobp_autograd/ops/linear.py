@@ -22,7 +22,7 @@ from ..deferral import (
     sees_post_hooks,
     single_node_applies,
 )
-from ..registry import register
+from ..registry import register, weight_and_bias
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
 
@@ -150,7 +150,7 @@ def linear_forward(input: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor
 def linear(module: nn.Linear, input: Tensor) -> Tensor:
     """``nn.Linear.forward``. MultiheadAttention's ``out_proj`` is only reached through its
     owner's rule, which never calls its forward; called directly, it is an nn.Linear."""
-    weight, bias = module.weight, module.bias  # once: a parametrized weight is rebuilt per read
+    weight, bias = weight_and_bias(module)
     reason = unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input)
