@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
+import twobp_autograd
 import twobp_autograd as twobp
 from tests.ranks import run_scenario
 from tests.utils import TOLERANCES, Scale, assert_grads_match
@@ -289,6 +290,34 @@ def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_gro
     model.zero_grad()
     x = torch.randn(4, 4, dtype=torch.float64)
     model(x).pow(2).sum().backward()
+    synchroniser.synchronise()
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(model, reference, dtype=torch.float64)
+
+
+def test_a_synchronise_that_failed_before_any_gradient_keeps_its_work_for_the_retry(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A flush under the synchroniser that raised before anything reached .grad (a refusal that
+    says the work stays queued, a kernel out of memory) dropped its work: synchronised again,
+    every deferred .grad stayed None. The work stays queued; the retry equals plain."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    reference = copy.deepcopy(model)
+    synchroniser = GradientSynchroniser(twobp.patch(model, exclude=["2"]), bucket_bytes=64)
+    x = torch.randn(4, 4, dtype=torch.float64)
+    model(x).pow(2).sum().backward()
+    queued = twobp.pending().jobs
+    run_group = twobp_autograd.flush._run_group
+
+    def out_of_memory_once(*args: object, **kwargs: object) -> object:
+        monkeypatch.setattr(twobp_autograd.flush, "_run_group", run_group)
+        raise RuntimeError("out of memory (simulated)")
+
+    monkeypatch.setattr(twobp_autograd.flush, "_run_group", out_of_memory_once)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        synchroniser.synchronise()
+    assert twobp.pending().jobs == queued > 0
     synchroniser.synchronise()
     reference(x).pow(2).sum().backward()
     assert_grads_match(model, reference, dtype=torch.float64)

@@ -196,6 +196,19 @@ def test_create_graph_is_refused_not_silently_wrong(call):
     assert twobp.pending().jobs == 0
 
 
+def test_a_create_graph_refusal_says_that_parameters_reached_before_it_hold_gradients():
+    """The refusal can only come at the first patched node the engine runs: a parameter used
+    after the patched layers (a learned logit scale) has its gradient already, and running the
+    step again as the refusal said, without zeroing, doubled it."""
+    model = nn.Linear(3, 2).double()
+    scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    twobp.patch(model)
+    loss = (model(torch.randn(4, 3, dtype=torch.float64)) * scale).pow(2).sum()
+    with pytest.raises(RuntimeError, match=r"create_graph=True.*may hold this backward's gradient.*zero_grad\(\)"):
+        loss.backward(create_graph=True)
+    assert scale.grad is not None  # what the refusal warns about
+
+
 def test_post_accumulate_hooks_see_the_gradient_at_flush():
     """During backward-p1 a deferred parameter's post-accumulate hooks are called with None (its
     gradient does not exist yet, as for any custom autograd Function returning None); at the
@@ -537,7 +550,8 @@ def test_optimizer_in_backward_hooks_registered_between_two_backwards_step_once_
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
     loss_of(patched, x1).backward()
     loss_of(patched, x2).backward()
-    with pytest.raises(PartlyDelivered, match="sums the weight gradients of several backward calls"):
+    # Parameters delivered before the refused one were stepped by their hooks: the message says so.
+    with pytest.raises(PartlyDelivered, match="handed over have run.*sums the weight gradients of several backward"):
         twobp.flush_weight_grads()
 
 

@@ -194,8 +194,11 @@ class GradientSynchroniser:
         gradients of ``params`` (default: all of the module's) this step; later work queued for
         a parameter keeps it waiting. A rank holding several pipeline stages passes the flushed
         stage's: another stage's backwards may be still to come with nothing queued (a capped
-        queue flushed it early). A flush that raises has dropped its work and may have launched
-        part of the reductions: discard the step (:meth:`reset`, and ``zero_grad``)."""
+        queue flushed it early). A flush that raises before any gradient reached ``.grad``
+        leaves its work queued (a refusal's fix, then this flush again, runs the step as
+        before); one that raises after (:class:`~twobp_autograd.flush.PartlyDelivered`) has
+        dropped its work and may have launched part of the reductions: discard the step
+        (``zero_grad``). Either way this step's launched reductions are forgotten."""
         if queue is None:  # not `or`: an empty queue is falsy
             queue = self.queue if self.queue is not None else current_queue()
         jobs = queue.take(tags)
@@ -219,8 +222,8 @@ class GradientSynchroniser:
             with queue.running(jobs):
                 run_jobs(jobs, bucketed)
         except BaseException:
-            # The step is lost (its work dropped): forget its readiness and launched buckets, so
-            # that the next step does not write a reduction of this one's gradients back.
+            # Forget this flush's readiness and launched buckets, so that neither a retry nor the
+            # next step writes a reduction of these gradients back (a retry launches its own).
             self.reset()
             raise
         finally:

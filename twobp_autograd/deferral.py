@@ -399,7 +399,16 @@ def _refuse_create_graph() -> None:
             "Jacobian-vector product use torch.func.jvp or torch.autograd.forward_ad). Run this "
             "step on the unpatched modules: twobp.unpatch(model), or twobp.unpatch(module) for "
             "those involved (patch(model, exclude=[...]) leaves them out when patching)."
+            f"{_REACHED_BEFORE}"
         )
+
+
+#: Said by a refusal raised inside a backward: the engine ran nodes before the refusing one.
+_REACHED_BEFORE = (
+    " Parameters this backward reached before the refusal (used after this module in the "
+    "forward) may hold this backward's gradient in .grad already: optimizer.zero_grad() before "
+    "running the step again."
+)
 
 
 def _carries_tangents(ctx: Any, grad_outputs: Sequence[Tensor]) -> bool:
@@ -432,7 +441,8 @@ class _TangentGuard(torch.autograd.Function):
                 "(reverse-over-forward, e.g. a loss on a Jacobian-vector product) is not "
                 "supported: the tangent was computed from detached weights (BatchNorm's from a "
                 "detached input too), so their gradients through it would be missing. Compute such "
-                "a loss on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]))."
+                f"a loss on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]))."
+                f"{_REACHED_BEFORE}"
             )
         return (grad, *(None for _ in ctx.needs_input_grad[1:]))
 

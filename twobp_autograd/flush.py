@@ -241,11 +241,18 @@ def run_jobs(
                 )
             raise
         if handed_over:
+            hooks_ran = (
+                " The post-accumulate-grad hooks of the parameters handed over have run: an optimizer "
+                "stepping in them (optimizer-in-backward) has stepped those parameters, which running the "
+                "step again steps twice (restore them and the optimizer's state first, from a checkpoint)."
+                if delivery is not None
+                else ""
+            )
             raise PartlyDelivered(
                 "twobp: a flush failed while handing its gradients over (a hook raised, or after a "
                 "delivery bucket or FSDP2's reduction group by group): .grad may hold part of that "
                 "work and the rest is dropped. Zero the gradients (optimizer.zero_grad()) and run the "
-                f"step again. The failure: {error}"
+                f"step again.{hooks_ran} The failure: {error}"
             ) from error
         raise
     finally:

@@ -474,14 +474,18 @@ class WeightGradQueue:
             if held:
                 self._queue_held(held, jobs)
         except BaseException as error:
-            if partly_delivered(error):
-                raise
-            with self._lock:
-                self._jobs[:0] = jobs
-                self._count(jobs, +1)
+            self._put_back_unless_delivered(jobs, error)
             raise
         finally:
             self._land(flight)
+
+    def _put_back_unless_delivered(self, jobs: list[WeightGradJob], error: BaseException) -> None:
+        """After a failed run of ``jobs``: back in front of the queue, oldest first, where none of
+        their gradients reached ``.grad`` (the refusals say the work stays queued)."""
+        if not partly_delivered(error):
+            with self._lock:
+                self._jobs[:0] = jobs
+                self._count(jobs, +1)
 
     def _queue_held(self, held: list[tuple[Tensor, Tensor]], jobs: Sequence[WeightGradJob]) -> None:
         """Queue gradients an early flush held back as one job (never flushed early again), with
@@ -502,13 +506,17 @@ class WeightGradQueue:
             self._count([job], +1)
 
     @contextlib.contextmanager
-    def running(self, jobs: Sequence[WeightGradJob]) -> Iterator[None]:
+    def running(self, jobs: list[WeightGradJob]) -> Iterator[None]:
         """Run jobs got from :meth:`take` inside: until the block ends they count as this
-        queue's work for other threads (see the module's docstring)."""
+        queue's work for other threads (see the module's docstring). A block that raises before
+        any of their gradients reached ``.grad`` puts them back, as a failed :meth:`flush` does."""
         with self._lock:
             flight = self._take_off(jobs)
         try:
             yield
+        except BaseException as error:
+            self._put_back_unless_delivered(jobs, error)
+            raise
         finally:
             self._land(flight)
 
