@@ -274,16 +274,23 @@ def test_synchronising_another_queue_than_the_forwards_used_is_refused(one_rank_
     assert_grads_match(model, reference)
 
 
-def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_group: None) -> None:
-    """The flush failed (a saved input refilled in place) after a plain layer's bucket was
-    launched: the next step's finish() waited on that reduction and wrote the failed step's
-    gradient back (0.13 off on 2 ranks, then every parameter). A failed flush forgets its step."""
+def _backward_of_a_half_deferred_model() -> tuple[nn.Module, nn.Module, GradientSynchroniser, Tensor]:
+    """A model whose last layer is plain (its bucket launches in backward), after one backward;
+    its unpatched copy, its synchroniser and the input."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
     reference = copy.deepcopy(model)
     synchroniser = GradientSynchroniser(twobp.patch(model, exclude=["2"]), bucket_bytes=64)
     x = torch.randn(4, 4, dtype=torch.float64)
     model(x).pow(2).sum().backward()
+    return model, reference, synchroniser, x
+
+
+def test_a_step_whose_synchronise_failed_leaves_nothing_to_the_next(one_rank_group: None) -> None:
+    """The flush failed (a saved input refilled in place) after a plain layer's bucket was
+    launched: the next step's finish() waited on that reduction and wrote the failed step's
+    gradient back (0.13 off on 2 ranks, then every parameter). A failed flush forgets its step."""
+    model, reference, synchroniser, x = _backward_of_a_half_deferred_model()
     x.add_(1.0)  # a loader refilling its buffer before the step ends
     with pytest.raises(RuntimeError, match="twobp: a tensor that a queued weight-gradient job needs"):
         synchroniser.synchronise()
@@ -301,12 +308,7 @@ def test_a_synchronise_that_failed_before_any_gradient_keeps_its_work_for_the_re
     """A flush under the synchroniser that raised before anything reached .grad (a refusal that
     says the work stays queued, a kernel out of memory) dropped its work: synchronised again,
     every deferred .grad stayed None. The work stays queued; the retry equals plain."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
-    reference = copy.deepcopy(model)
-    synchroniser = GradientSynchroniser(twobp.patch(model, exclude=["2"]), bucket_bytes=64)
-    x = torch.randn(4, 4, dtype=torch.float64)
-    model(x).pow(2).sum().backward()
+    model, reference, synchroniser, x = _backward_of_a_half_deferred_model()
     queued = twobp.pending().jobs
     run_group = twobp_autograd.flush._run_group
 
