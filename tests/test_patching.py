@@ -98,6 +98,7 @@ def test_a_subclass_is_reported_by_its_full_name_with_the_rule_that_fits_it():
     assert "twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)" in keeps
     assert "with a forward of its own: register a rule for it" in own
     assert "twobp.register(_LinearOfItsOwn, twobp_autograd.ops.recompute)" in own  # Falcon's FalconLinear, say
+    assert "called with positional tensors only" in own  # OPT's positional embedding is called with keywords
     twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)  # as the report says
     assert twobp.patch(model, report=True).patched == ["0"]
     twobp.register(_LinearOfItsOwn, twobp_autograd.ops.recompute)

@@ -190,7 +190,8 @@ def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
         return (
             f"{why}; it derives from {base.__name__} with a forward of its own: register a rule for it "
             f"(twobp.register({module_type.__name__}, twobp_autograd.ops.recompute) re-runs its forward at the "
-            "flush, for a module that treats each sample of a batch on its own)"
+            "flush, for a module that treats each sample of a batch on its own and is called with positional "
+            "tensors only: calls with keyword arguments keep plain autograd)"
         )
     rule = _rules[base].forward
     return (
