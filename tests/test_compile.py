@@ -273,11 +273,53 @@ def test_a_compiled_norm_under_autocast_traces_without_dynamos_cache_warning():
     assert model[1].weight.grad is not None
 
 
-def test_fullgraph_over_a_patched_model_fails_saying_why():
-    """Dynamo's own error was an AttributeError on FunctionCtx, with a hint that eager may fail too."""
-    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
-    with pytest.raises(Exception, match=r"twobp: torch.compile cannot trace a patched layer's deferred backward"):
-        torch.compile(model, backend="eager", fullgraph=True)(torch.randn(3, 4)).sum().backward()
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, batch_first=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.attention(x, x, x)[0]
+
+
+class _Scaled(nn.Module):
+    """A module for the recompute rule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x * self.weight)
+
+
+FULLGRAPH_CASES = {
+    "Linear": (lambda: nn.Linear(8, 8), lambda: torch.randn(3, 8)),
+    "Conv2d": (lambda: nn.Conv2d(2, 2, 3), lambda: torch.randn(2, 2, 5, 5)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(2), lambda: torch.randn(2, 2, 5, 5)),
+    "LayerNorm": (lambda: nn.LayerNorm(8), lambda: torch.randn(3, 8)),
+    "GroupNorm": (lambda: nn.GroupNorm(2, 4), lambda: torch.randn(2, 4, 3)),
+    "InstanceNorm1d": (lambda: nn.InstanceNorm1d(4, affine=True), lambda: torch.randn(2, 4, 3)),
+    "RMSNorm": (lambda: nn.RMSNorm(8), lambda: torch.randn(3, 8)),
+    "Embedding": (lambda: nn.Embedding(10, 8), lambda: torch.randint(0, 10, (3,))),
+    "EmbeddingBag": (lambda: nn.EmbeddingBag(10, 8), lambda: torch.randint(0, 10, (3, 2))),
+    "MultiheadAttention": (_Attention, lambda: torch.randn(2, 3, 8)),
+    "recompute": (_Scaled, lambda: torch.randn(3, 8)),
+}
+
+
+@pytest.mark.parametrize("build, make_input", FULLGRAPH_CASES.values(), ids=FULLGRAPH_CASES.keys())
+def test_fullgraph_over_a_patched_model_fails_saying_why(build, make_input):
+    """Dynamo's own error was an AttributeError on FunctionCtx, with a hint that eager may fail
+    too; and where a rule broke the graph in its forward (GroupNorm, RMSNorm, the embeddings:
+    ``_is_view``; BatchNorm: its custom jvp; InstanceNorm: a skipped function; recompute:
+    ``is_inference``), Dynamo's error said nothing of why."""
+    torch._dynamo.reset()
+    with twobp.registry.rules_restored_after():
+        twobp.register(_Scaled, twobp.ops.recompute)
+        model = twobp.patch(nn.Sequential(build()))
+        with pytest.raises(Exception, match=r"twobp: torch.compile cannot trace a patched layer's deferred backward"):
+            torch.compile(model, backend="eager", fullgraph=True)(make_input()).sum().backward()
     twobp.discard_weight_grads()
 
 

@@ -57,6 +57,7 @@ __all__ = [
     "param_from_input",
     "untappable_view",
     "sees_post_hooks",
+    "NO_FULL_GRAPH",
 ]
 
 
@@ -72,6 +73,13 @@ def detached(param: Tensor | None) -> Tensor | None:
     call keeps its graph, and autograd differentiates through it at once)."""
     return param.detach() if param is not None and param.is_leaf else param
 
+
+#: Why Dynamo's graph ends at a patched layer (``fullgraph=True`` fails with this).
+NO_FULL_GRAPH = (
+    "twobp: torch.compile cannot trace a patched layer's deferred backward into one graph: "
+    "fullgraph=True is not supported over a patched model (each patched layer ends a graph). "
+    "Compile without fullgraph, or compile the unpatched model (twobp.unpatch)."
+)
 
 #: What one backward does with a parameter's gradient: queue it, return it, or leave it alone.
 Decision = Literal["defer", "now", "skip"]
@@ -108,12 +116,8 @@ class ParamDeferral(NamedTuple):
         refusing ``create_graph=True``. (``next_functions`` builds a new tuple per read: read once.)"""
         _refuse_create_graph()
         edges = getattr(ctx, "next_functions", None)
-        if edges is None:  # Dynamo speculating this backward (fullgraph=True ends here)
-            raise RuntimeError(
-                "twobp: torch.compile cannot trace a patched layer's deferred backward into one graph: "
-                "fullgraph=True is not supported over a patched model (each patched layer ends a graph). "
-                "Compile without fullgraph, or compile the unpatched model (twobp.unpatch)."
-            )
+        if edges is None:  # Dynamo speculating this backward (a Function applied outside a patched call)
+            raise RuntimeError(NO_FULL_GRAPH)
         return [node for node, _ in edges[len(edges) - len(self.params) :]]
 
     def _decisions(self, ctx: Any, nodes: Sequence[Any]) -> list[Decision]:

@@ -22,7 +22,13 @@ from . import ops  # noqa: F401  (registers the built-in op families)
 from .checkpoint_paths import enter_call, leave_call, link_nested_frames, record_under_checkpoint, took_plain
 from .compile_frames import keep_own_frames_eager
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
-from .deferral import first_call_checked, first_call_unchecked, first_calls_open, inside_first_call_check
+from .deferral import (
+    NO_FULL_GRAPH,
+    first_call_checked,
+    first_call_unchecked,
+    first_calls_open,
+    inside_first_call_check,
+)
 from .grad_guard import install_grad_guards
 from .registry import DeferredForward, module_class, rule_for, unregistered_why
 from .warn_once import warn_once
@@ -160,6 +166,13 @@ class DeferredForwardCall:
                     warn_plain(module)
                     took_plain(module)
                     return type(module).forward(module, *args, **kwargs)
+                if compiling:
+                    # Traced by Dynamo: the deferred path's Functions queue work in their backward,
+                    # which no graph can hold. Ending the graph here, not inside the rule, gives
+                    # every op family one reason for fullgraph=True to fail with; Dynamo runs the
+                    # call eagerly (this package's frames are never compiled: compile_frames).
+                    torch._dynamo.graph_break(msg=NO_FULL_GRAPH)  # a keyword: Dynamo reads only msg=
+                    return self.deferred(module, *args, **kwargs)
                 if self.first_call_checked:
                     if not first_calls_open or not inside_first_call_check():
                         return self.deferred(module, *args, **kwargs)
@@ -167,8 +180,6 @@ class DeferredForwardCall:
                     # enclosing module's rule, not this module's later calls).
                     with first_call_unchecked():
                         return self.deferred(module, *args, **kwargs)
-                if compiling:
-                    return self.deferred(module, *args, **kwargs)
                 with first_call_checked(args, kwargs):  # the rule computed with its deferred parameters detached
                     output = self.deferred(module, *args, **kwargs)
                 self.first_call_checked = True
