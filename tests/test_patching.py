@@ -792,9 +792,17 @@ def test_a_data_parallel_replica_called_through_its_forward_computes_with_its_ow
 
 
 class _OwnGetattr(nn.Linear):
+    """Scales its weight on reads once ``scaled`` (not before: initialisation writes through reads)."""
+
     def __getattr__(self, name: str) -> object:
         value = super().__getattr__(name)
-        return value * 3 if name == "weight" else value
+        return value * 3 if name == "weight" and self.__dict__.get("scaled") else value
+
+
+def _own_getattr() -> nn.Module:
+    module = _OwnGetattr(3, 2)
+    module.scaled = True
+    return module
 
 
 def _parametrized() -> nn.Module:
@@ -833,7 +841,7 @@ def _shadowed() -> nn.Module:
         _pruned,
         _shadowed,
         _weight_property,
-        lambda: _OwnGetattr(3, 2),
+        _own_getattr,
     ],
     ids=["plain", "no-bias", "parametrized", "pruned", "bias-in-instance-dict", "class-property", "own-getattr"],
 )
