@@ -33,7 +33,7 @@ from twobp_autograd.pipeline import PipelineError, PipelineRuntime, RankMetrics,
 from twobp_autograd.pipeline.actions import B, Payload
 from twobp_autograd.pipeline.actions import F as Forward
 from twobp_autograd.pipeline.posting import posting_order
-from twobp_autograd.pipeline.runtime import _METRICS_TAG, _SHAPE_TAG
+from twobp_autograd.pipeline.runtime import _METRICS_TAG, _SHAPE_TAG, _split_alike
 from twobp_autograd.pipeline.schedules import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
@@ -476,13 +476,25 @@ def _batches_and_losses(rank: int) -> dict:
             results["no_grad"] = None
         except RuntimeError as error:
             results["no_grad"] = str(error)
-    # Inputs as a Hugging Face user passes them: rank 0 failed alone, the other waited out its timeout.
-    start = time.monotonic()
-    try:
-        runtime.step({"input_ids": x, "attention_mask": x} if rank == 0 else None, y if rank == 1 else None)
-        results["dict_inputs"] = None
-    except TypeError as error:
-        results["dict_inputs"] = (str(error), time.monotonic() - start)
+    # Inputs as a Hugging Face user passes them: rank 0 failed alone, the other waited out its
+    # timeout; so did rank 0 for targets missing on rank 1, or of a non-tensor type. Targets of
+    # another batch than the inputs' were split apart from them (a loss broadcast one target row
+    # over two outputs, weighted 1/3 and 2/3), where one process's loss refuses them.
+    misgiven = {
+        "dict_inputs": ({"input_ids": x, "attention_mask": x}, y),
+        "no_targets": (x, None),
+        "list_of_numbers_as_targets": (x, [1.0, 2.0, 3.0, 4.0]),
+        "targets_of_another_batch": (x, y[:3]),
+        # Two rows per sample (flattened tokens) split 5 / 5 where the inputs split 3 / 2.
+        "two_rows_per_sample_split_unevenly": (torch.randn(5, 4), torch.randn(10, 2)),
+    }
+    for case, (given_inputs, given_targets) in misgiven.items():
+        start = time.monotonic()
+        try:
+            runtime.step(given_inputs if rank == 0 else None, given_targets if rank == 1 else None)
+            results[case] = None
+        except (TypeError, ValueError, PipelineError) as error:
+            results[case] = (str(error), time.monotonic() - start)
     # A step under autocast, then one without, on the same shapes: the activations' dtypes were
     # cached per input shape, so the second step's fp32 output met the first's bf16 record.
     torch.manual_seed(0)
@@ -723,15 +735,33 @@ def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) 
     ranks = launch("batches_and_losses", str(tmp_path), deadline=120.0)
     for rank, result in enumerate(ranks):
         assert result is not None and "crash" not in result, result
-        refusals = ("no_grad", "warnings", "dict_inputs", "autocast_on_one_rank")
+        misgiven = {
+            "dict_inputs": (0, "must be one tensor"),
+            "no_targets": (1, "the last rank needs the targets"),
+            "list_of_numbers_as_targets": (1, "targets must be a tensor, or a dict"),
+            "targets_of_another_batch": (None, "targets hold 3 samples on dim 0 and its inputs 4"),
+            "two_rows_per_sample_split_unevenly": (None, "targets hold 10 samples on dim 0 and its inputs 5"),
+        }
+        refusals = ("no_grad", "warnings", "autocast_on_one_rank", *misgiven)
         assert all(not found for case, found in result.items() if case not in refusals), (rank, result)
         assert result["no_grad"] and "twobp: PipelineRuntime.step() trains" in result["no_grad"], result
-        assert result["dict_inputs"], (rank, result)
-        message, elapsed = result["dict_inputs"]
-        assert message.startswith("twobp:") and ("must be one tensor" if rank == 0 else "rank 0 refused") in message
-        assert elapsed < RUNTIME_TIMEOUT / 2, (rank, elapsed)
+        for case, (culprit, reason) in misgiven.items():  # every rank refuses, at once
+            assert result[case], (rank, case, result)
+            message, elapsed = result[case]
+            said = reason if culprit in (None, rank) else f"rank {culprit} refused this step's inputs or targets"
+            assert message.startswith("twobp:") and said in message, (rank, case, message)
+            assert elapsed < RUNTIME_TIMEOUT / 2, (rank, case, elapsed)
         assert result["autocast_on_one_rank"], (rank, result)
         message, elapsed = result["autocast_on_one_rank"]
         assert message.startswith(f"twobp: rank {rank}: the ranks' steps run under different autocasts"), message
         assert elapsed < RUNTIME_TIMEOUT / 2, (rank, elapsed)
     assert any("stage 1's output does not depend on its input" in w for w in ranks[1]["warnings"]), ranks[1]
+
+
+def test_targets_split_alike_with_the_inputs_hold_as_many_rows_per_sample_in_every_micro_batch() -> None:
+    assert _split_alike(8, 8, 3)  # one row per sample: 3 / 3 / 2 both
+    assert _split_alike(32, 8, 4)  # four flattened tokens per sample, 8 / 8 / 8 / 8 against 2 / 2 / 2 / 2
+    assert _split_alike(15, 5, 5)
+    assert not _split_alike(10, 5, 2)  # 5 / 5 rows against 3 / 2 samples
+    assert not _split_alike(12, 8, 4)  # no whole number of rows per sample
+    assert not _split_alike(7, 8, 2)

@@ -57,8 +57,6 @@ _DTYPES = (
 )  # fmt: skip
 # gloo matches messages by tag; NCCL by the order two ranks post them (see .posting).
 _SHAPE_TAG = 1 << 20
-#: A step header's dtype code saying rank 0 refused the step's inputs.
-_REFUSED = -1
 #: What a gradient's receive expects for an integer output: nothing (none is sent back).
 _NOTHING_COMES = object()
 #: What a receive will get: its shape and dtype, _NOTHING_COMES, or None while not known.
@@ -307,10 +305,6 @@ class PipelineRuntime:
         the last (split on dim 0 into the micro-batches). Returns the gathered
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
         m = self.num_micro_batches
-        if self.first and inputs is None:
-            raise ValueError("twobp: the first rank needs the inputs")
-        if self.last and targets is None:
-            raise ValueError("twobp: the last rank needs the targets")
         if not torch.is_grad_enabled():
             raise RuntimeError(
                 "twobp: PipelineRuntime.step() trains (forward and backward); under torch.no_grad() or "
@@ -318,7 +312,7 @@ class PipelineRuntime:
                 "yourself."
             )
         self.apply_mode()
-        shape_key = self._agree_on_step_shape(inputs)
+        shape_key = self._agree_on_step_shape(inputs, targets)
         step = _Step(
             inputs=list(inputs.tensor_split(m)) if inputs is not None and self.first else [],
             targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
@@ -542,29 +536,37 @@ class PipelineRuntime:
 
     # -- shapes -------------------------------------------------------------------------
 
-    def _agree_on_step_shape(self, inputs: Tensor | None) -> Hashable:
-        # The input's dtype and shape from rank 0, and every rank's autocast (it changes the
-        # activations' dtypes for the same input shape: a step under autocast and one without must
-        # not share cached shapes), summed over the group: the other ranks add zeros to rank 0's
-        # part, and each rank sees every rank's autocast, so all refuse a mismatch together.
-        header = torch.zeros(2 + _MAX_DIMS + self.world_size, dtype=torch.int64, device=self._comm_device)
-        refusal = None
-        if self.first:
-            try:
+    def _agree_on_step_shape(self, inputs: Tensor | None, targets: Any) -> Hashable:
+        # One header summed over the group (each rank writes its own parts, zeros elsewhere):
+        # the inputs' dtype and shape from the first stage's rank, every rank's autocast (it
+        # changes the activations' dtypes for the same input shape: a step under autocast and one
+        # without must not share cached shapes), every rank's refusal of what it was given, and
+        # the targets' batch from the last stage's rank. Every rank sees all of it, so all refuse
+        # together; one refusing alone left the others waiting for it until the timeout.
+        size = self.world_size
+        header = torch.zeros(3 + _MAX_DIMS + 2 * size, dtype=torch.int64, device=self._comm_device)
+        autocast_at, refusal_at, targets_batch = 2 + _MAX_DIMS, 2 + _MAX_DIMS + size, 2 + _MAX_DIMS + 2 * size
+        refusal: Exception | None = None
+        try:
+            if self.first:
                 header[: 2 + _MAX_DIMS].copy_(_meta(_one_tensor(inputs)))
-            except (TypeError, ValueError) as error:  # every rank raises, not this one alone (the
-                refusal = error  # others would wait for the header until the timeout)
-                header[0] = _REFUSED
-        header[2 + _MAX_DIMS + self.rank] = _autocast_code(self.device)
+            if self.last:
+                header[targets_batch] = _batch_of_targets(targets)
+        except (TypeError, ValueError) as error:
+            refusal = error
+            header[refusal_at + self.rank] = 1
+        header[autocast_at + self.rank] = _autocast_code(self.device)
         work = dist.all_reduce(header, group=self.group, async_op=True)
-        first = self.placement[0]
-        self._wait(work, f"the step's input shape from rank {first}", timer=None)
-        if int(header[0]) == _REFUSED:
-            raise refusal or TypeError(
-                f"twobp: rank {self.rank}: rank {first} refused this step's inputs (it holds stage 0; see its error)"
+        self._wait(work, "agreeing with every rank on this step's inputs and targets", timer=None)
+        if refusal is not None:
+            raise refusal
+        refused = [rank for rank, flag in enumerate(header[refusal_at:targets_batch].tolist()) if flag]
+        if refused:
+            raise PipelineError(
+                f"twobp: rank {self.rank}: rank {refused[0]} refused this step's inputs or targets (see its error)"
             )
-        key = tuple(header[: 3 + _MAX_DIMS].tolist())  # rank 0's inputs and autocast
-        autocasts = header[2 + _MAX_DIMS :].tolist()
+        key = tuple(header[: 3 + _MAX_DIMS].tolist())  # the inputs, and rank 0's autocast
+        autocasts = header[autocast_at:refusal_at].tolist()
         if len(set(autocasts)) > 1:
             under = [rank for rank, code in enumerate(autocasts) if code]
             raise PipelineError(
@@ -577,6 +579,15 @@ class PipelineRuntime:
             raise ValueError(
                 f"twobp: a step's inputs must hold at least num_micro_batches={self.num_micro_batches} samples "
                 f"on dim 0 (one per micro-batch); got {batch}"
+            )
+        if not _split_alike(int(header[targets_batch]), batch, self.num_micro_batches):
+            # Split apart from the inputs, a micro-batch's loss pairs outputs with other samples'
+            # targets (or broadcasts them), where one process's loss refuses them.
+            raise ValueError(
+                f"twobp: rank {self.rank}: this step's targets hold {int(header[targets_batch])} samples on dim 0 "
+                f"and its inputs {batch}: both are split on dim 0 into the {self.num_micro_batches} micro-batches, "
+                "so the targets must hold as many rows as the inputs, or k rows per sample (tokens flattened "
+                "sample by sample) with the micro-batches dividing the batch evenly"
             )
         return key
 
@@ -732,6 +743,8 @@ def _what(message: Message) -> str:
 
 
 def _one_tensor(inputs: Any) -> Tensor:
+    if inputs is None:
+        raise ValueError("twobp: the first rank needs the inputs")
     if not isinstance(inputs, Tensor):
         raise TypeError(
             f"twobp: a pipeline step's inputs must be one tensor (split on dim 0 into the micro-batches), not "
@@ -769,14 +782,39 @@ def _batch_of(shape_key: Hashable) -> int:
     return int(shape_key[2]) if shape_key[1] > 0 else 0
 
 
-def _micro_batches_of(targets: Any, m: int) -> list[Any]:
-    """A tensor, or a dict / tuple / list of tensors, split on dim 0 into ``m`` like the inputs."""
-    leaves, spec = tree_flatten(targets)
-    if not leaves or not all(isinstance(t, Tensor) for t in leaves):
+def _split_alike(targets_batch: int, batch: int, m: int) -> bool:
+    """Whether ``tensor_split(m)`` cuts ``targets_batch`` rows where it cuts ``batch`` samples,
+    with the same number of rows per sample (one, or k flattened ones) in every micro-batch."""
+    if targets_batch % batch:
+        return False
+    rows = targets_batch // batch
+
+    def sizes(n: int) -> list[int]:
+        return [n // m + (1 if part < n % m else 0) for part in range(m)]
+
+    return sizes(targets_batch) == [rows * size for size in sizes(batch)]
+
+
+def _batch_of_targets(targets: Any) -> int:
+    """The samples of a step's targets (a tensor, or a dict / tuple / list of tensors, each with
+    them on dim 0), or a clear error."""
+    if targets is None:
+        raise ValueError("twobp: the last rank needs the targets")
+    leaves, _ = tree_flatten(targets)
+    if not leaves or not all(isinstance(t, Tensor) and t.dim() > 0 for t in leaves):
         raise TypeError(
             "twobp: a pipeline step's targets must be a tensor, or a dict, tuple or list of tensors "
             f"(each split on dim 0 into the micro-batches), not {type(targets).__name__}"
         )
+    batches = {t.shape[0] for t in leaves}
+    if len(batches) > 1:
+        raise ValueError(f"twobp: a pipeline step's targets hold different numbers of samples on dim 0: {batches}")
+    return batches.pop()
+
+
+def _micro_batches_of(targets: Any, m: int) -> list[Any]:
+    """Targets (checked by :func:`_batch_of_targets`) split on dim 0 into ``m`` like the inputs."""
+    leaves, spec = tree_flatten(targets)
     parts = [t.tensor_split(m) for t in leaves]
     return [tree_unflatten([p[k] for p in parts], spec) for k in range(m)]
 
