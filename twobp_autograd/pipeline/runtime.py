@@ -551,7 +551,8 @@ class PipelineRuntime:
             if self.first:
                 header[: 2 + _MAX_DIMS].copy_(_meta(_one_tensor(inputs)))
             if self.last:
-                header[targets_batch] = _batch_of_targets(targets)
+                targets_batches = _batches_of_targets(targets)
+                header[targets_batch] = targets_batches.pop() if len(targets_batches) == 1 else _SEVERAL
         except (TypeError, ValueError) as error:
             refusal = error
             header[refusal_at + self.rank] = 1
@@ -580,15 +581,19 @@ class PipelineRuntime:
                 f"twobp: a step's inputs must hold at least num_micro_batches={self.num_micro_batches} samples "
                 f"on dim 0 (one per micro-batch); got {batch}"
             )
-        if not _split_alike(int(header[targets_batch]), batch, self.num_micro_batches):
-            # Split apart from the inputs, a micro-batch's loss pairs outputs with other samples'
-            # targets (or broadcasts them), where one process's loss refuses them.
-            raise ValueError(
-                f"twobp: rank {self.rank}: this step's targets hold {int(header[targets_batch])} samples on dim 0 "
-                f"and its inputs {batch}: both are split on dim 0 into the {self.num_micro_batches} micro-batches, "
-                "so the targets must hold as many rows as the inputs, or k rows per sample (tokens flattened "
-                "sample by sample) with the micro-batches dividing the batch evenly"
-            )
+        # Targets split apart from the inputs pair a micro-batch's outputs with other samples'
+        # targets (or a loss broadcasts them), where one process's loss refuses them. Targets
+        # whose tensors hold different numbers of rows are checked on their rank alone.
+        given = int(header[targets_batch])
+        leaves = _batches_of_targets(targets) if self.last and given == _SEVERAL else {given}
+        for rows in leaves:
+            if rows != _SEVERAL and not _split_alike(rows, batch, self.num_micro_batches):
+                raise ValueError(
+                    f"twobp: rank {self.rank}: this step's targets hold {rows} samples on dim 0 and its inputs "
+                    f"{batch}: both are split on dim 0 into the {self.num_micro_batches} micro-batches, so the "
+                    "targets must hold as many rows as the inputs, or k rows per sample (tokens flattened sample "
+                    "by sample) with the micro-batches dividing the batch evenly"
+                )
         return key
 
     def _send_activation(self, step: _Step, out: Tensor, message: Message) -> None:
@@ -795,9 +800,9 @@ def _split_alike(targets_batch: int, batch: int, m: int) -> bool:
     return sizes(targets_batch) == [rows * size for size in sizes(batch)]
 
 
-def _batch_of_targets(targets: Any) -> int:
-    """The samples of a step's targets (a tensor, or a dict / tuple / list of tensors, each with
-    them on dim 0), or a clear error."""
+def _batches_of_targets(targets: Any) -> set[int]:
+    """The rows on dim 0 of a step's targets' tensors (a tensor, or a dict / tuple / list of
+    them), or a clear error."""
     if targets is None:
         raise ValueError("twobp: the last rank needs the targets")
     leaves, _ = tree_flatten(targets)
@@ -806,14 +811,15 @@ def _batch_of_targets(targets: Any) -> int:
             "twobp: a pipeline step's targets must be a tensor, or a dict, tuple or list of tensors "
             f"(each split on dim 0 into the micro-batches), not {type(targets).__name__}"
         )
-    batches = {t.shape[0] for t in leaves}
-    if len(batches) > 1:
-        raise ValueError(f"twobp: a pipeline step's targets hold different numbers of samples on dim 0: {batches}")
-    return batches.pop()
+    return {t.shape[0] for t in leaves}
+
+
+#: A step header's targets batch saying the targets' tensors hold different numbers of rows.
+_SEVERAL = -1
 
 
 def _micro_batches_of(targets: Any, m: int) -> list[Any]:
-    """Targets (checked by :func:`_batch_of_targets`) split on dim 0 into ``m`` like the inputs."""
+    """Targets (checked by :func:`_batches_of_targets`) split on dim 0 into ``m`` like the inputs."""
     leaves, spec = tree_flatten(targets)
     parts = [t.tensor_split(m) for t in leaves]
     return [tree_unflatten([p[k] for p in parts], spec) for k in range(m)]
