@@ -146,6 +146,7 @@ class DeferredForwardCall:
             and module.training
             and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
             and not _is_exporting()  # torch.export records the plain forward's ops
+            and not _is_jit_tracing()  # so does torch.jit.trace (the deferred path's nodes cannot be traced)
             # fx tracing into a module: its inputs are Proxies (the first one tells, where there is
             # one: cheaper than fx's thread-local flag)
             and not (isinstance(args[0], _Proxy) if args else _is_fx_symbolic_tracing())
@@ -242,6 +243,7 @@ _is_exporting = torch.compiler.is_exporting
 _is_fx_symbolic_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
 _Proxy = torch.fx.Proxy
 _is_compiling = torch.compiler.is_compiling
+_is_jit_tracing = torch._C._is_tracing
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CALL_IMPL = nn.Module._call_impl.__code__
 

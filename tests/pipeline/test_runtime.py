@@ -487,6 +487,7 @@ def _batches_and_losses(rank: int) -> dict:
         "targets_of_another_batch": (x, y[:3]),
         # Two rows per sample (flattened tokens) split 5 / 5 where the inputs split 3 / 2.
         "two_rows_per_sample_split_unevenly": (torch.randn(5, 4), torch.randn(10, 2)),
+        "a_count_beside_the_targets": (x, {"value": y, "items": torch.tensor(37)}),
     }
     for case, (given_inputs, given_targets) in misgiven.items():
         start = time.monotonic()
@@ -741,6 +742,7 @@ def test_uneven_batches_sum_losses_and_dict_targets_match_one_process(tmp_path) 
             "list_of_numbers_as_targets": (1, "targets must be a tensor, or a dict"),
             "targets_of_another_batch": (None, "targets hold 3 samples on dim 0 and its inputs 4"),
             "two_rows_per_sample_split_unevenly": (None, "targets hold 10 samples on dim 0 and its inputs 5"),
+            "a_count_beside_the_targets": (1, "targets hold a 0-d tensor"),
         }
         refusals = ("no_grad", "warnings", "autocast_on_one_rank", *misgiven)
         assert all(not found for case, found in result.items() if case not in refusals), (rank, result)

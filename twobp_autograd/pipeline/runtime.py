@@ -806,10 +806,16 @@ def _batches_of_targets(targets: Any) -> set[int]:
     if targets is None:
         raise ValueError("twobp: the last rank needs the targets")
     leaves, _ = tree_flatten(targets)
-    if not leaves or not all(isinstance(t, Tensor) and t.dim() > 0 for t in leaves):
+    if not leaves or not all(isinstance(t, Tensor) for t in leaves):
         raise TypeError(
             "twobp: a pipeline step's targets must be a tensor, or a dict, tuple or list of tensors "
             f"(each split on dim 0 into the micro-batches), not {type(targets).__name__}"
+        )
+    if any(t.dim() == 0 for t in leaves):
+        raise ValueError(
+            "twobp: a pipeline step's targets hold a 0-d tensor, which cannot be split on dim 0 into the "
+            "micro-batches (a count of items in the batch, say): give the loss_fn such a value another way "
+            "(the runtime's loss_items counts each micro-batch's items)"
         )
     return {t.shape[0] for t in leaves}
 
