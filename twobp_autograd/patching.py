@@ -146,7 +146,9 @@ class DeferredForwardCall:
             and module.training
             and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
             and not _is_exporting()  # torch.export records the plain forward's ops
-            and not _is_jit_tracing()  # so does torch.jit.trace (the deferred path's nodes cannot be traced)
+            # So does torch.jit.trace (the deferred path's nodes cannot be traced); Dynamo cannot
+            # trace this question, and never runs under jit.trace.
+            and (compiling or not _is_jit_tracing())
             # fx tracing into a module: its inputs are Proxies (the first one tells, where there is
             # one: cheaper than fx's thread-local flag)
             and not (isinstance(args[0], _Proxy) if args else _is_fx_symbolic_tracing())
