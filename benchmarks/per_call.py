@@ -2,7 +2,8 @@
 the same process, interleaved (A B A B, the order rotating every round), medians of per-round
 ratios.
 
-- **Per layer** (tiny Linear, Conv2d, LayerNorm, MultiheadAttention: the regime where the
+- **Per layer** (tiny Linear, Conv2d, LayerNorm, MultiheadAttention, BatchNorm2d, RMSNorm,
+  Embedding: the regime where the
   Python around each op is what costs): patched forward / plain forward, and patched forward +
   backward + flush / plain forward + backward. Targets: <= 1.6 and <= 1.8.
 - **Per stage** (a few middle blocks of the sweep's models): F on/off (patched forward / plain
@@ -84,6 +85,9 @@ def _layer_cases(device: torch.device) -> dict[str, tuple[nn.Module, LayerCall, 
         "MultiheadAttention(32, 4), 2x8": (
             nn.MultiheadAttention(32, 4, batch_first=True), attention, torch.randn(2, 8, 32)
         ),
+        "BatchNorm2d(4), 2x4x8x8": (nn.BatchNorm2d(4), direct, torch.randn(2, 4, 8, 8)),
+        "RMSNorm(32), 8 rows": (nn.RMSNorm(32), direct, torch.randn(8, 32)),
+        "Embedding(100, 32), 8 tokens": (nn.Embedding(100, 32), direct, torch.randint(0, 100, (8,))),
     }
     return {name: (module.to(device), call, x.to(device)) for name, (module, call, x) in cases.items()}
 
@@ -116,7 +120,8 @@ def _layer_sides(plain: nn.Module, call: LayerCall, x: Tensor, calls: int) -> li
     """Seconds per call of: plain forward, patched forward, plain forward + backward, and
     patched forward + backward + flush."""
     patched = twobp.patch(copy.deepcopy(plain))
-    x.requires_grad_(True)
+    if x.is_floating_point():  # not an embedding's indices
+        x.requires_grad_(True)
 
     def train_step(module: nn.Module, flush: bool) -> None:
         call(module, x).sum().backward()

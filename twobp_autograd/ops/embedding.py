@@ -16,13 +16,22 @@ accumulation does not produce: plain autograd too.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..deferral import configured_kernel, defer_weight_grads, detached
+from ..deferral import (
+    ParamDeferral,
+    configured_kernel,
+    defer_weight_grads,
+    detached,
+    sees_post_hooks,
+    single_node_applies,
+)
+from ..job import WeightGradKernel
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
 from .precision import accumulation_dtype
@@ -103,6 +112,41 @@ def _unsupported(module: nn.Module) -> str | None:
     return None
 
 
+@sees_post_hooks
+class _DeferredEmbedding(torch.autograd.Function):
+    """``F.embedding`` as one autograd node (the op and its tap in one): the lookup has no input
+    gradient, so its backward only routes the weight's work. Taken where
+    :func:`~twobp_autograd.deferral.single_node_applies` (no forward-mode AD, whose tangents
+    the tap path carries)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        deferral: ParamDeferral,
+        kernel: tuple[WeightGradKernel, Hashable],
+        concatenate: bool | None,
+        options: tuple[Any, ...],
+        input: Tensor,
+        weight: Tensor,
+    ) -> Tensor:
+        ctx.deferral, ctx.kernel, ctx.concatenate = deferral, kernel, concatenate
+        ctx.save_for_backward(_flat(input))
+        return F.embedding(input, weight, *options)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (indices,) = ctx.saved_tensors
+        kernel, group = ctx.kernel
+        deferral: ParamDeferral = ctx.deferral
+        return (None, None, None, None, None, *deferral.route(ctx, kernel, group, ctx.concatenate, (indices,), (grad,)))
+
+
+def _flat(indices: Tensor) -> Tensor:
+    """Indices flattened: a 0-d or 1-d (unbatched) lookup concatenates like a batched one, and
+    output-gradient rows follow the same order."""
+    return indices.detach().reshape(-1)
+
+
 @register(nn.Embedding, unsupported=_unsupported)
 def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     weight = module.weight  # once: a parametrized weight is rebuilt per read
@@ -110,27 +154,20 @@ def embedding(module: nn.Embedding, input: Tensor) -> Tensor:
     reason = _unsupported(module) or unsupported_tensors(input, weight)
     if reason is not None:
         return plain_forward(module, reason, input)
-    output = F.embedding(
-        input,
-        detached(weight),
-        module.padding_idx,
-        module.max_norm,
-        module.norm_type,
-        module.scale_grad_by_freq,
-        module.sparse,
-    )
-    kernel, group = configured_kernel(
+    options = (module.padding_idx, module.max_norm, module.norm_type, module.scale_grad_by_freq, module.sparse)
+    kernel = configured_kernel(
         embedding_weight_grad,
         num_weights=weight.shape[0],
         embedding_dim=weight.shape[1],
         padding_idx=_aten_padding_idx(module.padding_idx, weight.shape[0]),
         scale_grad_by_freq=module.scale_grad_by_freq,
     )
-    # Indices flattened: a 0-d or 1-d (unbatched) lookup concatenates like a batched one, and
-    # output-gradient rows follow the same order.
-    indices = input.detach().reshape(-1)
     concatenate = False if module.scale_grad_by_freq else None
-    return defer_weight_grads(output, (weight,), (indices,), kernel, concatenate=concatenate, group=group)
+    if single_node_applies(input, weight):
+        deferral = ParamDeferral.at_forward((weight,))
+        return _DeferredEmbedding.apply(deferral, kernel, concatenate, options, input, weight)
+    output = F.embedding(input, detached(weight), *options)
+    return defer_weight_grads(output, (weight,), (_flat(input),), kernel[0], concatenate=concatenate, group=kernel[1])
 
 
 #: F.embedding_bag's modes, as ATen numbers them.
