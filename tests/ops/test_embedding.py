@@ -211,6 +211,23 @@ def test_nothing_written_before_flush(module_type):
     assert model.weight.grad is not None
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])
+def test_indices_changed_in_place_before_backward_raise_as_in_plain(layout):
+    """Plain autograd saves the indices for the weight's gradient, and refuses them changed;
+    transposed ones were saved as a flattened copy, which did not see the change."""
+    model = nn.Embedding(NUM, DIM)
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    for m in (reference, model):
+        base = torch.randint(0, NUM, (5, 2))
+        indices = base.t() if layout == "transposed" else base
+        output = m(indices)
+        base[0, 0] = (base[0, 0] + 1) % NUM
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            output.sum().backward()
+    assert twobp.pending().jobs == 0
+
+
 @BOTH
 def test_indices_made_in_inference_mode_are_refused_with_plain_error(module_type):
     """Token ids made under torch.inference_mode(): plain's op refuses to save them for

@@ -130,15 +130,18 @@ class _DeferredEmbedding(torch.autograd.Function):
         weight: Tensor,
     ) -> Tensor:
         ctx.deferral, ctx.kernel, ctx.concatenate = deferral, kernel, concatenate
-        ctx.save_for_backward(_flat(input))
+        # The indices as given: a flattened copy of non-contiguous ones would not see an
+        # in-place change before backward, which plain refuses.
+        ctx.save_for_backward(input)
         return F.embedding(input, weight, *options)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        (indices,) = ctx.saved_tensors
+        (input,) = ctx.saved_tensors
         kernel, group = ctx.kernel
         deferral: ParamDeferral = ctx.deferral
-        return (None, None, None, None, None, *deferral.route(ctx, kernel, group, ctx.concatenate, (indices,), (grad,)))
+        param_grads = deferral.route(ctx, kernel, group, ctx.concatenate, (_flat(input),), (grad,))
+        return (None, None, None, None, None, *param_grads)
 
 
 def _flat(indices: Tensor) -> Tensor:
