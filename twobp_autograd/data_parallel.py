@@ -124,6 +124,17 @@ class GradientSynchroniser:
                 "sum). For data parallel over a tensor-parallel model, shard it with fully_shard over "
                 "the data-parallel mesh dimension and call twobp.flush_weight_grads() (tested)."
             )
+        # Refused here, not at a flush: that one had taken the step's queued work already.
+        sparse = [
+            m
+            for m in module.modules()
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad
+        ]
+        if sparse:
+            raise TypeError(
+                f"twobp: GradientSynchroniser reduces dense gradients only, but {type(sparse[0]).__name__} "
+                f"{sparse[0]} has sparse=True (its gradient is a sparse tensor): build it with sparse=False."
+            )
         self.module = module
         self.group = group
         self.world_size = dist.get_world_size(group)
@@ -209,18 +220,19 @@ class GradientSynchroniser:
         waiting = queues_with_work()
         later = {id(p) for p in self.params if any(q.has_work_for([p]) for q in waiting)} if waiting else set()
         may_be_final = None if params is None else {id(p) for p in params}
-        for i, p in enumerate(self.params):  # finished by backward or an earlier flush, or unused
-            if may_be_final is not None and id(p) not in may_be_final:
-                continue
-            if not self._ready[i] and id(p) not in delivered and id(p) not in later:
-                self._mark_ready(i)
-        self._final = delivered - later if may_be_final is None else (delivered - later) & may_be_final
-        self._armed = True
-        self._hook_last()
         try:
-            bucketed = dataclasses.replace(queue.flush_options, delivery_bucket_bytes=max(1, self.bucket_bytes // 4))
+            # Inside running(): a refusal here (a sparse gradient) puts the taken work back.
             with queue.running(jobs):
-                run_jobs(jobs, bucketed)
+                for i, p in enumerate(self.params):  # finished by backward or an earlier flush, or unused
+                    if may_be_final is not None and id(p) not in may_be_final:
+                        continue
+                    if not self._ready[i] and id(p) not in delivered and id(p) not in later:
+                        self._mark_ready(i)
+                self._final = delivered - later if may_be_final is None else (delivered - later) & may_be_final
+                self._armed = True
+                self._hook_last()
+                bucket = max(1, self.bucket_bytes // 4)
+                run_jobs(jobs, dataclasses.replace(queue.flush_options, delivery_bucket_bytes=bucket))
         except BaseException:
             # Forget this flush's readiness and launched buckets, so that neither a retry nor the
             # next step writes a reduction of these gradients back (a retry launches its own).
