@@ -1378,3 +1378,38 @@ def test_zero_grad_in_a_child_cut_mid_flush_zeroes_only_what_plain_backward_gave
 
     x = torch.randn(3, 4, dtype=torch.float64)
     assert _forked_during_another_threads_flush(in_child, TwoHeads(), lambda m: m(x)[0].sum()) == 0
+
+
+class _LockTakenAfterAnotherThreadsEarlyFlush:
+    """The queue's lock, reached after another thread's early flush brought the queue under its
+    cap (between the cap check and the lock): simulated by flushing on entering it."""
+
+    def __init__(self, queue: twobp.WeightGradQueue) -> None:
+        self.queue, self.lock, self.entered = queue, queue._lock, False
+
+    def __enter__(self) -> object:
+        if not self.entered:
+            self.entered = True
+            self.queue._lock = self.lock
+            self.queue.flush()
+        return self.lock.__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.__exit__(*exc)
+
+
+def test_a_capped_queue_whose_bytes_another_thread_flushed_meanwhile_stays_quiet():
+    """Threads sharing a capped queue: one found it over its cap, another's early flush then
+    freed the bytes before the first took the lock, which then flushed nothing and warned that
+    the work was kept for post-accumulate-grad hooks (there were none; the warning, once per
+    process, was then spent)."""
+    model = twobp.patch(_mlp())
+    queue = twobp.WeightGradQueue(max_pending_bytes=10**9)
+    with twobp.use_queue(queue):
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+    queue.max_pending_bytes = 1
+    queue._lock = _LockTakenAfterAnotherThreadsEarlyFlush(queue)  # type: ignore[assignment]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        queue._enforce_cap()
+    assert len(queue) == 0 and all(p.grad is not None for p in model.parameters())

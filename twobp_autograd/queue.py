@@ -289,6 +289,8 @@ class WeightGradQueue:
         while self.max_pending_bytes is not None and self._held_bytes > self.max_pending_bytes and self._jobs:
             with self._lock:
                 over = self._held_bytes - self.max_pending_bytes
+                if over <= 0 or not self._jobs:  # another thread's early flush got here first
+                    return
                 early: list[WeightGradJob] = []
                 kept: list[WeightGradJob] = []
                 freed = 0
