@@ -445,7 +445,7 @@ class _TangentGuard(torch.autograd.Function):
                 "(reverse-over-forward, e.g. a loss on a Jacobian-vector product) is not "
                 "supported: the tangent was computed from detached weights (BatchNorm's from a "
                 "detached input too), so their gradients through it would be missing. Compute such "
-                f"a loss on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]))."
+                "a loss on the unpatched model (twobp.unpatch(model), or patch(model, exclude=[...]))."
                 f"{_REACHED_BEFORE}"
             )
         return (grad, *(None for _ in ctx.needs_input_grad[1:]))

@@ -181,12 +181,12 @@ def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
         if _fits(fits, module_type):
             registration = f"twobp.register({module_type.__name__}, {spelled})"
             return f"{why}; it computes what a rule of this package does: {registration}"
+    base = next((b for b in module_type.__mro__[1:] if b in _rules), None)
     if issubclass(module_type, LazyModuleMixin):  # its first forward makes it the class it becomes
         becomes = getattr(module_type, "cls_to_become", None)  # not a base for the lazy norms
-        covered = becomes if becomes in _rules else next((b for b in module_type.__mro__[1:] if b in _rules), None)
+        covered = becomes if becomes in _rules else base
         if covered is not None:
             return f"{why}; a lazy module: run one forward to make it a {covered.__name__}, then patch again"
-    base = next((b for b in module_type.__mro__[1:] if b in _rules), None)
     if base is None:
         return why
     if getattr(module_type, "forward", None) is not getattr(base, "forward", None):

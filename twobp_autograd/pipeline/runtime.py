@@ -547,12 +547,13 @@ class PipelineRuntime:
         header = torch.zeros(3 + _MAX_DIMS + 2 * size, dtype=torch.int64, device=self._comm_device)
         autocast_at, refusal_at, targets_batch = 2 + _MAX_DIMS, 2 + _MAX_DIMS + size, 2 + _MAX_DIMS + 2 * size
         refusal: Exception | None = None
+        rows_of_targets: set[int] = set()  # the last rank's: each target tensor's rows on dim 0
         try:
             if self.first:
                 header[: 2 + _MAX_DIMS].copy_(_meta(_one_tensor(inputs)))
             if self.last:
-                targets_batches = _batches_of_targets(targets)
-                header[targets_batch] = targets_batches.pop() if len(targets_batches) == 1 else _SEVERAL
+                rows_of_targets = _batches_of_targets(targets)
+                header[targets_batch] = next(iter(rows_of_targets)) if len(rows_of_targets) == 1 else _SEVERAL
         except (TypeError, ValueError) as error:
             refusal = error
             header[refusal_at + self.rank] = 1
@@ -585,8 +586,7 @@ class PipelineRuntime:
         # targets (or a loss broadcasts them), where one process's loss refuses them. Targets
         # whose tensors hold different numbers of rows are checked on their rank alone.
         given = int(header[targets_batch])
-        leaves = _batches_of_targets(targets) if self.last and given == _SEVERAL else {given}
-        for rows in leaves:
+        for rows in rows_of_targets if given == _SEVERAL else {given}:
             if rows != _SEVERAL and not _split_alike(rows, batch, self.num_micro_batches):
                 raise ValueError(
                     f"twobp: rank {self.rank}: this step's targets hold {rows} samples on dim 0 and its inputs "
