@@ -203,6 +203,31 @@ def test_use_queue_blocks_left_out_of_order_are_refused_and_leave_the_stack_clea
     assert current_queue() is queue_module._default_queue
 
 
+def test_tagged_blocks_left_out_of_order_are_refused_and_leave_the_open_tag():
+    """Two generators each yielding inside a tagged block of one queue: the first one's exit,
+    out of order, restored the tag as at its entry (none), and after the second's exit the
+    queue kept the first's tag for good: later untagged work carried it, and ``flush([None])``
+    missed it. Now the exit says so and drops only its own block."""
+    queue = twobp.WeightGradQueue()
+    layer = twobp.patch(nn.Linear(3, 2))
+
+    def loop(tag: str):
+        with queue.tagged(tag):
+            yield
+
+    first, second = loop("first"), loop("second")
+    next(first)
+    next(second)
+    with pytest.raises(RuntimeError, match="twobp: queue.tagged blocks were left out of order"):
+        next(first, None)
+    next(second, None)
+    with twobp.use_queue(queue):
+        layer(torch.randn(2, 3)).sum().backward()
+    assert queue.tags() == [None]
+    queue.flush([None])
+    assert queue.pending() == (0, 0)
+
+
 def test_a_queue_dropped_with_work_warns():
     layer = twobp.patch(nn.Linear(3, 3))
     queue = twobp.WeightGradQueue()

@@ -175,7 +175,8 @@ class WeightGradQueue:
         # In a forked child: the jobs of other threads' flushes a fork cut off, until zero_grad
         # or clear drops them (see _after_fork).
         self._cut_by_fork: list[WeightGradJob] = []
-        self._tag: Hashable = None
+        self._tag: Hashable = None  # the innermost open tagged block's (read at each patched call)
+        self._tag_blocks: list[tuple[Hashable]] = []  # the open tagged blocks, outermost first
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
         _live_queues.add(self)
 
@@ -227,11 +228,22 @@ class WeightGradQueue:
                 f"twobp: a queue's tag must be hashable (an int, a str, a tuple), not {type(tag).__name__} "
                 f"({tag!r}): pass tuple({tag!r})"
             ) from None
-        previous, self._tag = self._tag, tag
+        block = (tag,)  # its identity tells this block from another with an equal tag
+        self._tag_blocks.append(block)
+        self._tag = tag
         try:
             yield self
         finally:
-            self._tag = previous
+            in_order = self._tag_blocks[-1] is block
+            self._tag_blocks = [open_block for open_block in self._tag_blocks if open_block is not block]
+            self._tag = self._tag_blocks[-1][0] if self._tag_blocks else None
+            if not in_order:
+                raise RuntimeError(
+                    "twobp: queue.tagged blocks were left out of order (generators that yield inside their "
+                    "tagged blocks share the queue's tag, so the forwards of one were tagged with another's "
+                    "tag), or from several threads (the tag belongs to the queue, not to a thread). Keep "
+                    "each block between yields, and give each thread its own queue (use_queue)."
+                )
 
     def enqueue(self, job: WeightGradJob) -> None:
         """Called from backward-p1. Records the running backward so a flush elsewhere waits."""
