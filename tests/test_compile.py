@@ -308,16 +308,22 @@ FULLGRAPH_CASES = {
 }
 
 
+@pytest.mark.parametrize("compiled", ["in-a-container", "the-layer-itself", "the-layer-after-an-eager-call"])
 @pytest.mark.parametrize("build, make_input", FULLGRAPH_CASES.values(), ids=FULLGRAPH_CASES.keys())
-def test_fullgraph_over_a_patched_model_fails_saying_why(build, make_input):
+def test_fullgraph_over_a_patched_model_fails_saying_why(build, make_input, compiled):
     """Dynamo's own error was an AttributeError on FunctionCtx, with a hint that eager may fail
     too; and where a rule broke the graph in its forward (GroupNorm, RMSNorm, the embeddings:
     ``_is_view``; BatchNorm: its custom jvp; InstanceNorm: a skipped function; recompute:
-    ``is_inference``), Dynamo's error said nothing of why."""
+    ``is_inference``), Dynamo's error said nothing of why. A patched layer compiled itself runs
+    its (never compiled) call eagerly: Dynamo failed on a frame below it (a context manager's;
+    after an eager call, "found no compiled frames")."""
     torch._dynamo.reset()
     with twobp.registry.rules_restored_after():
         twobp.register(_Scaled, twobp.ops.recompute)
-        model = twobp.patch(nn.Sequential(build()))
+        model = twobp.patch(build() if compiled != "in-a-container" else nn.Sequential(build()))
+        if compiled == "the-layer-after-an-eager-call":
+            model(make_input()).sum().backward()
+            twobp.discard_weight_grads()
         with pytest.raises(Exception, match=r"twobp: torch.compile cannot trace a patched layer's deferred backward"):
             torch.compile(model, backend="eager", fullgraph=True)(make_input()).sum().backward()
     twobp.discard_weight_grads()

@@ -15,9 +15,10 @@ import sys
 import types
 from typing import Any
 
+import torch
 from torch._dynamo.eval_frame import skip_code
 
-__all__ = ["keep_own_frames_eager"]
+__all__ = ["keep_own_frames_eager", "end_graph_from_an_eager_frame"]
 
 _PACKAGE = __name__.rpartition(".")[0]
 _done: set[str] = set()  # the modules whose code is marked already
@@ -35,7 +36,17 @@ def keep_own_frames_eager() -> None:
             _mark(value, name)
 
 
+def end_graph_from_an_eager_frame(reason: str) -> None:
+    """Called eagerly with Dynamo's frame callback set (a patched module compiled directly: its
+    own call, like all of this package's, runs eagerly): Dynamo compiles this one frame, which
+    ends its graph at once with ``reason``, so ``fullgraph=True`` fails with that reason rather
+    than on whichever frame below Dynamo would reach first. (Not marked: see :func:`_mark`.)"""
+    torch._dynamo.graph_break(msg=reason)
+
+
 def _mark(value: Any, module: str) -> None:
+    if value is end_graph_from_an_eager_frame:
+        return
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
     if isinstance(value, types.FunctionType) and value.__module__ == module:

@@ -20,7 +20,7 @@ from torch.nn.utils.parametrize import is_parametrized
 
 from . import ops  # noqa: F401  (registers the built-in op families)
 from .checkpoint_paths import enter_call, leave_call, link_nested_frames, record_under_checkpoint, took_plain
-from .compile_frames import keep_own_frames_eager
+from .compile_frames import end_graph_from_an_eager_frame, keep_own_frames_eager
 from .ddp_guard import check_not_inside_ddp, refuse_ddp_over_patched_models
 from .deferral import (
     NO_FULL_GRAPH,
@@ -176,6 +176,8 @@ class DeferredForwardCall:
                     # call eagerly (this package's frames are never compiled: compile_frames).
                     torch._dynamo.graph_break(msg=NO_FULL_GRAPH)  # a keyword: Dynamo reads only msg=
                     return self.deferred(module, *args, **kwargs)
+                if _dynamo_frame_callback() is not None:
+                    end_graph_from_an_eager_frame(NO_FULL_GRAPH)
                 if self.first_call_checked:
                     if not first_calls_open or not inside_first_call_check():
                         return self.deferred(module, *args, **kwargs)
@@ -245,6 +247,7 @@ _is_exporting = torch.compiler.is_exporting
 _is_fx_symbolic_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
 _Proxy = torch.fx.Proxy
 _is_compiling = torch.compiler.is_compiling
+_dynamo_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
 _is_jit_tracing = torch._C._is_tracing
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CALL_IMPL = nn.Module._call_impl.__code__
