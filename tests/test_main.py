@@ -42,10 +42,12 @@ def test_the_command_line_lists_its_subcommands(capsys: pytest.CaptureFixture[st
     assert help_exit.value.code == 0
     listed = capsys.readouterr().out
     assert all(" ".join(command.words) in listed for command in SUBCOMMANDS)
-    for unknown in ([], ["bench"], ["train"]):
+    for unknown in ([], ["bench"], ["train"], ["bench", "--help"], ["bench", "pipelines"]):
         with pytest.raises(SystemExit) as error:
             main(unknown)
         assert error.value.code == 2
+        if unknown[:1] == ["bench"]:  # not "invalid choice: 'bench'"
+            assert "'bench' is the start of a command: bench pipeline" in capsys.readouterr().err
 
 
 def test_bench_pipeline_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:

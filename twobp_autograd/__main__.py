@@ -73,6 +73,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[: len(command.words)] == list(command.words):
             return command.run(argv[len(command.words) :])
     parser = build_parser()
+    # The first word of a longer command alone ("bench", "bench --help"): argparse would call
+    # it an invalid choice.
+    longer = [" ".join(command.words) for command in SUBCOMMANDS if argv[:1] == list(command.words[:1])]
+    if longer:
+        parser.error(f"'{argv[0]}' is the start of a command: {', '.join(longer)} (each takes --help)")
     parser.parse_args(argv)  # --help, or the error that names the subcommands
     parser.error(f"unknown command: {' '.join(argv)}")
     return 2
