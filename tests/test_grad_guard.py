@@ -499,3 +499,76 @@ def test_a_step_argument_that_is_no_closure_is_left_alone():
         _StepTakesAScale(model.parameters(), lr=0.1).step(0.5)
     for ours, theirs in zip(patched.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(ours, theirs)
+
+
+def _flat_grads(model: nn.Module) -> Tensor:
+    """Every parameter's .grad a zeroed view into one flat buffer (as DDP's gradient_as_bucket_view)."""
+    flat = torch.zeros(sum(p.numel() for p in model.parameters()))
+    offset = 0
+    for p in model.parameters():
+        p.grad = flat[offset : offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return flat
+
+
+#: Gradient averages written by hand, each given the model and its flat gradient buffer.
+HAND_REDUCTIONS: dict[str, Callable[[nn.Module, Tensor], object]] = {
+    "all_reduce-of-each-grad": lambda m, _: [torch.distributed.all_reduce(p.grad) for p in m.parameters()],
+    "all_reduce-of-grad.data": lambda m, _: [torch.distributed.all_reduce(p.grad.data) for p in m.parameters()],
+    "all_reduce-async": lambda m, _: [
+        torch.distributed.all_reduce(p.grad, async_op=True).wait() for p in m.parameters()
+    ],
+    "reduce-to-rank-0": lambda m, _: [torch.distributed.reduce(p.grad, dst=0) for p in m.parameters()],
+    "all_reduce-of-the-flat-buffer": lambda _, flat: torch.distributed.all_reduce(flat),
+}
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("reduce", HAND_REDUCTIONS.values(), ids=HAND_REDUCTIONS.keys())
+def test_a_gradient_average_by_hand_before_the_flush_is_refused_and_after_it_runs_as_plain(
+    reduce: Callable[[nn.Module, Tensor], object], one_rank_group: None
+) -> None:
+    """``dist.all_reduce(p.grad)`` before the flush (``.grad`` kept as zeros, or views of one
+    buffer) averaged the partial gradients, and the flush then added each rank's own weight
+    gradients unaveraged: every deferred parameter wrong on every rank, silently (found on two
+    gloo ranks: 0.22 off on a scale of 0.17). With one rank the sum is the gradient itself, so
+    after the flush the average equals plain's."""
+    patched, reference = patched_and_reference(_model())
+    x = torch.randn(4, 6)
+    flats = [_flat_grads(net) for net in (patched, reference)]
+    for net in (patched, reference):
+        net(x).pow(2).sum().backward()
+    before = [p.grad.clone() for p in patched.parameters()]
+    with pytest.raises(RuntimeError, match=r"twobp: torch.distributed.(all_)?reduce of a .grad over parameters whose"):
+        reduce(patched, flats[0])
+    for p, expected in zip(patched.parameters(), before, strict=True):
+        assert torch.equal(p.grad, expected)
+    twobp.flush_weight_grads()
+    for net, flat in zip((patched, reference), flats, strict=True):
+        reduce(net, flat)
+    assert_grads_match(patched, reference)
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_reductions_of_other_tensors_run_while_work_is_queued(one_rank_group: None) -> None:
+    """A loss or metric reduced between backward and flush, and the gradient of a parameter
+    without queued work (PReLU's, computed in backward), are no partial gradients."""
+    model = twobp.patch(_model())
+    loss = model(torch.randn(4, 6)).pow(2).sum()
+    loss.backward()
+    torch.distributed.all_reduce(loss.detach())
+    torch.distributed.all_reduce(model[1].weight.grad)
+    assert twobp.pending().jobs == 2
+    twobp.flush_weight_grads()
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_a_compiled_all_reduce_still_traces_into_one_graph(one_rank_group: None) -> None:
+    twobp.patch(_model())  # the guards are in place
+
+    def doubled_sum(t: Tensor) -> Tensor:
+        torch.distributed.all_reduce(t)
+        return t * 2
+
+    compiled = torch.compile(doubled_sum, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))

@@ -1,8 +1,8 @@
 """What reads ``.grad`` for a step must run after the flush: ``optimizer.step()``, gradient
-clipping and ``GradScaler.unscale_``. Run before it, they would see the partial gradients of
-the parameters whose work is still queued, and the flush would then add unscaled, unclipped
-sums on top: a wrong step that nothing reports. So each is refused while work for its
-parameters is queued.
+clipping and ``GradScaler.unscale_``, a hand-written gradient average (``torch.distributed.all_reduce``
+of a ``.grad``). Run before it, they would see the partial gradients of the parameters whose
+work is still queued, and the flush would then add unscaled, unclipped, unaveraged sums on top:
+a wrong step that nothing reports. So each is refused while work for its parameters is queued.
 
 ``zero_grad`` (the optimizer's or a module's) between backward and flush drops the queued work
 of the parameters it zeroes, as plain ``zero_grad`` drops the gradients that backward computed:
@@ -69,6 +69,7 @@ def install_grad_guards() -> None:
     _guard_zero_grad()
     _guard_clipping()
     _guard_unscale()
+    _guard_gradient_reductions()
     _flush_before_pipeline_grad_scaling()
     _checkpoint_optimizer_state_as_plain()
     _installed = True
@@ -295,6 +296,71 @@ def _refusing_while_queued(clip: Callable[..., Any], name: str, wait: bool = Tru
         return clip(_like(parameters, listed), *args, **kwargs)
 
     return checked
+
+
+def _guard_gradient_reductions() -> None:
+    """``torch.distributed.all_reduce`` and ``reduce`` of a ``.grad`` (a data-parallel average
+    written by hand, as in PyTorch's "Writing Distributed Applications"), refused while work for
+    that parameter is queued: run before the flush, it averages partial gradients, and the flush
+    then adds each rank's own weight gradients, unaveraged. Dynamo keeps tracing the guarded
+    ``all_reduce`` as the original (a functional collective; no queue is seen from a graph)."""
+    if not torch.distributed.is_available():
+        return
+    from torch.distributed import distributed_c10d
+
+    try:
+        from torch.distributed._functional_collectives import traceable_collective_remaps
+    except ImportError:  # pragma: no cover - a build without it: nothing to keep traceable
+        traceable_collective_remaps = {}
+    for name in ("all_reduce", "reduce"):
+        original = getattr(distributed_c10d, name)
+        guarded = _refusing_reductions_of_queued_grads(original, f"torch.distributed.{name}")
+        setattr(distributed_c10d, name, guarded)
+        if getattr(torch.distributed, name, None) is original:
+            setattr(torch.distributed, name, guarded)
+        if original in traceable_collective_remaps:
+            traceable_collective_remaps[guarded] = traceable_collective_remaps[original]
+
+
+def _refusing_reductions_of_queued_grads(reduction: Callable[..., Any], name: str) -> Callable[..., Any]:
+    @functools.wraps(reduction)
+    def checked(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        # Gradients are floating point: the pipeline's own integer headers pass at once.
+        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and queues_with_work():
+            refuse_if_queued(
+                _queued_params_whose_grad_holds(tensor),
+                f"{name} of a .grad",
+                " (or average the gradients with twobp_autograd.data_parallel.GradientSynchroniser, "
+                "which flushes first)",
+            )
+        return reduction(tensor, *args, **kwargs)
+
+    return checked
+
+
+def _queued_params_whose_grad_holds(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The parameters with queued work whose ``.grad`` lies in ``tensor``'s memory (is it, a
+    view of it, or a view into one flat buffer with it)."""
+    memory = _memory_of(tensor)
+    if memory is None:
+        return []
+    return [
+        param
+        for queue in queues_with_work()
+        for param in queue.params_with_work()
+        if param.grad is not None and _memory_of(param.grad) == memory
+    ]
+
+
+def _memory_of(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage; None where it has none of its own (a DTensor, a
+    fake tensor) or none at all (empty)."""
+    if tensor.layout != torch.strided:
+        return None
+    try:
+        return tensor.untyped_storage().data_ptr() or None
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _guard_unscale() -> None:

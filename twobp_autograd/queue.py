@@ -387,6 +387,12 @@ class WeightGradQueue:
                 return True
             return any(id(p) in wanted for job in self._jobs for p in job.params if p is not None)
 
+    def params_with_work(self) -> list[Tensor]:
+        """The parameters queued jobs compute for, each once."""
+        with self._lock:
+            found = {id(p): p for job in self._jobs for p in job.params if p is not None}
+        return list(found.values())
+
     def busy(self) -> bool:
         """Whether work is queued, or running in another thread's flush (seen from outside
         autograd, see :meth:`_wait_for_flights_elsewhere`)."""
