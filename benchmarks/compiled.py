@@ -284,7 +284,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="*", choices=MODELS, default=list(MODELS), help="models to time, in turn")
     parser.add_argument("--rounds", type=count(), default=15, help="timed rounds, each running every side once")
-    parser.add_argument("--warmup", type=count(0), default=2, help="untimed rounds after the compiling step")
+    # At least 1: the compiling step runs no optimizer step, and a compiled side's first whole
+    # step recompiles (its gradients exist then): timed, it made the ratios nonsense.
+    parser.add_argument("--warmup", type=count(1), default=2, help="untimed rounds after the compiling step")
     parser.add_argument("--batch-size", type=count(), default=2)
     parser.add_argument("--image-size", type=count(), default=64, help="resnet152 input resolution")
     parser.add_argument(

@@ -48,7 +48,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=count(), default=10, help="measured steps per variant")
     parser.add_argument("--warmup", type=count(0), default=2)
     parser.add_argument("--json", default=str(Path(__file__).parent / "results" / "data_parallel.json"))
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.batch_size < args.micro_batches:
+        parser.error("--batch-size must be at least --micro-batches (each micro-batch needs a sample)")
+    return args
 
 
 def _benchmark(rank: int, args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ Saved bytes are per stage (a storage two blocks save is held once), and per bloc
 list of storages it saves (numbered within the measured stage), so that the bytes of any other
 cut's stage are its blocks' storages counted once: what 4 stages on 2 ranks hold.
 
-    python benchmarks/stage_costs.py --bench-json raw/bench.json --out raw/costs.json
+    python benchmarks/stage_costs.py --bench-json raw/bench.json --out raw/costs.json --micro-sizes 4 8
 """
 
 from __future__ import annotations

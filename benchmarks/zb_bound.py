@@ -48,8 +48,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--raw", type=Path, default=RAW, help="the sweep's raw results")
     args = parser.parse_args(argv)
+    model_dirs = sorted(d for d in args.raw.iterdir() if (d / "costs.json").exists()) if args.raw.is_dir() else []
+    if not model_dirs:
+        parser.error(f"--raw {args.raw}: no <model>-*/costs.json under it (the sweep's raw results)")
     print("model        p  1f1b-2   zb (p)  bound  zb (bound)")
-    for model_dir in sorted(d for d in args.raw.iterdir() if (d / "costs.json").exists()):
+    for model_dir in model_dirs:
         for p in (2, 4, 8):
             row = replay(model_dir, p)
             print(

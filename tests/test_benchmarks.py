@@ -438,6 +438,16 @@ def test_zb_bound_replay_picks_a_bound_no_slower_than_zb_or_1f1b_2(sweep) -> Non
             assert row["zb_at_best"] >= row["zb"] and row["zb_at_best"] > row["1f1b-2"], (model_dir.name, p, row)
 
 
+def test_zb_bound_without_results_says_so(sweep, tmp_path, capsys) -> None:
+    """A --raw that is missing (a traceback) or holds no results (the header alone, exit 0)."""
+    import zb_bound
+
+    for raw in (tmp_path / "missing", tmp_path):
+        with pytest.raises(SystemExit):
+            zb_bound.main(["--raw", str(raw)])
+        assert "no <model>-*/costs.json under it" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the message is for machines without CUDA")
 @pytest.mark.parametrize("script", ["per_call", "stage_costs", "compiled", "cuda_precision"])
 def test_device_cuda_without_a_gpu_says_so(monkeypatch, script) -> None:

@@ -66,6 +66,23 @@ def test_bench_pipeline_missing_is_a_clear_error(
     assert "pipeline benchmark" in capsys.readouterr().err
 
 
+def test_failed_ranks_end_the_command_with_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each rank prints its own error; the launcher's own traceback on top said nothing more."""
+    bench = pytest.importorskip("twobp_autograd.pipeline.bench")
+    from twobp_autograd.pipeline.launch import RanksFailed
+
+    failure = "local ranks failed (rank: exit code) {1: 1}; their errors are printed above"
+
+    def fail(argv: list[str]) -> int:
+        raise RanksFailed(failure)
+
+    monkeypatch.setattr(bench, "main", fail)
+    assert main(["bench", "pipeline"]) == 1
+    assert capsys.readouterr().err == f"error: {failure}\n"
+
+
 def test_demo_refuses_a_batch_larger_than_the_training_digits(capsys: pytest.CaptureFixture[str]) -> None:
     """Past the training set an epoch would have no step, and the run nothing to report."""
     with pytest.raises(SystemExit):

@@ -34,7 +34,13 @@ class Subcommand:
                 raise
             print(f"error: {self.what} ({self.module}) is not available in this installation.", file=sys.stderr)
             return 2
-        return int(module.main(argv) or 0)
+        from .pipeline.launch import RanksFailed
+
+        try:
+            return int(module.main(argv) or 0)
+        except RanksFailed as error:  # each rank printed its own error: one line more, not a traceback
+            print(f"error: {error}", file=sys.stderr)
+            return 1
 
 
 SUBCOMMANDS = (

@@ -55,3 +55,22 @@ def test_a_bound_is_only_for_zb_and_zbv(spec: str, capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(["--schedule", spec])
     assert "--schedule" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["--micro-batches", "8", "--batch-size", "4"], "--micro-batches 8 is more than the 4 samples"),
+        (["--baseline", "torch"], "--baseline torch compares every schedule at one micro-batch count"),
+        (["--json", "."], "is a directory"),
+        (["--trace", __file__], "is a file"),
+    ],
+    ids=["more-micro-batches-than-samples", "torch-baseline-without-a-count", "json-a-directory", "trace-a-file"],
+)
+def test_options_that_cannot_work_are_refused_before_any_rank_starts(argv: list[str], says: str, capsys) -> None:
+    """Each failed in every rank after spawning (a traceback per rank), or, for the outputs, after
+    the whole run; the torch baseline ran PyTorch's schedules at another micro-batch count than
+    ours and divided one step time by the other."""
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert says in capsys.readouterr().err

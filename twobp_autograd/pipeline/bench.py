@@ -17,6 +17,7 @@ JSON of every step and, for the last step of each run, a Chrome trace and a PNG 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 
 import torch
@@ -53,7 +54,9 @@ Run = tuple[str, bool]  # (schedule, 2BP on)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="twobp_autograd bench pipeline", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m twobp_autograd bench pipeline", description=__doc__.split("\n\n")[0]
+    )
     add_model_arguments(parser, batch_size=None, batch_help="samples per step (default per model)")
     parser.add_argument(
         "--schedule", type=_schedule_spec, default="all", nargs="+", metavar="NAME",
@@ -89,6 +92,18 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--nproc and --weight-grad-streams must be at least 1")
     if args.offload and not torch.cuda.is_available():
         parser.error("--offload parks pending W in pinned host memory: it needs CUDA")
+    batch_size = args.batch_size or DEFAULT_BATCH[args.model]
+    if args.micro_batches is not None and args.micro_batches > batch_size:
+        parser.error(
+            f"--micro-batches {args.micro_batches} is more than the {batch_size} samples of a step (--batch-size)"
+        )
+    if args.baseline == "torch" and args.micro_batches is None:
+        # Each of our schedules has its own default; PyTorch's would run at another.
+        parser.error("--baseline torch compares every schedule at one micro-batch count: give --micro-batches")
+    if args.json and os.path.isdir(args.json):
+        parser.error(f"--json {args.json!r} is a directory: name the file to write")
+    if args.trace and os.path.exists(args.trace) and not os.path.isdir(args.trace):
+        parser.error(f"--trace {args.trace!r} is a file: name a directory for the traces")
     return args
 
 
@@ -156,7 +171,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
             placement=owners,
         )
     if args.baseline == "torch":
-        m = args.micro_batches or 2 * world
+        m = args.micro_batches  # given (parse_args): the same count as ours
         micro_batch = inputs[: -(-batch_size // m)]
         for name in TORCH_SCHEDULES:
             owners = torch_placement(name, world)

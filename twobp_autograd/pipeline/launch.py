@@ -22,7 +22,11 @@ import torch.multiprocessing as mp
 
 from .runtime import init_distributed
 
-__all__ = ["free_port", "spawn_ranks", "run_as_ranks", "threads_per_rank", "process_group"]
+__all__ = ["free_port", "spawn_ranks", "run_as_ranks", "RanksFailed", "threads_per_rank", "process_group"]
+
+
+class RanksFailed(RuntimeError):
+    """Local ranks that :func:`run_as_ranks` spawned exited with an error (each printed its own)."""
 
 
 def free_port() -> int:
@@ -89,7 +93,7 @@ def run_as_ranks(rank_main: Callable[[Any], None], args: Any, nprocs: int) -> No
                 os.environ[name] = value
     failed = {rank: code for rank, code in enumerate(codes) if code}
     if failed:
-        raise RuntimeError(f"local ranks failed (rank: exit code) {failed}; their errors are printed above")
+        raise RanksFailed(f"local ranks failed (rank: exit code) {failed}; their errors are printed above")
 
 
 def threads_per_rank(world: int, requested: int | None = None) -> int:
