@@ -34,13 +34,15 @@ def test_bench_writes_table_json_and_traces(model: str, tmp_path, capfd) -> None
         assert (traces / f"{model}-1f1b-1-2bp-{twobp}.png").stat().st_size > 0
 
 
-def test_bench_runs_pytorch_schedules_beside_ours(capfd) -> None:
+def test_bench_runs_pytorch_schedules_beside_ours(capfd, tmp_path) -> None:
     argv = [
         "pipeline", "--model", "mlp", "--schedule", "zbv", "zb", "zb:1", "--twobp", "on", "--baseline", "torch",
         "--steps", "1",
     ]  # fmt: skip
     tiny = [*TINY[:2], "--depth", "4", *TINY[4:]]  # 4 blocks: two stages per rank
-    assert main(argv + ["--warmup", "0", *tiny, "--nproc", "2", "--no-progress", "--micro-batches", "4"]) == 0
+    out = tmp_path / "bench.json"
+    options = ["--warmup", "0", *tiny, "--nproc", "2", "--no-progress", "--micro-batches", "4", "--json", str(out)]
+    assert main(argv + options) == 0
     table = capfd.readouterr().out
     rows = {line.split()[0]: line.split() for line in table.splitlines() if line.strip().startswith(("torch-", "zb"))}
     assert set(rows) == {
@@ -48,6 +50,9 @@ def test_bench_runs_pytorch_schedules_beside_ours(capfd) -> None:
     }  # fmt: skip
     assert rows["torch-gpipe"][-1] == "1.000" and all(float(row[-1]) > 0 for row in rows.values())
     assert "vs torch GPipe" in table
+    summary = json.loads(out.read_text())["summary"]  # every row has every key (None where not measured)
+    assert all(row.keys() == summary[0].keys() for row in summary)
+    assert all(row["samples_per_s"] is None for row in summary if row["schedule"].startswith("torch-"))
 
 
 @pytest.mark.parametrize("spec", ["zb:0", "gpipe:2", "zbv:x", "nope"])

@@ -65,6 +65,12 @@ def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> lis
     return rows
 
 
+#: The summary keys of a run of this package's runtime that PyTorch's runs have no figure for.
+_MEASURED_BY_OUR_RUNS = (
+    "step_time_median", "samples_per_s", "bubble_ratio", "peak_bytes", "peak_rss", "loss", "ratio_to_off"
+)  # fmt: skip
+
+
 def _with_wall_times(
     rows: list[dict[str, Any]], wall: dict[tuple[str, bool], list[float]], num_micro: dict[str, int]
 ) -> list[dict[str, Any]]:
@@ -72,8 +78,13 @@ def _with_wall_times(
     throughput over PyTorch's GPipe (its step time over the row's)."""
     by_run = {(row["schedule"], row["twobp"]): row for row in rows}
     for (name, twobp), times in wall.items():
-        if (name, twobp) not in by_run:
-            by_run[name, twobp] = {"schedule": name, "twobp": twobp, "micro_batches": num_micro[name]}
+        if (name, twobp) not in by_run:  # PyTorch's: what only this package's runs measure is None
+            by_run[name, twobp] = {
+                **dict.fromkeys(_MEASURED_BY_OUR_RUNS),
+                "schedule": name,
+                "twobp": twobp,
+                "micro_batches": num_micro[name],
+            }
         by_run[name, twobp]["wall_step_median"] = statistics.median(times)
     reference = by_run.get(("torch-gpipe", False), {}).get("wall_step_median")
     for row in by_run.values():
