@@ -550,15 +550,21 @@ def test_a_gradient_average_by_hand_before_the_flush_is_refused_and_after_it_run
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
-def test_reductions_of_other_tensors_run_while_work_is_queued(one_rank_group: None) -> None:
+@pytest.mark.parametrize("flat", [False, True], ids=["grads-apart", "grads-in-one-flat-buffer"])
+def test_reductions_of_other_tensors_run_while_work_is_queued(flat: bool, one_rank_group: None) -> None:
     """A loss or metric reduced between backward and flush, and the gradient of a parameter
-    without queued work (PReLU's, computed in backward), are no partial gradients."""
+    without queued work (PReLU's, computed in backward), are no partial gradients: also where
+    that gradient is a slice of a flat buffer whose other slices are (an overlapped average by
+    hand, in a post-accumulate-grad hook: it was refused, its buffer shared with queued ones)."""
     model = twobp.patch(_model())
+    if flat:
+        _flat_grads(model)
+    reduced = []
+    model[1].weight.register_post_accumulate_grad_hook(lambda p: reduced.append(torch.distributed.all_reduce(p.grad)))
     loss = model(torch.randn(4, 6)).pow(2).sum()
     loss.backward()
     torch.distributed.all_reduce(loss.detach())
-    torch.distributed.all_reduce(model[1].weight.grad)
-    assert twobp.pending().jobs == 2
+    assert len(reduced) == 1 and twobp.pending().jobs == 2
     twobp.flush_weight_grads()
 
 

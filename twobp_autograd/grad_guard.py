@@ -326,9 +326,14 @@ def _refusing_reductions_of_queued_grads(reduction: Callable[..., Any], name: st
     @functools.wraps(reduction)
     def checked(tensor: Any, *args: Any, **kwargs: Any) -> Any:
         # Gradients are floating point: the pipeline's own integer headers pass at once.
-        if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and queues_with_work():
+        reducing = (
+            _queued_params_whose_grad_overlaps(tensor)
+            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and queues_with_work()
+            else None
+        )
+        if reducing:
             refuse_if_queued(
-                _queued_params_whose_grad_holds(tensor),
+                reducing,
                 f"{name} of a .grad",
                 " (or average the gradients with twobp_autograd.data_parallel.GradientSynchroniser, "
                 "which flushes first)",
@@ -338,29 +343,27 @@ def _refusing_reductions_of_queued_grads(reduction: Callable[..., Any], name: st
     return checked
 
 
-def _queued_params_whose_grad_holds(tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The parameters with queued work whose ``.grad`` lies in ``tensor``'s memory (is it, a
-    view of it, or a view into one flat buffer with it)."""
-    memory = _memory_of(tensor)
-    if memory is None:
-        return []
-    return [
-        param
-        for queue in queues_with_work()
-        for param in queue.params_with_work()
-        if param.grad is not None and _memory_of(param.grad) == memory
-    ]
-
-
-def _memory_of(tensor: torch.Tensor) -> int | None:
-    """The address of ``tensor``'s storage; None where it has none of its own (a DTensor, a
-    fake tensor) or none at all (empty)."""
-    if tensor.layout != torch.strided:
-        return None
-    try:
-        return tensor.untyped_storage().data_ptr() or None
-    except (RuntimeError, NotImplementedError):
-        return None
+def _queued_params_whose_grad_overlaps(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The parameters with queued work whose ``.grad`` shares bytes with ``tensor`` (is it, a
+    view of it, or lies in the part of a flat buffer it covers; another slice of that buffer,
+    a gradient already final, is no partial one)."""
+    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.numel() == 0:
+        return []  # a subclass (a DTensor, a fake tensor) has no memory of its own to compare
+    # What the tensor spans, gaps its strides leave included.
+    start = tensor.data_ptr()
+    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    end = start + tensor.element_size() * (1 + reach)
+    found = []
+    for queue in queues_with_work():
+        for param in queue.params_with_work():
+            grad = param.grad
+            # A gradient is dense (laid out as its parameter, or a slice of a flat buffer): its
+            # bytes are nbytes from its first. (A frame per gradient would cost more than the rest.)
+            if type(grad) is torch.Tensor and grad.layout == torch.strided:
+                first = grad.data_ptr()
+                if first < end and start < first + grad.nbytes:
+                    found.append(param)
+    return found
 
 
 def _guard_unscale() -> None:

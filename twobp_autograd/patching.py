@@ -176,7 +176,7 @@ class DeferredForwardCall:
                     # call eagerly (this package's frames are never compiled: compile_frames).
                     torch._dynamo.graph_break(msg=NO_FULL_GRAPH)  # a keyword: Dynamo reads only msg=
                     return self.deferred(module, *args, **kwargs)
-                if _dynamo_frame_callback() is not None:
+                if _dynamo_frame_callback() is not None and _called_by_torch_compile(sys._getframe(1)):
                     end_graph_from_an_eager_frame(NO_FULL_GRAPH)
                 if self.first_call_checked:
                     if not first_calls_open or not inside_first_call_check():
@@ -248,6 +248,21 @@ _is_fx_symbolic_tracing = torch.fx._symbolic_trace.is_fx_symbolic_tracing
 _Proxy = torch.fx.Proxy
 _is_compiling = torch.compiler.is_compiling
 _dynamo_frame_callback = torch._C._dynamo.eval_frame.get_eval_frame_callback
+
+
+def _called_by_torch_compile(caller: Any) -> bool:
+    """Whether the patched module is what ``torch.compile`` was given (compiled itself: its call,
+    never compiled, runs eagerly under Dynamo's callback), not called from a compiled caller's
+    frame resumed after its graph break (ending no graph there: a frame more per call, compiled
+    again per autocast state)."""
+    while caller is not None and caller.f_code in _MODULE_CALL:
+        caller = caller.f_back
+    code = None if caller is None else caller.f_code
+    return code is not None and code.co_name == "compile_wrapper" and code.co_filename == _DYNAMO_EVAL_FRAME
+
+
+_MODULE_CALL = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
+_DYNAMO_EVAL_FRAME = torch._dynamo.eval_frame.__file__
 _is_jit_tracing = torch._C._is_tracing
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CALL_IMPL = nn.Module._call_impl.__code__

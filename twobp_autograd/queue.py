@@ -166,6 +166,9 @@ class WeightGradQueue:
         self.max_pending_bytes = max_pending_bytes
         self._offload = HostOffload() if offload_to_host else None
         self._jobs: list[WeightGradJob] = []
+        # The parameters of the queued jobs, each once, kept until the jobs change (asked by the
+        # guard on gradient reductions on every all_reduce while work is queued).
+        self._params_with_work: list[Tensor] | None = None
         self._held: dict[tuple[int, torch.device], list[int]] = {}  # storage -> [tensors of jobs on it, its bytes]
         self._held_bytes = 0
         self._flights: list[_Flight] = []  # work taken out by a flush, not yet in .grad
@@ -259,6 +262,7 @@ class WeightGradQueue:
             if self._offload is not None:
                 job.park(self._offload)
             self._jobs.append(job)
+            self._params_with_work = None
             if self.max_pending_bytes is not None:
                 self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
@@ -318,6 +322,7 @@ class WeightGradQueue:
                 # One run per tag: what a run holds back comes back as one job, under that tag.
                 by_tag = _by_tag(early)  # before the jobs leave the queue: nothing is lost if it raises
                 self._jobs = kept
+                self._params_with_work = None
                 self._count(early, -1)
                 runs = [(jobs, self._take_off(jobs)) for jobs in by_tag]
             for index, (jobs, flight) in enumerate(runs):
@@ -331,6 +336,7 @@ class WeightGradQueue:
                     with self._lock:
                         at = 0 if partly_delivered(error) else len(jobs)
                         self._jobs[at:at] = not_run
+                        self._params_with_work = None
                         self._count(not_run, +1)
                     for _, not_run_flight in later:
                         self._land(not_run_flight)
@@ -388,10 +394,13 @@ class WeightGradQueue:
             return any(id(p) in wanted for job in self._jobs for p in job.params if p is not None)
 
     def params_with_work(self) -> list[Tensor]:
-        """The parameters queued jobs compute for, each once."""
+        """The parameters queued jobs compute for, each once (a superset where a job has dropped
+        some since: :meth:`has_work_for` tells; this names candidates)."""
         with self._lock:
-            found = {id(p): p for job in self._jobs for p in job.params if p is not None}
-        return list(found.values())
+            if self._params_with_work is None:
+                found = {id(p): p for job in self._jobs for p in job.params if p is not None}
+                self._params_with_work = list(found.values())
+            return self._params_with_work
 
     def busy(self) -> bool:
         """Whether work is queued, or running in another thread's flush (seen from outside
@@ -409,6 +418,7 @@ class WeightGradQueue:
             # after the discard must leave zeros there, as plain's does (grad_guard).
             dropped_without_grad.update(_given_grads_but_none_yet([*self._jobs, *self._cut_by_fork]))
             self._jobs.clear()
+            self._params_with_work = None
             self._held.clear()
             self._held_bytes = 0
             self._cut_by_fork = []
@@ -436,6 +446,7 @@ class WeightGradQueue:
                     kept.append(job)
                     self._count([job], +1)
             self._jobs = kept
+            self._params_with_work = None
             if self._cut_by_fork:  # plain's .grad held their gradients: zero_grad zeroes them
                 if given_grads:
                     had_work.update(_given_grads_but_none_yet(self._cut_by_fork, among=dropped))
@@ -461,6 +472,7 @@ class WeightGradQueue:
         if tags is None:
             self._wait_for_flights_elsewhere(_ANY_WORK)
             taken, self._jobs = self._jobs, []
+            self._params_with_work = None
             if self.max_pending_bytes is None:  # nothing counted (see _count): the usual case, no call
                 return taken
         else:
@@ -468,6 +480,7 @@ class WeightGradQueue:
             self._wait_for_flights_elsewhere(lambda flight: flight.has_tags(wanted))
             taken = [j for j in self._jobs if j.tag in wanted]
             self._jobs = [j for j in self._jobs if j.tag not in wanted]
+            self._params_with_work = None
         self._count(taken, -1)
         return taken
 
@@ -505,6 +518,7 @@ class WeightGradQueue:
         if not partly_delivered(error):
             with self._lock:
                 self._jobs[:0] = jobs
+                self._params_with_work = None
                 self._count(jobs, +1)
 
     def _queue_held(self, held: list[tuple[Tensor, Tensor]], jobs: Sequence[WeightGradJob]) -> None:
@@ -523,6 +537,7 @@ class WeightGradQueue:
         job.accumulators = tuple([node for held_from in jobs for node in held_from.accumulators])
         with self._lock:
             self._jobs.append(job)
+            self._params_with_work = None
             self._count([job], +1)
 
     @contextlib.contextmanager
