@@ -6,6 +6,7 @@ vmapped backward, the recompute rule)."""
 import contextlib
 import copy
 import functools
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -3046,3 +3047,61 @@ def test_a_rule_whose_tensors_live_on_another_device_than_its_parameter_flushes(
     assert_no_grads(patched)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+class _GatedUnit(nn.Module):
+    """A module for the recompute rule: a gated projection, long enough a forward for threads to interleave."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width, 2 * width) * 0.3)
+        self.bias = nn.Parameter(torch.full((2 * width,), 0.1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = x @ self.weight + self.bias
+        for _ in range(10):
+            h = h * 1.001
+        a, g = h.chunk(2, -1)
+        return a * torch.sigmoid(g)
+
+
+@pytest.mark.parametrize("backward", ["after-the-threads", "in-the-threads"])
+def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(backward: str):
+    """The rule runs the module with detached stand-ins in place of its parameters: another
+    thread's call saw them, took the module for frozen and ran it on plain autograd over the
+    stand-ins (its gradient lost), or took a stand-in for the parameter and put it back for good
+    (the module trained no more; in every run of 4 threads x 8 calls). Each thread has its queue."""
+    twobp.register(_GatedUnit, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_GatedUnit().double())
+    parameters = dict(patched.named_parameters())
+    queues = [twobp.WeightGradQueue() for _ in range(4)]
+    outputs: list[list[tuple[Tensor, Tensor]]] = [[] for _ in queues]
+
+    def train(k: int) -> None:
+        generator = torch.Generator().manual_seed(k)
+        for _ in range(8):
+            x = torch.randn(32, 16, generator=generator, dtype=torch.float64, requires_grad=True)
+            with twobp.use_queue(queues[k]):
+                y = patched(x)
+                if backward == "in-the-threads":
+                    y.sum().backward()
+            outputs[k].append((x.detach(), y))
+
+    threads = [threading.Thread(target=train, args=(k,)) for k in range(len(queues))]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads switch as often as they can
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+    for queue, calls in zip(queues, outputs, strict=True):
+        for x, y in calls:
+            if backward == "after-the-threads":
+                y.sum().backward()
+            reference(x).sum().backward()
+        queue.flush()
+    assert dict(patched.named_parameters()) == parameters  # the module's own, not stand-ins
+    assert_grads_match(patched, reference)

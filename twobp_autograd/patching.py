@@ -63,11 +63,16 @@ class DeferredForwardCall:
     #: deferred parameters detached (a class default: calls pickled before it existed load too).
     first_call_checked = False
 
+    #: ``lock_of(module)`` where the rule changes the module while it runs: the whole call holds
+    #: that lock (a class default, as above).
+    runs_alone: Callable[[nn.Module], Any] | None = None
+
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         # Weak: the module holds this call in its __dict__; a strong reference back would make
         # every patched module a reference cycle, freed (parameters, .grad) only by the cyclic GC.
         self._module: Callable[[], nn.Module | None] = weakref.ref(module)
         self.deferred = deferred  # the class's forward once unpatched
+        self.runs_alone = getattr(deferred, "runs_alone", None)
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
         # something else (a parametrization's subclass keeps the forward).
         self.class_forward: Callable[..., Any] | None = type(module).forward
@@ -140,29 +145,35 @@ class DeferredForwardCall:
                     module = _adopt(called, self)
         if module is None:
             module = self.module  # raises: only this forward was kept
-        grad_enabled = torch.is_grad_enabled()
-        deferring = (
-            grad_enabled
-            and module.training
-            and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
-            and not _is_exporting()  # torch.export records the plain forward's ops
-            # So does torch.jit.trace (the deferred path's nodes cannot be traced); Dynamo cannot
-            # trace this question, and never runs under jit.trace.
-            and (compiling or not _is_jit_tracing())
-            # fx tracing into a module: its inputs are Proxies (the first one tells, where there is
-            # one: cheaper than fx's thread-local flag)
-            and not (isinstance(args[0], _Proxy) if args else _is_fx_symbolic_tracing())
-            and _wants_grad(module)
-        )
+        # A rule that changes the module while it runs (the recompute rule's stand-ins for its
+        # parameters) runs alone: another thread's call would see them (and ask whether they
+        # require grad) before it would reach the rule's own lock.
+        lock = self.runs_alone(module) if self.runs_alone is not None and not compiling else None
+        if lock is not None:
+            lock.acquire()
         replaying, record = False, None
-        if grad_enabled and not compiling and _top_saved_tensors_hooks(True) is not None:
-            # Under a non-reentrant checkpoint: recorded, and its recomputation takes that path
-            # (``replaying`` a call that deferred: its hooks see only the discarded recomputed graph).
-            record = record_under_checkpoint(module, deferring)
-            if record is not None:
-                deferring, replaying = record.deferred, record.replaying
-                enter_call(record)
         try:
+            grad_enabled = torch.is_grad_enabled()
+            deferring = (
+                grad_enabled
+                and module.training
+                and _maybe_current_level() is None  # torch.func transforms differentiate by themselves
+                and not _is_exporting()  # torch.export records the plain forward's ops
+                # So does torch.jit.trace (the deferred path's nodes cannot be traced); Dynamo cannot
+                # trace this question, and never runs under jit.trace.
+                and (compiling or not _is_jit_tracing())
+                # fx tracing into a module: its inputs are Proxies (the first one tells, where there is
+                # one: cheaper than fx's thread-local flag)
+                and not (isinstance(args[0], _Proxy) if args else _is_fx_symbolic_tracing())
+                and _wants_grad(module)
+            )
+            if grad_enabled and not compiling and _top_saved_tensors_hooks(True) is not None:
+                # Under a non-reentrant checkpoint: recorded, and its recomputation takes that path
+                # (``replaying`` a call that deferred: its hooks see only the discarded recomputed graph).
+                record = record_under_checkpoint(module, deferring)
+                if record is not None:
+                    deferring, replaying = record.deferred, record.replaying
+                    enter_call(record)
             if deferring:
                 warn_plain = None if replaying else self._plain_because(module)
                 if warn_plain is not None:
@@ -193,6 +204,8 @@ class DeferredForwardCall:
         finally:
             if record is not None:
                 leave_call()
+            if lock is not None:
+                lock.release()
 
 
     def _plain_because(self, module: nn.Module) -> Callable[[nn.Module], None] | None:

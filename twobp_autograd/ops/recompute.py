@@ -30,6 +30,7 @@ import enum
 import functools
 import numbers
 import sys
+import threading
 import weakref
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -108,6 +109,18 @@ def recompute_weight_grad(
     ``torch.func.functional_call`` other tensors than the module's own, which it holds again by
     the flush). With several outputs the last saved tensor says which outputs each backward
     reached: one no backward reached is left out, so a parameter only it reaches stays None."""
+    with _lock_of(module):  # the replay puts stand-ins in the module's place, as the forward does
+        return _replayed_weight_grad(saved, grad_outputs, needs, module, state, reached_saved)
+
+
+def _replayed_weight_grad(
+    saved: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor],
+    needs: Sequence[bool],
+    module: nn.Module,
+    state: _ForwardState,
+    reached_saved: bool,
+) -> list[Tensor | None]:
     state.check_unchanged(module)
     params = state.params.items()
     inputs, reached = (saved[:-1], saved[-1].any(0).tolist()) if reached_saved else (saved, None)
@@ -451,9 +464,35 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
     )
 
 
+#: A lock per module: the rule's forward (and the flush's replay) runs the module with detached
+#: stand-ins put in place of its parameters, and puts its buffers back after trial runs. Two
+#: threads running one module at once each read the other's stand-ins: a gradient lost, and a
+#: stand-in left in place for good (the module trained no more).
+_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_locks_made = threading.Lock()
+
+
+def _lock_of(module: nn.Module) -> threading.RLock:
+    lock = _locks.get(module)
+    if lock is None:
+        with _locks_made:
+            lock = _locks.setdefault(module, threading.RLock())
+    return lock
+
+
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
-    the batch on dim 0. Other calls keep plain autograd (with one warning per module type)."""
+    the batch on dim 0. Other calls keep plain autograd (with one warning per module type).
+    One thread at a time runs a module under this rule (see :data:`_locks`)."""
+    with _lock_of(module):
+        return _deferred_forward(module, inputs, kwargs)
+
+
+# The patched call takes the lock before it asks whether the module's parameters require grad.
+recompute.runs_alone = _lock_of  # type: ignore[attr-defined]
+
+
+def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
