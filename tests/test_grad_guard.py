@@ -578,3 +578,25 @@ def test_a_compiled_all_reduce_still_traces_into_one_graph(one_rank_group: None)
 
     compiled = torch.compile(doubled_sum, fullgraph=True, backend="eager")
     assert torch.equal(compiled(torch.ones(3)), torch.full((3,), 2.0))
+
+
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.parametrize("layout", ["flat-buffer-kept-as-a-parameter", "strided-view-with-gaps"])
+def test_a_hand_average_over_gradients_laid_out_unusually_is_refused(layout: str, one_rank_group: None) -> None:
+    """A flat buffer kept as an nn.Parameter was taken for a tensor subclass without memory of its
+    own, and a .grad with gaps (every other column of a buffer) was measured by its nbytes: a
+    reduction of its buffer's last row missed it. Both passed unrefused."""
+    model = twobp.patch(nn.Linear(6, 4))
+    if layout == "flat-buffer-kept-as-a-parameter":
+        buffer = nn.Parameter(torch.zeros(4 * 6 + 4), requires_grad=False)
+        model.weight.grad, model.bias.grad = buffer[:24].view(4, 6), buffer[24:]
+        reduced = buffer
+    else:
+        buffer = torch.zeros(4, 12)
+        model.weight.grad = buffer[:, ::2]
+        reduced = buffer[3]  # the last row: the gradient's last 6 elements, 12 apart
+    model(torch.randn(3, 6)).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: torch.distributed.all_reduce of a .grad over parameters whose"):
+        torch.distributed.all_reduce(reduced)
+    twobp.flush_weight_grads()
+    torch.distributed.all_reduce(reduced)

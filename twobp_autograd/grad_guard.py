@@ -347,23 +347,39 @@ def _queued_params_whose_grad_overlaps(tensor: torch.Tensor) -> list[torch.Tenso
     """The parameters with queued work whose ``.grad`` shares bytes with ``tensor`` (is it, a
     view of it, or lies in the part of a flat buffer it covers; another slice of that buffer,
     a gradient already final, is no partial one)."""
-    if type(tensor) is not torch.Tensor or tensor.layout != torch.strided or tensor.numel() == 0:
-        return []  # a subclass (a DTensor, a fake tensor) has no memory of its own to compare
-    # What the tensor spans, gaps its strides leave included.
+    if tensor.layout != torch.strided or tensor.numel() == 0 or not _has_memory(tensor):
+        return []
     start = tensor.data_ptr()
-    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
-    end = start + tensor.element_size() * (1 + reach)
+    end = _end(tensor, start)
     found = []
     for queue in queues_with_work():
         for param in queue.params_with_work():
             grad = param.grad
-            # A gradient is dense (laid out as its parameter, or a slice of a flat buffer): its
-            # bytes are nbytes from its first. (A frame per gradient would cost more than the rest.)
             if type(grad) is torch.Tensor and grad.layout == torch.strided:
                 first = grad.data_ptr()
-                if first < end and start < first + grad.nbytes:
+                # Most gradients are contiguous: nbytes from the first (no frame per gradient).
+                last = first + grad.nbytes if grad.is_contiguous() else _end(grad, first)
+                if first < end and start < last:
                     found.append(param)
     return found
+
+
+def _has_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` has memory of its own to compare: a plain tensor or an ``nn.Parameter``
+    (a flat gradient buffer kept as one), not a DTensor or a fake tensor."""
+    if type(tensor) is torch.Tensor:
+        return True
+    try:
+        return bool(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return False
+
+
+def _end(tensor: torch.Tensor, start: int) -> int:
+    """The address past the last byte ``tensor`` reaches from ``start``, gaps its strides leave
+    included (a strided slice of a buffer spans more than its nbytes)."""
+    reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return start + tensor.element_size() * (1 + reach)
 
 
 def _guard_unscale() -> None:
