@@ -3065,14 +3065,17 @@ class _GatedUnit(nn.Module):
         return a * torch.sigmoid(g)
 
 
+@pytest.mark.parametrize("shared", ["one-module", "a-module-and-its-shallow-copy"])
 @pytest.mark.parametrize("backward", ["after-the-threads", "in-the-threads"])
-def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(backward: str):
+def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(backward: str, shared: str):
     """The rule runs the module with detached stand-ins in place of its parameters: another
     thread's call saw them, took the module for frozen and ran it on plain autograd over the
     stand-ins (its gradient lost), or took a stand-in for the parameter and put it back for good
-    (the module trained no more; in every run of 4 threads x 8 calls). Each thread has its queue."""
+    (the module trained no more; in every run of 4 threads x 8 calls). A shallow copy shares its
+    original's parameter dict: a lock per module object let the two race. Each thread has its queue."""
     twobp.register(_GatedUnit, twobp.ops.recompute)
     patched, reference = patched_and_reference(_GatedUnit().double())
+    callers = [patched, copy.copy(patched)] * 2 if shared == "a-module-and-its-shallow-copy" else [patched] * 4
     parameters = dict(patched.named_parameters())
     queues = [twobp.WeightGradQueue() for _ in range(4)]
     outputs: list[list[tuple[Tensor, Tensor]]] = [[] for _ in queues]
@@ -3082,7 +3085,7 @@ def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(b
         for _ in range(8):
             x = torch.randn(32, 16, generator=generator, dtype=torch.float64, requires_grad=True)
             with twobp.use_queue(queues[k]):
-                y = patched(x)
+                y = callers[k](x)
                 if backward == "in-the-threads":
                     y.sum().backward()
             outputs[k].append((x.detach(), y))
@@ -3105,3 +3108,15 @@ def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(b
         queue.flush()
     assert dict(patched.named_parameters()) == parameters  # the module's own, not stand-ins
     assert_grads_match(patched, reference)
+
+
+def test_a_patched_call_pickled_without_its_rules_lock_gets_it_when_loaded():
+    """A call pickled before the recompute rule's lock existed loaded without it (the patched
+    call then took none: the thread race came back), and new pickles named the private lock."""
+    twobp.register(_GatedUnit, twobp.ops.recompute)
+    call = twobp.patch(_GatedUnit()).forward
+    state = call.__getstate__()
+    assert "runs_alone" not in state
+    loaded = object.__new__(type(call))
+    loaded.__setstate__(state)
+    assert loaded.runs_alone is twobp.ops.recompute.runs_alone

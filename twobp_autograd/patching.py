@@ -97,7 +97,9 @@ class DeferredForwardCall:
     def __getstate__(self) -> dict[str, Any]:
         # The class's forward is found again where the copy is made (a function defined in a
         # script's __main__, or a lambda, would not pickle).
-        unpicklable = ("class_forward", "classes_of_the_rule", "_module")
+        # runs_alone is the rule's, found again from ``deferred``: a pickle made before it existed
+        # gets it too, and no pickle names the rule's private lock.
+        unpicklable = ("class_forward", "classes_of_the_rule", "_module", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
@@ -108,6 +110,7 @@ class DeferredForwardCall:
         state = dict(state)
         module = state.pop("module")
         self.__dict__.update(state)
+        self.runs_alone = getattr(self.deferred, "runs_alone", None)
         self._module = weakref.ref(module) if module is not None else _no_module
         # The forward the rule stands for, not the class's now (replaced since, it is not); for a
         # call only shallow copies share, the copy that adopts it finds it (see _adopt).

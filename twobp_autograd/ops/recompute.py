@@ -464,26 +464,24 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
     )
 
 
-#: A lock per module: the rule's forward (and the flush's replay) runs the module with detached
-#: stand-ins put in place of its parameters, and puts its buffers back after trial runs. Two
-#: threads running one module at once each read the other's stand-ins: a gradient lost, and a
-#: stand-in left in place for good (the module trained no more).
-_locks: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
-_locks_made = threading.Lock()
+#: One lock for every call of the rule: its forward (and the flush's replay) runs a module with
+#: detached stand-ins put in place of its parameters, puts its buffers back after trial runs, and
+#: tells a forward that draws random numbers by the default generators' state, rewound after
+#: trials. Two threads running one module at once read each other's stand-ins (a gradient lost,
+#: a stand-in left in place for good); a shallow copy shares its original's parameter dict; and
+#: one module's rewind hid another's draws (a dropout mask replayed differently at the flush).
+_RULE_LOCK = threading.RLock()
 
 
 def _lock_of(module: nn.Module) -> threading.RLock:
-    lock = _locks.get(module)
-    if lock is None:
-        with _locks_made:
-            lock = _locks.setdefault(module, threading.RLock())
-    return lock
+    """The lock ``module``'s calls take (one for all, see :data:`_RULE_LOCK`)."""
+    return _RULE_LOCK
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type).
-    One thread at a time runs a module under this rule (see :data:`_locks`)."""
+    One thread at a time runs the rule (see :data:`_RULE_LOCK`)."""
     with _lock_of(module):
         return _deferred_forward(module, inputs, kwargs)
 
