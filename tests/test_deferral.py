@@ -3120,3 +3120,64 @@ def test_a_patched_call_pickled_without_its_rules_lock_gets_it_when_loaded():
     loaded = object.__new__(type(call))
     loaded.__setstate__(state)
     assert loaded.runs_alone is twobp.ops.recompute.runs_alone
+
+
+class _MixedWithMadeTensors(nn.Module):
+    """A module for the recompute rule whose forward makes tensors with the factory defaults."""
+
+    def __init__(self, width: int = 5) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(width))
+
+    def forward(self, x: Tensor) -> Tensor:
+        ramp = torch.arange(x.shape[-1]) / x.shape[-1]  # no dtype= or device=
+        return (x * self.weight) @ torch.eye(x.shape[-1]) + ramp
+
+
+@pytest.mark.parametrize("flush_under", ["meta-device", "float64-default-dtype"])
+def test_a_recompute_replay_makes_tensors_as_its_forward_did(flush_under: str):
+    """The flush's replay ran the forward under the defaults of the flush's caller: inside
+    ``with torch.device("meta")`` the eye was made on meta and the weight's gradient was CPU
+    memory never written (plain's wholly replaced, silently); under another default dtype the
+    replay failed on a dtype mismatch."""
+    twobp.register(_MixedWithMadeTensors, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_MixedWithMadeTensors())
+    x = torch.randn(4, 5)
+    for net in (patched, reference):
+        net(x).pow(2).sum().backward()
+    if flush_under == "meta-device":
+        with torch.device("meta"):
+            twobp.flush_weight_grads()
+    else:
+        dtype = torch.get_default_dtype()
+        torch.set_default_dtype(torch.float64)
+        try:
+            twobp.flush_weight_grads()
+        finally:
+            torch.set_default_dtype(dtype)
+    assert_grads_match(patched, reference)
+
+
+@pytest.mark.parametrize("made_under", ["meta-device", "fake-tensor-mode"])
+def test_a_recompute_module_runs_a_shape_estimate_as_plain_does(made_under: str):
+    """A model built on the meta device (a memory estimate), or run under FakeTensorMode: the
+    rule's first-call trials read values (``.item()``, ``torch.equal``) and failed where plain's
+    forward runs."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    twobp.register(_GatedUnit, twobp.ops.recompute)
+    if made_under == "meta-device":
+        with torch.device("meta"):
+            model = _GatedUnit()
+        context: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+        x = torch.randn(4, 16, device="meta", requires_grad=True)
+    else:
+        model = _GatedUnit()
+        context = FakeTensorMode(allow_non_fake_inputs=True)
+        x = torch.randn(4, 16)
+    plain = copy.deepcopy(model)
+    twobp.patch(model)
+    with context:
+        shapes = [net(x).shape for net in (model, plain)]
+    assert shapes[0] == shapes[1] == (4, 16)
+    twobp.discard_weight_grads()

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.nn.modules import module as module_hooks
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import checkpoint as torch_checkpoint
@@ -193,7 +194,7 @@ class _ForwardState:
 
     __slots__ = (
         "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
-        "submodules", "attribute_objects", "attribute_versions", "scalars",
+        "submodules", "attribute_objects", "attribute_versions", "scalars", "default_dtype", "default_device",
     )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -207,6 +208,11 @@ class _ForwardState:
         self.values = tuple([p.detach() for p in params.values()])
         # The autocast the forward ran under (the flush runs under its backward's, or none).
         self.autocast = _autocast_now()
+        # The factory defaults the forward ran under (a tensor it makes without dtype= or device=,
+        # a ramp or a mask): the flush may run under others (inside `with torch.device("meta")`,
+        # a set_default_dtype), which the replay would make its tensors with.
+        self.default_dtype = torch.get_default_dtype()
+        self.default_device = torch.get_default_device()
         # Tensors held as plain attributes (neither parameters nor buffers), which the forward
         # reads: what a forward pre-hook sets at each call (prune's masked ``weight``,
         # ``weight_norm``'s rebuilt one). The replay takes the forward's (aliases), as plain
@@ -241,7 +247,7 @@ class _ForwardState:
         attributes = tuple([(n, _storage_key(v)) for n, v in self.attributes.items()])
         return (
             self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast,
-            attributes, tuple([(n, v) for _, n, v in self.scalars]),
+            attributes, tuple([(n, v) for _, n, v in self.scalars]), self.default_dtype, self.default_device,
         )
 
     def changed_in_place(self) -> list[str]:
@@ -330,10 +336,16 @@ class _ForwardState:
 
     @contextmanager
     def as_its_forward_ran(self, module: nn.Module) -> Iterator[None]:
-        """The training flags and the autocast state the forward ran with."""
+        """The training flags, the autocast state and the factory defaults the forward ran with."""
         with contextlib.ExitStack() as stack:
             for device, enabled, dtype in self.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
+            if torch.get_default_device() != self.default_device:
+                stack.enter_context(torch.device(self.default_device))
+            dtype_now = torch.get_default_dtype()
+            if dtype_now != self.default_dtype:
+                torch.set_default_dtype(self.default_dtype)
+                stack.callback(torch.set_default_dtype, dtype_now)
             with self._flags_restored(module), self._scalars_restored(module):
                 yield
 
@@ -504,6 +516,12 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             reason = _SHARDED
     if reason is not None:
         return plain_forward(module, reason, *inputs, **kwargs)
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None or any(
+        isinstance(t, FakeTensor) for t in inputs
+    ):
+        # Under FakeTensorMode (a shape or memory estimate) no value can be compared or replayed:
+        # the module's own forward, with no trials and no verdict kept for real calls.
+        return type(module).forward(module, *inputs)
     tensors = (*inputs, *params.values())
     cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
     state = _ForwardState(module, params)
@@ -681,6 +699,8 @@ def _treats_rows_apart(
     if _unfit_outputs(short, ()) == _NOT_TENSORS or _unfit_outputs(long, ()) == _NOT_TENSORS:
         return False  # such a call keeps plain autograd anyway
     shorter, longer = _as_tensors(short), _as_tensors(long)
+    if _without_data([*inputs, *shorter, *longer]):
+        return None  # meta or fake tensors (a shape estimate): no values to compare
     return len(shorter) == len(longer) and all(
         s.dim() > 0
         and extended.shape == (s.shape[0] + 2, *s.shape[1:])
@@ -709,6 +729,8 @@ def _split_trial(
             return False
     if any(_unfit_outputs(o, ()) == _NOT_TENSORS for o in (whole, first, second)):
         return False
+    if _without_data([*inputs, *_as_tensors(whole), *_as_tensors(first), *_as_tensors(second)]):
+        return None
     parts = zip(_as_tensors(whole), _as_tensors(first), _as_tensors(second), strict=False)
     return len({len(_as_tensors(o)) for o in (whole, first, second)}) == 1 and all(
         w.dim() > 0
@@ -719,6 +741,12 @@ def _split_trial(
         and _close(w[k:], s2)
         for w, f, s2 in parts
     )
+
+
+def _without_data(tensors: Sequence[Tensor]) -> bool:
+    """Whether any of ``tensors`` holds no values to compare: on the meta device, or fake
+    (``FakeTensorMode``, which refuses to read a value)."""
+    return any(t.is_meta or isinstance(t, FakeTensor) for t in tensors)
 
 
 def _other_row(t: Tensor, which: int) -> Tensor:
