@@ -3065,17 +3065,15 @@ class _GatedUnit(nn.Module):
         return a * torch.sigmoid(g)
 
 
-@pytest.mark.parametrize("shared", ["one-module", "a-module-and-its-shallow-copy"])
 @pytest.mark.parametrize("backward", ["after-the-threads", "in-the-threads"])
-def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(backward: str, shared: str):
+def test_threads_running_one_module_under_the_recompute_rule_train_it_as_plain(backward: str):
     """The rule runs the module with detached stand-ins in place of its parameters: another
     thread's call saw them, took the module for frozen and ran it on plain autograd over the
     stand-ins (its gradient lost), or took a stand-in for the parameter and put it back for good
-    (the module trained no more; in every run of 4 threads x 8 calls). A shallow copy shares its
-    original's parameter dict: a lock per module object let the two race. Each thread has its queue."""
+    (the module trained no more; in every run of 4 threads x 8 calls). Each thread has its queue."""
     twobp.register(_GatedUnit, twobp.ops.recompute)
     patched, reference = patched_and_reference(_GatedUnit().double())
-    callers = [patched, copy.copy(patched)] * 2 if shared == "a-module-and-its-shallow-copy" else [patched] * 4
+    callers = [patched] * 4
     parameters = dict(patched.named_parameters())
     queues = [twobp.WeightGradQueue() for _ in range(4)]
     outputs: list[list[tuple[Tensor, Tensor]]] = [[] for _ in queues]
@@ -3181,3 +3179,110 @@ def test_a_recompute_module_runs_a_shape_estimate_as_plain_does(made_under: str)
         shapes = [net(x).shape for net in (model, plain)]
     assert shapes[0] == shapes[1] == (4, 16)
     twobp.discard_weight_grads()
+
+
+class _Branches(nn.Module):
+    """A module for the recompute rule whose forward runs its branches (also under the rule) on a
+    thread pool and waits for them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.branches = nn.ModuleList([_GatedUnit() for _ in range(3)])
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: Tensor) -> Tensor:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(3) as pool:
+            outputs = list(pool.map(lambda branch: branch(x), self.branches))
+        return sum(outputs) * self.scale
+
+
+@pytest.mark.parametrize("mode", ["training", "eval"])
+def test_a_recompute_forward_waiting_for_threads_running_other_such_modules_finishes(mode: str):
+    """One lock for every call of the rule deadlocked here: the outer forward held it while its
+    pool's threads waited for it (in eval too, where the calls run plain forwards)."""
+    twobp.register(_GatedUnit, twobp.ops.recompute)
+    twobp.register(_Branches, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_Branches().double())
+    if mode == "eval":
+        patched.eval()
+        reference.eval()
+    x = torch.randn(4, 16, dtype=torch.float64)
+    done: list[Tensor] = []
+    worker = threading.Thread(target=lambda: done.append(patched(x)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert done, "the forward did not finish within 60 s (a deadlock)"
+    done[0].sum().backward()
+    reference(x).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_a_rewind_of_one_recompute_module_does_not_hide_another_threads_draws():
+    """Module B (dropout) draws its mask; module A, on its first call, sees the default generator
+    moved, takes itself for random and rewound the generator to where it found it, where B did:
+    B's own check then saw no draw, B deferred, and its flush replayed another mask (weight
+    gradient up to 85% off). The schedule is forced with events; a rewind is now made only where
+    no other thread runs the rule."""
+    ready, a_inside, b_drew, a_done = (threading.Event() for _ in range(4))
+
+    class Deterministic(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+            self.waited = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            if torch.is_grad_enabled() and not self.waited:  # the rule's deferred forward
+                self.waited = True
+                a_inside.set()
+                b_drew.wait(10)
+            return torch.tanh(x @ self.weight)
+
+    class Dropping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(16, 16, dtype=torch.float64))
+            self.waited = False
+
+        def forward(self, x: Tensor) -> Tensor:
+            first = torch.is_grad_enabled() and not self.waited
+            if first:
+                self.waited = True
+                ready.set()
+                a_inside.wait(10)
+            mask = (torch.rand(x.shape[0], 16, dtype=x.dtype) > 0.5).to(x.dtype)
+            if first:
+                b_drew.set()
+                a_done.wait(10)
+            return (x @ self.weight) * mask * 2.0
+
+    twobp.register(Deterministic, twobp.ops.recompute)
+    twobp.register(Dropping, twobp.ops.recompute)
+    a, b = twobp.patch(Deterministic()), twobp.patch(Dropping())
+    x = torch.randn(8, 16, dtype=torch.float64)
+    outputs: list[Tensor] = []
+
+    def run_a() -> None:
+        ready.wait(10)
+        a(torch.ones(8, 16, dtype=torch.float64, requires_grad=True))
+        a_done.set()
+
+    def run_b() -> None:
+        queue = twobp.WeightGradQueue()
+        with twobp.use_queue(queue):
+            y = b(x)
+            y.sum().backward()
+        torch.rand(5)  # a draw before the flush (the next batch's shuffle)
+        queue.flush()
+        outputs.append(y)
+
+    threads = [threading.Thread(target=run_a), threading.Thread(target=run_b)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    mask = (outputs[0].detach() != 0).to(x.dtype)  # the mask B's forward used
+    torch.testing.assert_close(b.weight.grad, x.T @ (mask * 2.0), rtol=1e-12, atol=1e-12)

@@ -151,7 +151,13 @@ class DeferredForwardCall:
         # A rule that changes the module while it runs (the recompute rule's stand-ins for its
         # parameters) runs alone: another thread's call would see them (and ask whether they
         # require grad) before it would reach the rule's own lock.
-        lock = self.runs_alone(module) if self.runs_alone is not None and not compiling else None
+        # Only a call that may run the rule takes it (grad mode, training): a plain call swaps
+        # nothing in, and taking it there made inference threads wait for each other.
+        lock = (
+            self.runs_alone(module)
+            if self.runs_alone is not None and not compiling and module.training and torch.is_grad_enabled()
+            else None
+        )
         if lock is not None:
             lock.acquire()
         replaying, record = False, None

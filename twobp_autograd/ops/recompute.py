@@ -44,6 +44,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import checkpoint as torch_checkpoint
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import get_device_states, set_device_states
+from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import fsdp_hooks
 from ..checkpoint_paths import forget_since, recorded_so_far, took_plain
@@ -476,25 +477,63 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
     )
 
 
-#: One lock for every call of the rule: its forward (and the flush's replay) runs a module with
-#: detached stand-ins put in place of its parameters, puts its buffers back after trial runs, and
-#: tells a forward that draws random numbers by the default generators' state, rewound after
-#: trials. Two threads running one module at once read each other's stand-ins (a gradient lost,
-#: a stand-in left in place for good); a shallow copy shares its original's parameter dict; and
-#: one module's rewind hid another's draws (a dropout mask replayed differently at the flush).
-_RULE_LOCK = threading.RLock()
+#: A lock per module: the rule's forward (and the flush's replay) runs a module with detached
+#: stand-ins put in place of its parameters and puts its buffers back after trial runs. Two
+#: threads running one module at once read each other's stand-ins (a gradient lost, a stand-in
+#: left in place for good). One lock for all modules would deadlock a forward that waits for
+#: other threads running other such modules (a thread pool over its branches). (A shallow copy
+#: shares its original's parameter dict but not its lock: README.)
+_locks: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_locks_made = threading.Lock()
 
 
 def _lock_of(module: nn.Module) -> threading.RLock:
-    """The lock ``module``'s calls take (one for all, see :data:`_RULE_LOCK`)."""
-    return _RULE_LOCK
+    lock = _locks.get(module)
+    if lock is None:
+        with _locks_made:
+            lock = _locks.setdefault(module, threading.RLock())
+    return lock
+
+
+#: Thread -> calls of the rule running on it. A call tells a forward that draws random numbers by
+#: the default generators' state before and after it, and rewinds them after trial runs and before
+#: running plain autograd again: while another thread runs the rule, its draws move that state
+#: and a rewind would hide them (a dropout module then taken for deterministic, its replay drawing
+#: another mask). So a rewind is made only where this thread's calls run the rule alone: others
+#: err on the safe side (a module taken for random keeps plain autograd).
+_rule_threads: dict[int, int] = {}
+_rule_threads_lock = threading.Lock()
+
+
+@contextmanager
+def _running_the_rule() -> Iterator[None]:
+    me = threading.get_ident()
+    with _rule_threads_lock:
+        _rule_threads[me] = _rule_threads.get(me, 0) + 1
+    try:
+        yield
+    finally:
+        with _rule_threads_lock:
+            if _rule_threads[me] == 1:
+                del _rule_threads[me]
+            else:
+                _rule_threads[me] -= 1
+
+
+def _rewind_random_state(cpu_state: Tensor, devices: list[int], device_states: list[Tensor]) -> None:
+    """The default generators back to ``cpu_state`` and ``device_states``, where no other thread
+    runs the rule (see :data:`_rule_threads`)."""
+    with _rule_threads_lock:
+        if len(_rule_threads) == 1:
+            torch.set_rng_state(cpu_state)
+            set_device_states(devices, device_states)
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
     """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
     the batch on dim 0. Other calls keep plain autograd (with one warning per module type).
-    One thread at a time runs the rule (see :data:`_RULE_LOCK`)."""
-    with _lock_of(module):
+    One thread at a time runs a module under this rule (see :data:`_locks`)."""
+    with _lock_of(module), _running_the_rule():
         return _deferred_forward(module, inputs, kwargs)
 
 
@@ -537,8 +576,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
 
     def rewind() -> None:
         """Random state and buffers back to where this call found them."""
-        torch.set_rng_state(cpu_state)
-        set_device_states(devices, device_states)
+        _rewind_random_state(cpu_state, devices, device_states)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
 
