@@ -418,6 +418,7 @@ _FAILS_WITHOUT_GRAPH = (
 )
 _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
 
+
 #: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
 #: keep plain autograd.
 _unreplayable: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -448,7 +449,7 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 #: Whether a module's forward, tried once on a batch, treats the rows of dim 0 apart (the flush
 #: may then join its calls' rows).
-_rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[tuple[bool, ...], bool]] = weakref.WeakKeyDictionary()
+_rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, bool]] = weakref.WeakKeyDictionary()
 
 
 _HOOKED_SUBMODULES = (
@@ -567,8 +568,12 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     # Copies only where trials will run (a module's first calls), which must be rewound; later
     # calls see a change in place by its version (a cache held in an attribute is not copied).
-    verdicts = _rows_apart.setdefault(module, {})  # per training flags of its submodules
-    trials = module not in _leaves_inputs or state.flags not in verdicts
+    verdicts = _rows_apart.setdefault(module, {})
+    # A verdict holds for calls alike: the training flags of its submodules, the public scalars
+    # it reads (a flag a schedule flips), the inputs' ranks (a time-major call after batch-major
+    # ones).
+    alike = (state.flags, tuple([(n, v) for _, n, v in state.scalars]), tuple([t.dim() for t in inputs]))
+    trials = module not in _leaves_inputs or alike not in verdicts
     attribute_values = state.attribute_values() if trials else {}
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
@@ -597,11 +602,11 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
-    if state.flags not in verdicts and _batched_alike(inputs) and inputs[0].shape[0] > 0:
+    if alike not in verdicts and _batched_alike(inputs) and inputs[0].shape[0] > 0:
         with _outside_selective_checkpointing():
             verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
         if verdict is not None:  # None: no verdict from this call (replayed on its own)
-            verdicts[state.flags] = verdict
+            verdicts[alike] = verdict
         rewind()
     versions = [t._version for t in inputs]
     mark = recorded_so_far()
@@ -657,7 +662,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     several = len(outputs) > 1
     kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
     leaves_some_grads_none(kernel)
-    joinable = verdicts.get(state.flags, False) and _batched_alike([*inputs, *outputs])
+    joinable = verdicts.get(alike, False) and _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key(), joinable)
