@@ -266,12 +266,19 @@ class _ForwardState:
         return {n: v.clone() for n, v in self.attributes.items()}
 
     def attributes_changed(self, module: nn.Module, values: Mapping[str, Tensor]) -> bool:
-        """Rebound (a cache grown, a power iteration's vector) or changed in place by the forward
-        (by version, and by content where ``values`` holds their copies)."""
+        """Rebound (a cache grown, a power iteration's vector), changed in place by the forward
+        (by version, and by content where ``values`` holds their copies), or made by it (a cache
+        made from the parameters: from the stand-ins, which require no grad, where plain's forward
+        takes another path)."""
         return (
             any(_attribute(module, n) is not v for n, v in self.attribute_objects.items())
             or bool(self.attributes_changed_in_place())
             or any(not _same_bits(self.attributes[n], v) for n, v in values.items())
+            or any(
+                isinstance(value, Tensor) and (f"{prefix}.{name}" if prefix else name) not in self.attribute_objects
+                for prefix, m in module.named_modules()
+                for name, value in vars(m).items()
+            )
         )
 
     def restore_attributes(self, values: Mapping[str, Tensor]) -> None:
@@ -405,7 +412,7 @@ def _autocast_now() -> tuple[tuple[str, bool, torch.dtype], ...]:
 _RANDOM = "dropout or other random draws in its forward (the flush's recomputation cannot replay them)"
 _STATEFUL = "a forward that changes the module's buffers (the flush's recomputation cannot replay that)"
 _STATEFUL_ATTRIBUTES = (
-    "a forward that changes or rebinds tensors kept as plain attributes (the flush's recomputation "
+    "a forward that changes, rebinds or adds tensors kept as plain attributes (the flush's recomputation "
     "cannot replay that; keep a tensor the forward only writes, such as a stashed attention map, "
     "out of the module's attributes to keep it deferred)"
 )
