@@ -3362,3 +3362,34 @@ def test_a_recompute_forward_that_adds_a_tensor_attribute_keeps_plain_autograd()
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad()
+
+
+class _Annealed(nn.Module):
+    """A module for the recompute rule reading a temperature a schedule sets before every call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5))
+        self.temperature = 1.0
+        self._forwards = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._forwards += 1
+        return torch.tanh(x * self.weight / self.temperature)
+
+
+def test_a_recompute_module_reading_a_number_set_at_every_call_runs_its_trials_once():
+    """Calls that saw another public number are kept apart, but whether rows are treated apart is
+    tried again only for another flag or string: a number a schedule sets at every call would run
+    the forward three times per call (and keep a verdict per value)."""
+    twobp.register(_Annealed, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_Annealed())
+    for step in range(5):
+        x = torch.randn(4, 5)
+        for net in (patched, reference):
+            net.temperature = 1.0 + step / 10
+            net(x).pow(3).sum().backward()
+    forwards = patched._forwards
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+    assert forwards == 3 + 4, forwards  # the first call's trials and itself, then one per call
