@@ -3378,18 +3378,25 @@ class _Annealed(nn.Module):
         return torch.tanh(x * self.weight / self.temperature)
 
 
-def test_a_recompute_module_reading_a_number_set_at_every_call_runs_its_trials_once():
-    """Calls that saw another public number are kept apart, but whether rows are treated apart is
-    tried again only for another flag or string: a number a schedule sets at every call would run
-    the forward three times per call (and keep a verdict per value)."""
+@pytest.mark.parametrize("setting", ["a-number", "a-string"])
+def test_a_recompute_module_reading_a_value_set_at_every_call_runs_its_trials_a_few_times(setting: str):
+    """Calls that saw another public value are kept apart, but whether rows are treated apart is
+    tried again only for another flag or string, and for at most 8 of them: a value a schedule
+    sets at every call ran the forward three times per call (and kept a verdict per value)."""
     twobp.register(_Annealed, twobp.ops.recompute)
     patched, reference = patched_and_reference(_Annealed())
-    for step in range(5):
+    calls = 12
+    for step in range(calls):
         x = torch.randn(4, 5)
         for net in (patched, reference):
-            net.temperature = 1.0 + step / 10
+            if setting == "a-number":
+                net.temperature = 1.0 + step / 10
+            else:
+                net.phase = f"step {step}"  # read by no one: a public string all the same
             net(x).pow(3).sum().backward()
     forwards = patched._forwards
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
-    assert forwards == 3 + 4, forwards  # the first call's trials and itself, then one per call
+    # The first call's trials and itself, then one per call (numbers), or trials for 8 strings.
+    expected = 3 + (calls - 1) if setting == "a-number" else 3 * 8 + (calls - 8)
+    assert forwards == expected, forwards

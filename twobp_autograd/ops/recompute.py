@@ -414,7 +414,8 @@ _STATEFUL = "a forward that changes the module's buffers (the flush's recomputat
 _STATEFUL_ATTRIBUTES = (
     "a forward that changes, rebinds or adds tensors kept as plain attributes (the flush's recomputation "
     "cannot replay that; keep a tensor the forward only writes, such as a stashed attention map, "
-    "out of the module's attributes to keep it deferred)"
+    "out of the module's attributes, and make a constant it builds lazily in __init__ or keep it with "
+    "register_buffer(..., persistent=False), to keep the module deferred)"
 )
 _NOT_TENSORS = "outputs other than a tensor or a tuple or list of tensors"
 _ALIASES = "outputs that are its inputs, parameters or buffers, views of them, or views of one another"
@@ -457,6 +458,7 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: Whether a module's forward, tried once on a batch, treats the rows of dim 0 apart (the flush
 #: may then join its calls' rows).
 _rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, bool]] = weakref.WeakKeyDictionary()
+_MAX_VERDICTS = 8  # per module
 
 
 _HOOKED_SUBMODULES = (
@@ -581,7 +583,10 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # every call: a trial per call), the inputs' ranks (a time-major call after batch-major ones).
     switches = tuple([(n, v) for _, n, v in state.scalars if isinstance(v, (bool, str, enum.Enum))])
     alike = (state.flags, switches, tuple([t.dim() for t in inputs]))
-    trials = module not in _leaves_inputs or alike not in verdicts
+    # Past a few verdicts no new one is sought (a string that differs at every call would make a
+    # verdict, and two trial forwards, per call): such calls are not joined.
+    judged = alike in verdicts or len(verdicts) >= _MAX_VERDICTS
+    trials = module not in _leaves_inputs or not judged
     attribute_values = state.attribute_values() if trials else {}
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
@@ -610,7 +615,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
-    if alike not in verdicts and _batched_alike(inputs) and inputs[0].shape[0] > 0:
+    if not judged and _batched_alike(inputs) and inputs[0].shape[0] > 0:
         with _outside_selective_checkpointing():
             verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
         if verdict is not None:  # None: no verdict from this call (replayed on its own)
