@@ -3400,3 +3400,35 @@ def test_a_recompute_module_reading_a_value_set_at_every_call_runs_its_trials_a_
     # The first call's trials and itself, then one per call (numbers), or trials for 8 strings.
     expected = 3 + (calls - 1) if setting == "a-number" else 3 * 8 + (calls - 8)
     assert forwards == expected, forwards
+
+
+class _CheckpointsInside(nn.Module):
+    """A module for the recompute rule whose forward checkpoints a part of itself, reentrantly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.outer = nn.Parameter(torch.randn(6)), nn.Parameter(torch.randn(6))
+
+    def part(self, h: Tensor, weight: Tensor) -> Tensor:
+        return torch.tanh(h * weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.utils.checkpoint.checkpoint(self.part, x, self.inner, use_reentrant=True) * self.outer
+
+
+def test_a_recompute_forward_with_a_reentrant_checkpoint_inside_is_refused_at_the_flush_saying_why():
+    """The flush's replay differentiates with torch.autograd.grad, which a reentrant checkpoint
+    refuses: the flush failed with PyTorch's own error, naming neither the module nor a way out.
+    The refusal keeps the work queued, and the module's later calls keep plain autograd."""
+    twobp.register(_CheckpointsInside, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_CheckpointsInside())
+    x = torch.randn(3, 6, requires_grad=True)
+    patched(x).pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: _CheckpointsInside's forward runs torch.utils.checkpoint"):
+        twobp.flush_weight_grads()
+    assert twobp.pending().jobs == 1
+    twobp.discard_weight_grads()
+    for net in (patched, reference):
+        net(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

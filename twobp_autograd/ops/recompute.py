@@ -148,7 +148,19 @@ def _replayed_weight_grad(
         tensors, grads_of_tensors = zip(*differentiable, strict=True)
         # On this thread, as the flush's hand-over (on CUDA: no wake-up of autograd's device thread).
         with torch.autograd.set_multithreading_enabled(False):
-            grads = iter(torch.autograd.grad(tensors, wanted, grads_of_tensors, allow_unused=True))
+            try:
+                grads = iter(torch.autograd.grad(tensors, wanted, grads_of_tensors, allow_unused=True))
+            except RuntimeError as error:
+                if "use_reentrant=True, torch.utils.checkpoint is incompatible with .grad()" not in str(error):
+                    raise
+                _unreplayable[module] = _REENTRANT_CHECKPOINT  # its later calls keep plain autograd
+                raise RuntimeError(
+                    f"twobp: {type(module).__name__}'s forward runs torch.utils.checkpoint with "
+                    "use_reentrant=True, which the recompute rule's replay at the flush cannot "
+                    "differentiate (torch.autograd.grad). Pass use_reentrant=False inside it, or exclude the "
+                    "module from patch() (exclude=[...]); its later calls keep plain autograd. This flush "
+                    "leaves its work queued: drop it with twobp.discard_weight_grads() (or optimizer.zero_grad())."
+                ) from error
     return [next(grads) if need else None for need in needs]
 
 
@@ -425,6 +437,9 @@ _FAILS_WITHOUT_GRAPH = (
     "an intermediate): the recompute rule's trial and deferred forward run it so"
 )
 _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
+_REENTRANT_CHECKPOINT = (
+    "a forward that runs a reentrant torch.utils.checkpoint (the flush's recomputation cannot differentiate it)"
+)
 
 
 #: Modules whose forward was seen drawing random numbers or changing a buffer, and why: they
