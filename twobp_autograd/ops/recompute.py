@@ -593,13 +593,13 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # Copies only where trials will run (a module's first calls), which must be rewound; later
     # calls see a change in place by its version (a cache held in an attribute is not copied).
     verdicts = _rows_apart.setdefault(module, {})
-    # A verdict holds for calls alike: the training flags of its submodules, the public flags and
-    # strings it reads (a switch a schedule flips; not numbers, which a schedule may change at
-    # every call: a trial per call), the inputs' ranks (a time-major call after batch-major ones).
-    switches = tuple([(n, v) for _, n, v in state.scalars if isinstance(v, (bool, str, enum.Enum))])
-    alike = (state.flags, switches, tuple([t.dim() for t in inputs]))
-    # Past a few verdicts no new one is sought (a string that differs at every call would make a
-    # verdict, and two trial forwards, per call): such calls are not joined.
+    # A verdict holds for calls alike: the training flags of its submodules, the public scalars
+    # it reads (a switch or a mode a schedule sets), the inputs' ranks (a time-major call after
+    # batch-major ones).
+    alike = (state.flags, tuple([(n, v) for _, n, v in state.scalars]), tuple([t.dim() for t in inputs]))
+    # Past a few verdicts no new one is sought (a temperature set at every call would make a
+    # verdict, and two trial forwards, per call): such calls are not joined (calls that saw other
+    # values are not joined anyway, state.key()).
     judged = alike in verdicts or len(verdicts) >= _MAX_VERDICTS
     trials = module not in _leaves_inputs or not judged
     attribute_values = state.attribute_values() if trials else {}
