@@ -158,8 +158,8 @@ def _replayed_weight_grad(
                     f"twobp: {type(module).__name__}'s forward runs torch.utils.checkpoint with "
                     "use_reentrant=True, which the recompute rule's replay at the flush cannot "
                     "differentiate (torch.autograd.grad). Pass use_reentrant=False inside it, or exclude the "
-                    "module from patch() (exclude=[...]); its later calls keep plain autograd. This flush "
-                    "leaves its work queued: drop it with twobp.discard_weight_grads() (or optimizer.zero_grad())."
+                    "module from patch() (exclude=[...]); its later calls keep plain autograd. Drop this "
+                    "step's work: optimizer.zero_grad() (or twobp.discard_weight_grads() for the queued work)."
                 ) from error
     return [next(grads) if need else None for need in needs]
 
