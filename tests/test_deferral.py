@@ -3432,3 +3432,73 @@ def test_a_recompute_forward_with_a_reentrant_checkpoint_inside_is_refused_at_th
         net(x).pow(2).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class _LazyTable(nn.Module):
+    """A module for the recompute rule that builds a table from its weight when a longer input comes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4))
+        self.longest = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[0] > self.longest:
+            self.longest = x.shape[0]
+            self.table = self.weight.repeat(x.shape[0], 1)
+        return torch.tanh(x) * self.table[: x.shape[0]]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "concat"])
+def test_a_recompute_module_building_a_table_lazily_keeps_plain_autograd_with_plain_gradients(strategy: str):
+    """Such a forward adds a tensor attribute: the module keeps plain autograd. But its first
+    call's trials had built the table from the stand-ins (which require no grad) and set the
+    length, so the plain forward reused that table: the weight's gradient was lost (None). The
+    call now undoes what the trials added before running plain autograd."""
+    twobp.register(_LazyTable, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _LazyTable()).double())
+    queue = twobp.WeightGradQueue(strategy)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # once per module type: "adds tensors kept as plain attributes"
+        for rows in (3, 3, 5, 2):
+            x = torch.randn(rows, 4, dtype=torch.float64)
+            reference(x).pow(2).sum().backward()
+            with twobp.use_queue(queue):
+                patched(x).pow(2).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference)
+    assert patched[1].longest == reference[1].longest == 5
+
+
+class _Counting(nn.Module):
+    """A module for the recompute rule whose forward counts its calls in a public attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.calls = 0
+        self._forwards = 0
+
+    def forward(self, x: Tensor) -> Tensor:
+        self.calls += 1
+        self._forwards += 1
+        return torch.tanh(self.linear(x))
+
+
+def test_a_recompute_forward_counting_its_calls_is_tried_once_and_joined():
+    """The join verdict is kept per public value the forward reads, but a counter the forward
+    itself changes is no setting: it made a verdict, and two trial forwards, per call, and past
+    8 verdicts the calls were no longer joined."""
+    twobp.register(_Counting, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_Counting().double())
+    queue = twobp.WeightGradQueue("concat")
+    for _ in range(12):
+        x = torch.randn(3, 4, dtype=torch.float64)
+        reference(x).pow(2).sum().backward()
+        with twobp.use_queue(queue):
+            patched(x).pow(2).sum().backward()
+    forwards = patched._forwards
+    queue.flush()
+    assert_grads_match(patched, reference)
+    assert forwards <= 3 + 11 + 2, forwards  # the first calls' trials, then one per call
+    assert patched._forwards - forwards == 1  # one joined replay at the flush

@@ -293,6 +293,16 @@ class _ForwardState:
             )
         )
 
+    def undo_additions(self, module: nn.Module) -> None:
+        """Tensor attributes added since this state was taken dropped, public scalars put back."""
+        for prefix, m in module.named_modules():
+            attrs = vars(m)
+            for name, value in list(attrs.items()):
+                if isinstance(value, Tensor) and (f"{prefix}.{name}" if prefix else name) not in self.attribute_objects:
+                    del attrs[name]
+        for attrs, name, value in self.scalars:
+            attrs[name] = value
+
     def restore_attributes(self, values: Mapping[str, Tensor]) -> None:
         """Contents changed in place go back (where ``values`` holds copies); a tensor the forward
         rebound stays rebound, as the plain Python state it goes with (a cache's length) cannot
@@ -474,6 +484,8 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: may then join its calls' rows).
 _rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, bool]] = weakref.WeakKeyDictionary()
 _MAX_VERDICTS = 8  # per module
+#: The public scalars a module's forward was seen changing (a call counter): no verdict key.
+_scalars_it_changes: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[int, str]]] = weakref.WeakKeyDictionary()
 
 
 _HOOKED_SUBMODULES = (
@@ -596,7 +608,12 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # A verdict holds for calls alike: the training flags of its submodules, the public scalars
     # it reads (a switch or a mode a schedule sets), the inputs' ranks (a time-major call after
     # batch-major ones).
-    alike = (state.flags, tuple([(n, v) for _, n, v in state.scalars]), tuple([t.dim() for t in inputs]))
+    changing = _scalars_it_changes.get(module, ())  # a call counter: left out (the replay reads it as it is)
+    alike = (
+        state.flags,
+        tuple([(n, v) for a, n, v in state.scalars if (id(a), n) not in changing]),
+        tuple([t.dim() for t in inputs]),
+    )
     # Past a few verdicts no new one is sought (a temperature set at every call would make a
     # verdict, and two trial forwards, per call): such calls are not joined (calls that saw other
     # values are not joined anyway, state.key()).
@@ -677,6 +694,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         # Run again on plain autograd from the same random state and buffers, so that the
         # output is plain's and generators and buffers end where one plain forward leaves them.
         rewind()
+        state.undo_additions(module)  # a cache the trials or this forward made from the stand-ins
         forget_since(mark)  # the attempt's patched calls: the recomputation runs only the plain forward
         return plain_forward(module, _unreplayable[module], *inputs)
     values.clear()  # the buffers' copies are not needed past here
@@ -684,7 +702,11 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # The structure the replay will run with: what the forward built (heads made on a first call)
     # is part of it; a change after it is what the flush refuses.
     state.submodules = tuple([(n, id(m)) for n, m in module.named_modules()])
+    before = {(id(a), n) for a, n, _ in state.scalars}
     state.keep_scalars_the_forward_left(module)
+    changed = before - {(id(a), n) for a, n, _ in state.scalars}
+    if changed:
+        _scalars_it_changes[module] = _scalars_it_changes.get(module, frozenset()) | changed
     _leaves_inputs.add(module)
     outputs = _as_tensors(output)
     several = len(outputs) > 1
