@@ -150,9 +150,9 @@ class DeferredForwardCall:
             module = self.module  # raises: only this forward was kept
         # A rule that changes the module while it runs (the recompute rule's stand-ins for its
         # parameters) runs alone: another thread's call would see them (and ask whether they
-        # require grad) before it would reach the rule's own lock.
-        # Only a call that may run the rule takes it (grad mode, training): a plain call swaps
-        # nothing in, and taking it there made inference threads wait for each other.
+        # require grad) before it would reach the rule's own lock. Only a call that may run the
+        # rule takes it (grad mode, training): a plain call swaps nothing in, and taking it there
+        # made inference threads wait for each other.
         lock = (
             self.runs_alone(module)
             if self.runs_alone is not None and not compiling and module.training and torch.is_grad_enabled()
@@ -283,11 +283,11 @@ def _called_by_torch_compile(caller: Any) -> bool:
     return code is not None and code.co_name == "compile_wrapper" and code.co_filename == _DYNAMO_EVAL_FRAME
 
 
-_MODULE_CALL = {nn.Module._call_impl.__code__, nn.Module._wrapped_call_impl.__code__}
-_DYNAMO_EVAL_FRAME = torch._dynamo.eval_frame.__file__
 _is_jit_tracing = torch._C._is_tracing
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CALL_IMPL = nn.Module._call_impl.__code__
+_MODULE_CALL = {_CALL_IMPL, nn.Module._wrapped_call_impl.__code__}
+_DYNAMO_EVAL_FRAME = torch._dynamo.eval_frame.__file__
 
 
 _GLOBAL_BACKWARD_HOOKS = module_hooks._global_backward_hooks  # one dict, filled in place

@@ -286,20 +286,23 @@ class _ForwardState:
             any(_attribute(module, n) is not v for n, v in self.attribute_objects.items())
             or bool(self.attributes_changed_in_place())
             or any(not _same_bits(self.attributes[n], v) for n, v in values.items())
-            or any(
-                isinstance(value, Tensor) and (f"{prefix}.{name}" if prefix else name) not in self.attribute_objects
-                for prefix, m in module.named_modules()
-                for name, value in vars(m).items()
-            )
+            or bool(self._added_attributes(module))
         )
+
+    def _added_attributes(self, module: nn.Module) -> list[tuple[dict[str, Any], str]]:
+        """``(owner's __dict__, name)`` of the tensor attributes added since this state was taken."""
+        return [
+            (attrs, name)
+            for prefix, m in module.named_modules()
+            for attrs in (vars(m),)
+            for name, value in attrs.items()
+            if isinstance(value, Tensor) and (f"{prefix}.{name}" if prefix else name) not in self.attribute_objects
+        ]
 
     def undo_additions(self, module: nn.Module) -> None:
         """Tensor attributes added since this state was taken dropped, public scalars put back."""
-        for prefix, m in module.named_modules():
-            attrs = vars(m)
-            for name, value in list(attrs.items()):
-                if isinstance(value, Tensor) and (f"{prefix}.{name}" if prefix else name) not in self.attribute_objects:
-                    del attrs[name]
+        for attrs, name in self._added_attributes(module):
+            del attrs[name]
         for attrs, name, value in self.scalars:
             attrs[name] = value
 
