@@ -3502,3 +3502,194 @@ def test_a_recompute_forward_counting_its_calls_is_tried_once_and_joined():
     assert_grads_match(patched, reference)
     assert forwards <= 3 + 11 + 2, forwards  # the first calls' trials, then one per call
     assert patched._forwards - forwards == 1  # one joined replay at the flush
+
+
+class _CentringByTensor(nn.Module):
+    """A module for the recompute rule that centres over the batch where a tensor it holds says so:
+    a buffer (``fill_`` between flushes), a tensor attribute, or a row of a table it holds a view of
+    (the view set per call: one start, other lengths)."""
+
+    TABLE = torch.tensor([0.0, 1.0, 1.0], dtype=torch.float64)
+
+    def __init__(self, held_as: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, dtype=torch.float64))
+        if held_as == "buffer":
+            self.register_buffer("centre", torch.zeros((), dtype=torch.float64))
+        else:
+            self.centre = self.TABLE[:1] if held_as == "view-of-a-table" else torch.zeros((), dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x * self.weight
+        if self.centre.sum() > 0:
+            y = y - y.mean(0)
+        return y
+
+
+@pytest.mark.parametrize("held_as", ["buffer", "tensor-attribute", "view-of-a-table"])
+def test_a_recompute_modules_calls_after_a_tensor_it_reads_changed_are_tried_again(held_as: str):
+    """The join verdict was kept per training flags, public scalars and input ranks: a mode kept in
+    a buffer (as README advises for state) or a tensor attribute switched to centring over the
+    batch, and the later calls were joined under the row-wise verdict (25% and 46% off)."""
+    twobp.register(_CentringByTensor, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_CentringByTensor(held_as))
+    queue = twobp.WeightGradQueue("concat")
+    first, later = torch.randn(3, 5, dtype=torch.float64), [torch.randn(n, 5, dtype=torch.float64) for n in (2, 3)]
+    for net in (patched, reference):
+        with twobp.use_queue(queue):
+            net(first).pow(3).sum().backward()
+        queue.flush()
+        if held_as == "buffer":
+            net.centre.fill_(1.0)
+        elif held_as == "tensor-attribute":
+            net.centre = torch.ones((), dtype=torch.float64)
+        with twobp.use_queue(queue):
+            for k, x in enumerate(later, start=2):
+                if held_as == "view-of-a-table":
+                    net.centre = _CentringByTensor.TABLE[:k]
+                net(x).pow(3).sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _ReturnsItsTable(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.table = torch.randn(3, 4, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        return torch.tanh(x * self.weight), self.table
+
+
+def test_a_recompute_forward_returning_a_tensor_it_holds_trains_as_plain():
+    """The deferral re-parents its outputs in place: the held table joined the first call's graph,
+    and the second micro-batch's backward went through it a second time (autograd's error)."""
+    twobp.register(_ReturnsItsTable, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _ReturnsItsTable()).double())
+    with pytest.warns(UserWarning, match="outputs that are its inputs, parameters or buffers"):
+        for _ in range(2):
+            x = torch.randn(3, 4, dtype=torch.float64)
+            for net in (patched, reference):
+                y, table = net(x)
+                (y * table).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _MaxNorm(nn.Module):
+    """A module for the recompute rule that keeps its weight's rows within a norm in its forward,
+    as models constrained by max-norm do."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64) * 3)
+        self._how = how  # private: not a setting the rule keys its verdicts by
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self._how == "data-rebound":
+            self.weight.data = torch.renorm(self.weight.data, 2, 0, 1.0)
+        elif self._how == "data-scaled-in-place":
+            self.weight.data.mul_(0.9)
+        elif self._how == "in-place-under-no-grad":
+            with torch.no_grad():
+                self.weight.copy_(torch.renorm(self.weight, 2, 0, 1.0))
+        return torch.tanh(x @ self.weight)
+
+
+@pytest.mark.parametrize("how", ["data-rebound", "data-scaled-in-place", "in-place-under-no-grad"])
+def test_a_recompute_forward_that_changes_its_parameters_keeps_plain_autograd(how: str, monkeypatch):
+    """The rule runs the forward on detached stand-ins: a constraint rebinding ``.data`` reached the
+    stand-in only (the weight never constrained: 1.55 off after three steps), one scaling it in
+    place through ``.data`` ran in each trial and again in the replay (18% off), and one under
+    no_grad bumped the version the flush checks (every flush refused)."""
+    monkeypatch.setattr(warn_once, "given", set())  # each reason warns once per process
+    twobp.register(_MaxNorm, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _MaxNorm(how)).double())
+    optimizers = [torch.optim.SGD(net.parameters(), lr=0.1) for net in (patched, reference)]
+    with pytest.warns(UserWarning, match="changes its parameters"):
+        for _ in range(3):
+            for _ in range(2):
+                x = torch.randn(3, 4, dtype=torch.float64)
+                for net in (patched, reference):
+                    net(x).pow(2).sum().backward()
+            twobp.flush_weight_grads()
+            assert_grads_match(patched, reference, torch.float64)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad()
+            torch.testing.assert_close(patched[1].weight, reference[1].weight)
+
+
+def test_a_recompute_forward_that_starts_changing_its_parameters_in_place_is_refused(monkeypatch):
+    """A change a later call makes in place cannot be undone to run the call again on plain
+    autograd: refused, the module plain from then on."""
+    monkeypatch.setattr(warn_once, "given", set())
+    twobp.register(_MaxNorm, twobp.ops.recompute)
+    model = twobp.patch(_MaxNorm("none"))
+    model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    twobp.flush_weight_grads()
+    model.weight.grad = None
+    model._how = "in-place-under-no-grad"
+    with pytest.raises(RuntimeError, match="twobp: _MaxNorm's forward changed one of its parameters in place"):
+        model(torch.randn(3, 4, dtype=torch.float64))
+    with pytest.warns(UserWarning, match="changes its parameters"):
+        model(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+    assert model.weight.grad is not None and twobp.pending().jobs == 0
+
+
+class _BuildsItsHead(nn.Module):
+    """A module for the recompute rule that builds a head sized by its first input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not hasattr(self, "head"):
+            self.head = nn.Linear(x.shape[-1], 4, dtype=torch.float64)
+        return self.head(torch.tanh(x * self.weight))
+
+
+def test_a_recompute_forward_that_builds_parts_of_itself_leaves_the_random_stream_as_plain():
+    """The first call's trial built the head (drawing its initial weights), and the rewind after
+    the trial put the generator back before those draws: the forward drew nothing after, and the
+    dropout after it drew another mask than plain's (every output and gradient off)."""
+    twobp.register(_BuildsItsHead, twobp.ops.recompute)
+    torch.manual_seed(0)
+    model = nn.Sequential(_BuildsItsHead(), nn.Dropout(0.5))
+    patched, reference = patched_and_reference(model)
+    outputs = []
+    for net in (patched, reference):
+        torch.manual_seed(1)
+        outputs.append([])
+        for _ in range(3):
+            y = net(torch.randn(3, 4, dtype=torch.float64))
+            outputs[-1].append(y.detach())
+            y.pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(outputs[0], outputs[1])
+    assert_grads_match(patched, reference, torch.float64)
+    assert twobp.pending().jobs == 0
+
+
+def test_a_recompute_first_calls_failed_trial_is_named_in_the_warning():
+    """A first call that failed once for a reason of its own, then passed run as plain: the module
+    was sent to plain autograd with a warning that blamed a tensor hook, and no word of the error."""
+
+    class FailsOnce(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4))
+            self.calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            if self.calls == 1:
+                raise ValueError("the loader's first batch was not ready")
+            return torch.tanh(x * self.weight)
+
+    twobp.register(FailsOnce, twobp.ops.recompute)
+    model = twobp.patch(FailsOnce())
+    with pytest.warns(UserWarning, match="the trial raised ValueError: the loader's first batch was not ready"):
+        model(torch.randn(3, 4)).sum().backward()

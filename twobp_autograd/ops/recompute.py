@@ -181,11 +181,12 @@ def _same_value(now: object, then: object) -> bool:
     return now is then or (type(now) is type(then) and now == then)
 
 
-def _storage_key(v: Tensor) -> int:
-    """The storage a held tensor reads (its own alias's id where it has no data pointer: sparse, meta,
-    subclasses; that alias lives as long as the state holding it)."""
+def _storage_key(v: Tensor) -> Hashable:
+    """The values a held tensor reads: its storage and view (two views from one start, ``table[:1]``
+    and ``table[:2]``, hold others), or its own alias's id where it has no data pointer (sparse,
+    meta, subclasses; that alias lives as long as the state holding it)."""
     if type(v) is Tensor and v.layout == torch.strided and not v.is_meta:
-        return v.data_ptr()
+        return (v.data_ptr(), v.shape, v.stride(), v.dtype)
     return id(v)
 
 
@@ -318,6 +319,30 @@ class _ForwardState:
                         original.resize_(value.shape)
                     original.copy_(value)
 
+    def parameters_changed_in_place(self) -> bool:
+        return [p._version for p in self.params.values()] != list(self.param_versions)
+
+    def parameters_changed(self, substitutes: Mapping[str, Tensor], values: Sequence[Tensor]) -> bool:
+        """Whether the forward changed its parameters: a stand-in given other data (``.data =``,
+        which the parameter never sees), in place (a version bumped through the stand-in, which
+        shares the parameter's counter), or, where ``values`` holds copies, by a write through
+        ``.data``, which bumps no version."""
+        return (
+            any(
+                s is not p and s.layout == torch.strided and (s.data_ptr(), s.shape) != (p.data_ptr(), p.shape)
+                for s, p in zip(substitutes.values(), self.params.values(), strict=True)
+            )
+            or self.parameters_changed_in_place()
+            or any(not _same_bits(p, v) for p, v in zip(self.params.values(), values, strict=False))
+        )
+
+    def restore_parameters(self, values: Sequence[Tensor]) -> None:
+        """The parameters' contents back (``values``, where copied), through ``.data``: the
+        forward's change through ``.data`` bumped no version, and a restore must bump none."""
+        for p, value in zip(self.params.values(), values, strict=False):
+            if not _same_bits(p, value):
+                p.data.copy_(value)
+
     def changed_by_forward(self, module: nn.Module, values: Sequence[Tensor]) -> bool:
         """In place (also by kernels that bump no version counter: ``torch.batch_norm``'s running
         statistics, a fused fake-quant's observer), or replaced, added or removed."""
@@ -449,6 +474,10 @@ _FAILS_WITHOUT_GRAPH = (
     "a forward that fails run without a graph or on detached parameters (a tensor hook registered on "
     "an intermediate): the recompute rule's trial and deferred forward run it so"
 )
+_CHANGES_PARAMETERS = (
+    "a forward that changes its parameters (a max-norm constraint applied through .data or under "
+    "no_grad): the recompute rule runs it on stand-ins, which such a change would not reach"
+)
 _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
 _REENTRANT_CHECKPOINT = (
     "a forward that runs a reentrant torch.utils.checkpoint (the flush's recomputation cannot differentiate it)"
@@ -487,6 +516,9 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: may then join its calls' rows).
 _rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, bool]] = weakref.WeakKeyDictionary()
 _MAX_VERDICTS = 8  # per module
+#: Modules whose first trial built parts of themselves (see _deferred_forward): once only.
+_grown: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
 #: The public scalars a module's forward was seen changing (a call counter): no verdict key.
 _scalars_it_changes: weakref.WeakKeyDictionary[nn.Module, frozenset[tuple[int, str]]] = weakref.WeakKeyDictionary()
 
@@ -605,15 +637,17 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
     state = _ForwardState(module, params)
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
-    # Copies only where trials will run (a module's first calls), which must be rewound; later
-    # calls see a change in place by its version (a cache held in an attribute is not copied).
     verdicts = _rows_apart.setdefault(module, {})
-    # A verdict holds for calls alike: the training flags of its submodules, the public scalars
-    # it reads (a switch or a mode a schedule sets), the inputs' ranks (a time-major call after
-    # batch-major ones).
+    # A verdict holds for calls alike: the training flags of its submodules, the buffers and
+    # tensor attributes it reads and the public scalars (a switch or a mode a schedule sets), the
+    # inputs' ranks (a time-major call after batch-major ones).
     changing = _scalars_it_changes.get(module, ())  # a call counter: left out (the replay reads it as it is)
     alike = (
         state.flags,
+        # A mode kept in a buffer or a tensor attribute (README's advice for state) may switch the
+        # forward between row-wise and mixing as a public number does.
+        tuple([(id(b), v) for (_, b), v in zip(state.named_buffers, state.versions, strict=True)]),
+        tuple([(n, _storage_key(v), state.attribute_versions[n]) for n, v in state.attributes.items()]),
         tuple([(n, v) for a, n, v in state.scalars if (id(a), n) not in changing]),
         tuple([t.dim() for t in inputs]),
     )
@@ -622,31 +656,49 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # values are not joined anyway, state.key()).
     judged = alike in verdicts or len(verdicts) >= _MAX_VERDICTS
     trials = module not in _leaves_inputs or not judged
+    # Copies only where trials will run (a module's first calls), which must be rewound; later
+    # calls see a change in place by its version (a cache held in an attribute is not copied).
     attribute_values = state.attribute_values() if trials else {}
+    param_values = [p.detach().clone() for p in params.values()] if trials else []
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
 
     def rewind() -> None:
-        """Random state and buffers back to where this call found them."""
+        """Random state, buffers and parameters' contents back to where this call found them."""
         _rewind_random_state(cpu_state, devices, device_states)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
+        state.restore_parameters(param_values)
 
     trial_output = None
     if module not in _leaves_inputs:
+        structure = _structure(module)
         try:
             with _outside_selective_checkpointing():
                 changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
-        except Exception:  # needs a graph (a tensor hook on an intermediate): plain's forward decides
+        except Exception as error:  # needs a graph (a tensor hook on an intermediate): plain's forward decides
             rewind()
             # Plain's own error first (a bad input shape): no warning, and the module stays deferred.
             output = type(module).forward(module, *inputs)
-            _unreplayable[module] = _FAILS_WITHOUT_GRAPH
-            warn_plain_call(module, _FAILS_WITHOUT_GRAPH)
+            # The trial's own error said too: a forward that failed once for another reason (a
+            # transient one) is not taken for one that needs a graph without a word.
+            failed = f"{_FAILS_WITHOUT_GRAPH}; the trial raised {type(error).__name__}: {str(error)[:200]}"
+            _unreplayable[module] = failed
+            warn_plain_call(module, failed)
             took_plain(module)
             return output
         rewind()  # the trial's draws and buffer changes
+        if _structure(module) != structure and module not in _grown:
+            # It built parts of itself (a head sized by its first input): with the random numbers
+            # they drew rewound, and the forward drawing none after them, the generators would end
+            # where plain's began. Undone, and this call runs on plain autograd (which builds them
+            # anew from the same draws); the next call is tried again.
+            _grown.add(module)
+            _drop_additions(structure)
+            state.undo_additions(module)
+            took_plain(module)
+            return type(module).forward(module, *inputs)
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
@@ -686,11 +738,24 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             "is made already); the module keeps plain autograd from its next call on. Register the "
             "tensor as a buffer, or exclude the module from patch() (exclude=[...])."
         )
+    parameters_changed = state.parameters_changed(substitutes, param_values)
+    if parameters_changed and not param_values and state.parameters_changed_in_place():
+        _unreplayable[module] = _CHANGES_PARAMETERS
+        raise RuntimeError(
+            f"twobp: {type(module).__name__}'s forward changed one of its parameters in place, which "
+            "its first calls did not: the recompute rule cannot replay that at the flush, nor undo it "
+            "to run the forward again on plain autograd. This call is refused (the change is made "
+            "already); the module keeps plain autograd from its next call on. Apply such a "
+            "constraint after optimizer.step(), or exclude the module from patch() (exclude=[...])."
+        )
     why = (
-        _RANDOM if random
+        _CHANGES_PARAMETERS if parameters_changed
+        else _RANDOM if random
         else _STATEFUL if state.changed_by_forward(module, values)
         else _STATEFUL_ATTRIBUTES if state.attributes_changed(module, attribute_values)
-        else _unfit_outputs(output, [*tensors, *substitutes.values(), *state.buffers().values()])
+        else _unfit_outputs(
+            output, [*tensors, *substitutes.values(), *state.buffers().values(), *state.attribute_objects.values()]
+        )
     )  # fmt: skip
     if why is not None:
         _unreplayable[module] = why
@@ -869,6 +934,19 @@ def _close(a: Tensor, b: Tensor) -> bool:
     scale = magnitude.amax(0, keepdim=True) if b.dim() > 0 else magnitude
     near = torch.isclose(a, b, rtol=rtol, atol=0.0, equal_nan=True).logical_or_((a - b).abs() <= rtol * scale)
     return bool(near.all())
+
+
+def _structure(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
+    """Each submodule with the names of its own submodules, parameters and buffers."""
+    return [(m, tuple(m._modules), tuple(m._parameters), tuple(m._buffers)) for m in module.modules()]
+
+
+def _drop_additions(structure: Sequence[tuple[nn.Module, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]) -> None:
+    """Submodules, parameters and buffers registered since ``structure`` was taken, removed."""
+    for m, modules, params, buffers in structure:
+        for registered, names in ((m._modules, modules), (m._parameters, params), (m._buffers, buffers)):
+            for name in [n for n in registered if n not in names]:
+                del registered[name]
 
 
 def _changes_its_inputs(
