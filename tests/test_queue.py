@@ -1438,3 +1438,22 @@ def test_a_capped_queue_whose_bytes_another_thread_flushed_meanwhile_stays_quiet
         warnings.simplefilter("error")
         queue._enforce_cap()
     assert len(queue) == 0 and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("cap", [None, 10**6], ids=["uncapped", "capped"])
+def test_pending_bytes_count_the_local_tensors_inside_dtensors(one_rank_group: None, cap: int | None):
+    """Work held as DTensors (a tensor-parallel plan): every DTensor's data_ptr() is 0, so all of
+    them counted as one storage, sized as the global tensor; a capped queue held 88 jobs where the
+    cap allowed 21."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = twobp.patch(nn.Sequential(nn.Linear(16, 8), nn.Linear(8, 4)))
+    parallelize_module(model, init_device_mesh("cpu", (1,)), {"0": ColwiseParallel(), "1": ColwiseParallel()})
+    queue = twobp.WeightGradQueue(max_pending_bytes=cap)
+    with twobp.use_queue(queue):
+        for _ in range(2):
+            model(torch.randn(5, 16)).pow(2).sum().backward()
+    # Per micro-batch: each layer's saved input rows and output gradient, fp32.
+    assert queue.pending() == (4, 2 * (5 * 16 + 5 * 8 + 5 * 8 + 5 * 4) * 4)
+    queue.flush()

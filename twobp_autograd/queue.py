@@ -25,11 +25,12 @@ import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import flush as flush_module
 from .flush import (
@@ -313,7 +314,7 @@ class WeightGradQueue:
                 for job in self._jobs:  # oldest first; a guess: storages shared by jobs count twice
                     if freed < over and not _waits_for_the_flush(job):
                         early.append(job)
-                        freed += sum(t.untyped_storage().nbytes() for t in job.held_tensors())
+                        freed += sum(t.untyped_storage().nbytes() for t in _memory_of(job.held_tensors()))
                     else:
                         kept.append(job)
                 if not early:
@@ -349,7 +350,7 @@ class WeightGradQueue:
         if self.max_pending_bytes is None:
             return
         for job in jobs:
-            for t in job.held_tensors():
+            for t in _memory_of(job.held_tensors()):
                 key = _storage_key(t)
                 entry = self._held.setdefault(key, [0, t.untyped_storage().nbytes()])
                 entry[0] += sign
@@ -367,7 +368,11 @@ class WeightGradQueue:
         if self.max_pending_bytes is not None:  # kept up to date on every enqueue
             return PendingWork(len(self._jobs), self._held_bytes)
         with self._lock:
-            storages = {_storage_key(t): t.untyped_storage().nbytes() for job in self._jobs for t in job.held_tensors()}
+            storages = {
+                _storage_key(t): t.untyped_storage().nbytes()
+                for job in self._jobs
+                for t in _memory_of(job.held_tensors())
+            }
         return PendingWork(len(self._jobs), sum(storages.values()))
 
     def tags(self) -> list[Hashable]:
@@ -722,6 +727,17 @@ def _warn_cap_kept_for_hooks_once() -> None:
 
 def _ANY_WORK(flight: _Flight) -> bool:
     return True
+
+
+def _memory_of(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
+    """The plain tensors whose storages ``tensors`` keep alive: a wrapper subclass (a DTensor, whose
+    data_ptr() is 0 and whose storage is sized as the global tensor) by the tensors inside it."""
+    for t in tensors:
+        if type(t) is Tensor or type(t) is torch.nn.Parameter or not is_traceable_wrapper_subclass(t):
+            yield t
+        else:
+            inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
+            yield from _memory_of(i for i in inner if isinstance(i, Tensor))  # DTensor's names its mesh too
 
 
 def _storage_key(t: Tensor) -> tuple[int, torch.device]:
