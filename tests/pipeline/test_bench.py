@@ -18,7 +18,10 @@ def test_bench_writes_table_json_and_traces(model: str, tmp_path, capfd) -> None
     out = tmp_path / "bench.json"
     traces = tmp_path / "traces"
     argv = ["pipeline", "--model", model, "--schedule", "1f1b-1", "--twobp", "both", "--steps", "2", "--warmup", "0"]
-    assert main(argv + TINY + ["--nproc", "2", "--json", str(out), "--trace", str(traces), "--no-progress"]) == 0
+    # Token targets split with their inputs at a batch m does not divide (they were flattened, and refused).
+    uneven = ["--batch-size", "6", "--micro-batches", "4"] if model == "transformer" else []
+    outputs = ["--nproc", "2", "--json", str(out), "--trace", str(traces), "--no-progress"]
+    assert main(argv + TINY + uneven + outputs) == 0
 
     table = capfd.readouterr().out
     assert "samples/s" in table and "vs 2BP off" in table and "bubble" in table
@@ -69,8 +72,13 @@ def test_a_bound_is_only_for_zb_and_zbv(spec: str, capsys) -> None:
         (["--baseline", "torch"], "--baseline torch compares every schedule at one micro-batch count"),
         (["--json", "."], "is a directory"),
         (["--trace", __file__], "is a file"),
+        (["--micro-batches", "3", "--nproc", "2"], "--micro-batches 3 is not a multiple"),
+        (["--schedule", "interleaved-1f1b", "--micro-batches", "6", "--nproc", "4"], "groups of the 4 ranks"),
     ],
-    ids=["more-micro-batches-than-samples", "torch-baseline-without-a-count", "json-a-directory", "trace-a-file"],
+    ids=[
+        "more-micro-batches-than-samples", "torch-baseline-without-a-count", "json-a-directory", "trace-a-file",
+        "all-schedules-with-interleaved-at-an-odd-count", "interleaved-at-a-count-ranks-do-not-divide",
+    ],  # fmt: skip
 )
 def test_options_that_cannot_work_are_refused_before_any_rank_starts(argv: list[str], says: str, capsys) -> None:
     """Each failed in every rank after spawning (a traceback per rank), or, for the outputs, after

@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from tests.ranks import gloo_rank_main, read_results, run_ranks
 from tests.utils import TOLERANCES
+from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline import PipelineError, PipelineRuntime, RankMetrics, StepReport, split_model
 from twobp_autograd.pipeline.actions import B, Payload
 from twobp_autograd.pipeline.actions import F as Forward
@@ -767,3 +768,16 @@ def test_targets_split_alike_with_the_inputs_hold_as_many_rows_per_sample_in_eve
     assert not _split_alike(10, 5, 2)  # 5 / 5 rows against 3 / 2 samples
     assert not _split_alike(12, 8, 4)  # no whole number of rows per sample
     assert not _split_alike(7, 8, 2)
+
+
+@pytest.mark.parametrize("queues", [[0], [0, 1, 2]], ids=["a-stage-left-out", "a-stage-not-held"])
+def test_queues_that_are_not_one_per_held_stage_are_refused(one_rank_group: None, queues: list[int]) -> None:
+    """A mapping leaving out one of the rank's stages failed with a bare KeyError."""
+    with pytest.raises(ValueError, match=r"twobp: rank 0 holds stages \[0, 1\] .* one queue per stage it holds"):
+        PipelineRuntime(
+            {0: nn.Linear(4, 4), 1: nn.Linear(4, 4)},
+            [],
+            num_micro_batches=2,
+            loss_fn=_mse,
+            queue={index: WeightGradQueue() for index in queues},
+        )

@@ -59,7 +59,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     add_model_arguments(parser, batch_size=None, batch_help="samples per step (default per model)")
     parser.add_argument(
-        "--schedule", type=_schedule_spec, default="all", nargs="+", metavar="NAME",
+        "--schedule", type=_schedule_spec, default=["all"], nargs="+", metavar="NAME",
         help=f"{', '.join((*SCHEDULES, *MULTI_STAGE_SCHEDULES))} or all; zb:N and zbv:N bound the micro-batches "
         "waiting for their W at N (max_pending), so that bounds compare in one run",
     )
@@ -96,6 +96,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.micro_batches is not None and args.micro_batches > batch_size:
         parser.error(
             f"--micro-batches {args.micro_batches} is more than the {batch_size} samples of a step (--batch-size)"
+        )
+    ranks = int(os.environ.get("WORLD_SIZE", args.nproc)) if "RANK" in os.environ else args.nproc
+    interleaved = {"interleaved-1f1b", "all"} & {_schedule_of(spec)[0] for spec in args.schedule}
+    if interleaved and args.micro_batches is not None and args.micro_batches % ranks:
+        parser.error(
+            f"interleaved-1f1b runs micro-batches in groups of the {ranks} ranks: --micro-batches "
+            f"{args.micro_batches} is not a multiple (or leave interleaved-1f1b out of --schedule)"
         )
     if args.baseline == "torch" and args.micro_batches is None:
         # Each of our schedules has its own default; PyTorch's would run at another.

@@ -64,7 +64,10 @@ def interleaved_one_f_one_b(
     each stage's remaining work runs as one concatenated ``W`` at the end."""
     p, v, m = num_ranks, stages_per_rank, num_micro_batches
     if m % p:
-        raise ValueError(f"interleaved 1F1B runs micro-batches in groups of the {p} ranks; {m} is not a multiple")
+        raise ValueError(
+            f"twobp: interleaved 1F1B runs micro-batches in groups of the {p} ranks; {m} is not a multiple: "
+            f"use a multiple of {p}"
+        )
 
     def slot(rank: int, index: int, backward: bool) -> tuple[int, int]:
         group, within = divmod(index, p * v)

@@ -733,9 +733,14 @@ def _stages_of(
 ) -> dict[int, _Stage]:
     modules = {rank: stage} if isinstance(stage, nn.Module) else dict(stage)
     if not modules:
-        raise ValueError(f"rank {rank} holds no stage")
+        raise ValueError(f"twobp: rank {rank} holds no stage: pass its stage module, or a mapping from stage to module")
     if isinstance(queue, Mapping):
         queues = dict(queue)
+        if set(queues) != set(modules):
+            raise ValueError(
+                f"twobp: rank {rank} holds stages {sorted(modules)} and was given queues for stages "
+                f"{sorted(queues)}: pass one queue per stage it holds"
+            )
     else:
         if queue is not None and len(modules) > 1:
             raise ValueError("twobp: several stages need one queue each: pass a mapping from stage to queue")

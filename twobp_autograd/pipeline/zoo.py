@@ -86,11 +86,10 @@ class LlamaLikeBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class _FlattenTokens(nn.Module):
-    """Logits (batch, time, vocab) as rows, so that cross-entropy takes them as they are."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x.flatten(0, 1)
+def _token_cross_entropy(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy over every token: logits (batch, time, vocab), targets (batch, time). Targets
+    keep their batch dim, so that a step splits them where it splits the inputs, at any batch size."""
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 ModelSpec = tuple[
@@ -130,14 +129,14 @@ def _transformer(args: argparse.Namespace) -> ModelSpec:
     model = nn.Sequential(
         nn.Embedding(vocab, width),
         *(LlamaLikeBlock(width, heads=max(1, width // 64)) for _ in range(args.depth or 8)),
-        nn.Sequential(nn.RMSNorm(width), nn.Linear(width, vocab, bias=False), _FlattenTokens()),
+        nn.Sequential(nn.RMSNorm(width), nn.Linear(width, vocab, bias=False)),
     )
 
     def make_batch(b: int, g: torch.Generator) -> tuple[Tensor, Tensor]:
         tokens = torch.randint(0, vocab, (b, seq + 1), generator=g)
-        return tokens[:, :-1].contiguous(), tokens[:, 1:].reshape(-1)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
-    return model, make_batch, F.cross_entropy
+    return model, make_batch, _token_cross_entropy
 
 
 def _resnet152(args: argparse.Namespace) -> ModelSpec:
