@@ -520,10 +520,20 @@ HAND_REDUCTIONS: dict[str, Callable[[nn.Module, Tensor], object]] = {
     ],
     "reduce-to-rank-0": lambda m, _: [torch.distributed.reduce(p.grad, dst=0) for p in m.parameters()],
     "all_reduce-of-the-flat-buffer": lambda _, flat: torch.distributed.all_reduce(flat),
+    "all_reduce_coalesced": lambda m, _: torch.distributed.all_reduce_coalesced([p.grad for p in m.parameters()]),
+    # ZeRO-2 by hand: each rank keeps the sum of its shard of the flat buffer (reduce-scatters went
+    # through: 6.73 off on two gloo ranks).
+    "reduce_scatter_tensor-of-the-flat-buffer": lambda _, flat: torch.distributed.reduce_scatter_tensor(
+        torch.empty_like(flat), flat
+    ),
+    "reduce_scatter-of-the-flat-buffer": lambda _, flat: torch.distributed.reduce_scatter(
+        torch.empty_like(flat), [flat]
+    ),
 }
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # reduce_scatter_tensor, all_reduce_coalesced: deprecated
 @pytest.mark.parametrize("reduce", HAND_REDUCTIONS.values(), ids=HAND_REDUCTIONS.keys())
 def test_a_gradient_average_by_hand_before_the_flush_is_refused_and_after_it_runs_as_plain(
     reduce: Callable[[nn.Module, Tensor], object], one_rank_group: None
@@ -539,7 +549,7 @@ def test_a_gradient_average_by_hand_before_the_flush_is_refused_and_after_it_run
     for net in (patched, reference):
         net(x).pow(2).sum().backward()
     before = [p.grad.clone() for p in patched.parameters()]
-    with pytest.raises(RuntimeError, match=r"twobp: torch.distributed.(all_)?reduce of a .grad over parameters whose"):
+    with pytest.raises(RuntimeError, match=r"twobp: torch.distributed.\w+ of a .grad over parameters whose"):
         reduce(patched, flats[0])
     for p, expected in zip(patched.parameters(), before, strict=True):
         assert torch.equal(p.grad, expected)
@@ -600,3 +610,41 @@ def test_a_hand_average_over_gradients_laid_out_unusually_is_refused(layout: str
         torch.distributed.all_reduce(reduced)
     twobp.flush_weight_grads()
     torch.distributed.all_reduce(reduced)
+
+
+_PRE_HOOK_FIRST = """
+import torch
+from torch import nn
+scale = nn.Parameter(torch.ones(2, dtype=torch.float64))
+halved = []
+def halve(optimizer, args, kwargs):  # a library's global hook, registered before the first patch()
+    scale.grad.div_(2)
+    halved.append(True)
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+register_optimizer_step_pre_hook(halve)
+import twobp_autograd as twobp
+layer = twobp.patch(nn.Linear(2, 2).double())
+optimizer = torch.optim.SGD([scale, *layer.parameters()], lr=0.1)
+(layer(torch.ones(3, 2, dtype=torch.float64)) * scale).sum().backward()
+before = scale.grad.clone()
+try:
+    optimizer.step()
+except RuntimeError as error:
+    print("refused" if str(error).startswith("twobp:") else "other-error")
+print("unchanged" if torch.equal(scale.grad, before) and not halved else "changed")
+twobp.discard_weight_grads()
+"""
+
+
+def test_a_global_step_pre_hook_registered_before_patch_runs_after_the_refusal(tmp_path) -> None:
+    """The guard was appended to the global step pre-hooks: one registered earlier (at a library's
+    import) ran first, and halved a gradient of the step the guard then refused; the step run again
+    after the flush, as the refusal says, halved it twice."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "pre_hook_first.py"
+    script.write_text(_PRE_HOOK_FIRST)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["refused", "unchanged"], result.stdout

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim import optimizer as optimizer_module
 
 from .flush import accumulated_dtype, forget_deliveries, summed_over_backward_calls, undelivered
 from .queue import WeightGradQueue, current_queue, dropped_without_grad, queues_with_work
@@ -65,7 +65,15 @@ def install_grad_guards() -> None:
     global _installed
     if _installed:
         return
-    register_optimizer_step_pre_hook(_refuse_step_with_queued_work)
+    handle = optimizer_module.register_optimizer_step_pre_hook(_refuse_step_with_queued_work)
+    # First of the global step pre-hooks: one registered before the first patch (a library's
+    # scaling of .grad) would change the gradients of a step this one then refuses.
+    hooks = optimizer_module._global_optimizer_pre_hooks
+    others = {key: hook for key, hook in hooks.items() if key != handle.id}
+    ours = hooks[handle.id]
+    hooks.clear()  # reordered in place: the handles of the others hold this dict
+    hooks[handle.id] = ours
+    hooks.update(others)
     _guard_zero_grad()
     _guard_clipping()
     _guard_unscale()
@@ -298,12 +306,25 @@ def _refusing_while_queued(clip: Callable[..., Any], name: str, wait: bool = Tru
     return checked
 
 
+#: The guarded reductions, and where each finds the tensors it reduces among its arguments
+#: (position, keyword). ``reduce_scatter_tensor`` and ``_reduce_scatter_base`` call
+#: ``reduce_scatter_single`` (as a global of their module, which the guard replaces).
+_REDUCTIONS: dict[str, tuple[int, str]] = {
+    "all_reduce": (0, "tensor"),
+    "reduce": (0, "tensor"),
+    "all_reduce_coalesced": (0, "tensors"),
+    "reduce_scatter_single": (1, "input"),
+    "reduce_scatter": (1, "input_list"),
+}
+
+
 def _guard_gradient_reductions() -> None:
-    """``torch.distributed.all_reduce`` and ``reduce`` of a ``.grad`` (a data-parallel average
-    written by hand, as in PyTorch's "Writing Distributed Applications"), refused while work for
-    that parameter is queued: run before the flush, it averages partial gradients, and the flush
-    then adds each rank's own weight gradients, unaveraged. Dynamo keeps tracing the guarded
-    ``all_reduce`` as the original (a functional collective; no queue is seen from a graph)."""
+    """``torch.distributed``'s reductions of a ``.grad`` (a data-parallel average written by hand,
+    as in PyTorch's "Writing Distributed Applications", or a ZeRO-style reduce-scatter of a flat
+    gradient buffer), refused while work for that parameter is queued: run before the flush, they
+    reduce partial gradients, and the flush then adds each rank's own weight gradients, unreduced.
+    Dynamo keeps tracing a guarded reduction as the original (a functional collective; no queue is
+    seen from a graph)."""
     if not torch.distributed.is_available():
         return
     from torch.distributed import distributed_c10d
@@ -312,9 +333,11 @@ def _guard_gradient_reductions() -> None:
         from torch.distributed._functional_collectives import traceable_collective_remaps
     except ImportError:  # pragma: no cover - a build without it: nothing to keep traceable
         traceable_collective_remaps = {}
-    for name in ("all_reduce", "reduce"):
-        original = getattr(distributed_c10d, name)
-        guarded = _refusing_reductions_of_queued_grads(original, f"torch.distributed.{name}")
+    for name, where in _REDUCTIONS.items():
+        original = getattr(distributed_c10d, name, None)
+        if original is None:  # pragma: no cover - a release without it
+            continue
+        guarded = _refusing_reductions_of_queued_grads(original, name, where)
         setattr(distributed_c10d, name, guarded)
         if getattr(torch.distributed, name, None) is original:
             setattr(torch.distributed, name, guarded)
@@ -322,23 +345,30 @@ def _guard_gradient_reductions() -> None:
             traceable_collective_remaps[guarded] = traceable_collective_remaps[original]
 
 
-def _refusing_reductions_of_queued_grads(reduction: Callable[..., Any], name: str) -> Callable[..., Any]:
+def _refusing_reductions_of_queued_grads(
+    reduction: Callable[..., Any], name: str, where: tuple[int, str]
+) -> Callable[..., Any]:
+    position, keyword = where
+
     @functools.wraps(reduction)
-    def checked(tensor: Any, *args: Any, **kwargs: Any) -> Any:
-        # Gradients are floating point: the pipeline's own integer headers pass at once.
-        reducing = (
-            _queued_params_whose_grad_overlaps(tensor)
-            if isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and queues_with_work()
-            else None
-        )
-        if reducing:
-            refuse_if_queued(
-                reducing,
-                f"{name} of a .grad",
-                " (or average the gradients with twobp_autograd.data_parallel.GradientSynchroniser, "
-                "which flushes first)",
-            )
-        return reduction(tensor, *args, **kwargs)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        if queues_with_work():
+            reduced = args[position] if len(args) > position else kwargs.get(keyword)
+            # Gradients are floating point: the pipeline's own integer headers pass at once.
+            reducing = [
+                param
+                for tensor in (reduced if isinstance(reduced, (list, tuple)) else (reduced,))
+                if isinstance(tensor, torch.Tensor) and tensor.is_floating_point()
+                for param in _queued_params_whose_grad_overlaps(tensor)
+            ]
+            if reducing:
+                refuse_if_queued(
+                    reducing,
+                    f"torch.distributed.{name} of a .grad",
+                    " (or average the gradients with twobp_autograd.data_parallel.GradientSynchroniser, "
+                    "which flushes first)",
+                )
+        return reduction(*args, **kwargs)
 
     return checked
 
