@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
+import itertools
 import numbers
 import sys
 import threading
@@ -300,13 +301,6 @@ class _ForwardState:
             if isinstance(value, Tensor) and (f"{prefix}.{name}" if prefix else name) not in self.attribute_objects
         ]
 
-    def undo_additions(self, module: nn.Module) -> None:
-        """Tensor attributes added since this state was taken dropped, public scalars put back."""
-        for attrs, name in self._added_attributes(module):
-            del attrs[name]
-        for attrs, name, value in self.scalars:
-            attrs[name] = value
-
     def restore_attributes(self, values: Mapping[str, Tensor]) -> None:
         """Contents changed in place go back (where ``values`` holds copies); a tensor the forward
         rebound stays rebound, as the plain Python state it goes with (a cache's length) cannot
@@ -447,6 +441,54 @@ def _is_scalar(value: object) -> bool:
     return numpy is not None and isinstance(value, numpy.generic) and not isinstance(value, numpy.void)
 
 
+class _Attributes:
+    """Each submodule's attributes as a call found them, shallow (its Python values, and its
+    submodules and parameters by name): put back where a trial or the attempt built parts of the
+    module (a head sized by the input, with the flag that guards it, private or not), before the call
+    runs on plain autograd, which builds them once. (Not after every trial: a hook registered under
+    a flag, in a dict put back as it was but changed in place, would be registered again.)"""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.saved = [(m, dict(vars(m)), dict(m._modules), dict(m._parameters)) for m in module.modules()]
+
+    def built_since(self, module: nn.Module) -> bool:
+        """Whether submodules or parameters were added, removed or replaced since."""
+        return _parts(module) != [
+            (id(m), [(k, id(v)) for k, v in modules.items()], [(k, id(v)) for k, v in params.items()])
+            for m, _, modules, params in self.saved
+        ]
+
+    def drop_tensors_added(self) -> None:
+        """Tensor attributes set since where there was none (a cache made from the stand-ins, which
+        require no grad) dropped, or put back to what they were (``None``)."""
+        for m, attributes, _, _ in self.saved:
+            now = vars(m)
+            added = [n for n, v in now.items() if isinstance(v, Tensor) and not isinstance(attributes.get(n), Tensor)]
+            for name in added:
+                if name in attributes:
+                    now[name] = attributes[name]
+                else:
+                    del now[name]
+
+    def restore(self) -> None:
+        for m, attributes, modules, params in self.saved:
+            vars(m).clear()
+            vars(m).update(attributes)
+            m._modules.clear()
+            m._modules.update(modules)
+            m._parameters.clear()
+            m._parameters.update(params)
+
+
+def _parts(module: nn.Module) -> list[tuple[int, list[tuple[str, int]], list[tuple[str, int]]]]:
+    return [
+        (id(m), [(k, id(v)) for k, v in m._modules.items()], [(k, id(v)) for k, v in m._parameters.items()])
+        for m in module.modules()
+    ]
+
+
 _SCALAR_TYPES = (int, float, bool, str, type(None))
 
 
@@ -474,6 +516,7 @@ _FAILS_WITHOUT_GRAPH = (
     "a forward that fails run without a graph or on detached parameters (a tensor hook registered on "
     "an intermediate): the recompute rule's trial and deferred forward run it so"
 )
+_BUILDS_PARTS = "a forward that builds parts of the module (submodules or parameters) on more than one call"
 _CHANGES_PARAMETERS = (
     "a forward that changes its parameters (a max-norm constraint applied through .data or under "
     "no_grad): the recompute rule runs it on stand-ins, which such a change would not reach"
@@ -516,7 +559,28 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: may then join its calls' rows).
 _rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, bool]] = weakref.WeakKeyDictionary()
 _MAX_VERDICTS = 8  # per module
-#: Modules whose first trial built parts of themselves (see _deferred_forward): once only.
+#: A serial number per tensor a verdict key names (a buffer, a tensor attribute's base): an id()
+#: or a data pointer is reused once its tensor is freed (a mode buffer assigned anew each step).
+_serials: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_next_serial = itertools.count()
+
+
+def _serial(t: Tensor) -> int:
+    serial = _serials.get(t)
+    if serial is None:
+        serial = _serials[t] = next(_next_serial)
+    return serial
+
+
+def _verdict_key(t: Tensor) -> Hashable:
+    """A held tensor for a verdict key: its base's serial and the view of it (``table[:k]``)."""
+    base = t if t._base is None else t._base
+    offset = t.storage_offset() if t.layout == torch.strided else 0
+    return (_serial(base), t._version, t.shape, t.stride() if t.layout == torch.strided else (), offset, t.dtype)
+
+
+#: Modules that built parts of themselves in a call (see _deferred_forward): the second time,
+#: they keep plain autograd.
 _grown: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 #: The public scalars a module's forward was seen changing (a call counter): no verdict key.
@@ -646,8 +710,8 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         state.flags,
         # A mode kept in a buffer or a tensor attribute (README's advice for state) may switch the
         # forward between row-wise and mixing as a public number does.
-        tuple([(id(b), v) for (_, b), v in zip(state.named_buffers, state.versions, strict=True)]),
-        tuple([(n, _storage_key(v), state.attribute_versions[n]) for n, v in state.attributes.items()]),
+        tuple([_verdict_key(b) for _, b in state.named_buffers]),
+        tuple([(n, _verdict_key(v)) for n, v in state.attribute_objects.items()]),
         tuple([(n, v) for a, n, v in state.scalars if (id(a), n) not in changing]),
         tuple([t.dim() for t in inputs]),
     )
@@ -664,6 +728,8 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
 
+    attributes = _Attributes(module)
+
     def rewind() -> None:
         """Random state, buffers and parameters' contents back to where this call found them."""
         _rewind_random_state(cpu_state, devices, device_states)
@@ -671,14 +737,25 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         state.restore_attributes(attribute_values)
         state.restore_parameters(param_values)
 
+    def undo(built: bool) -> None:
+        """What the trials or the attempt added (a part built, a cache made from the stand-ins) or
+        set (public scalars: a rebound tensor stays, as the Python state it goes with)."""
+        if built:
+            attributes.restore()
+            return
+        attributes.drop_tensors_added()
+        for attrs, name, value in state.scalars:
+            attrs[name] = value
+
     trial_output = None
     if module not in _leaves_inputs:
-        structure = _structure(module)
         try:
             with _outside_selective_checkpointing():
                 changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
         except Exception as error:  # needs a graph (a tensor hook on an intermediate): plain's forward decides
+            built = attributes.built_since(module)
             rewind()
+            undo(built)  # what the trial built or cached before it failed too
             # Plain's own error first (a bad input shape): no warning, and the module stays deferred.
             output = type(module).forward(module, *inputs)
             # The trial's own error said too: a forward that failed once for another reason (a
@@ -689,16 +766,9 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             took_plain(module)
             return output
         rewind()  # the trial's draws and buffer changes
-        if _structure(module) != structure and module not in _grown:
-            # It built parts of itself (a head sized by its first input): with the random numbers
-            # they drew rewound, and the forward drawing none after them, the generators would end
-            # where plain's began. Undone, and this call runs on plain autograd (which builds them
-            # anew from the same draws); the next call is tried again.
-            _grown.add(module)
-            _drop_additions(structure)
-            state.undo_additions(module)
-            took_plain(module)
-            return type(module).forward(module, *inputs)
+        if attributes.built_since(module):
+            undo(True)
+            return _built_parts(module, inputs)
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
@@ -757,14 +827,18 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             output, [*tensors, *substitutes.values(), *state.buffers().values(), *state.attribute_objects.values()]
         )
     )  # fmt: skip
-    if why is not None:
-        _unreplayable[module] = why
-        # Run again on plain autograd from the same random state and buffers, so that the
-        # output is plain's and generators and buffers end where one plain forward leaves them.
+    built = attributes.built_since(module)
+    if why is not None or built:
+        # Run again on plain autograd from the same random state, attributes and buffers, so that
+        # the output is plain's and generators, buffers and parts built end where one plain
+        # forward leaves them (a cache the trials or this forward made from the stand-ins dropped).
         rewind()
-        state.undo_additions(module)  # a cache the trials or this forward made from the stand-ins
+        undo(built)
         forget_since(mark)  # the attempt's patched calls: the recomputation runs only the plain forward
-        return plain_forward(module, _unreplayable[module], *inputs)
+        if built or why is None:  # the parts' initialisation may be what drew random numbers
+            return _built_parts(module, inputs)
+        _unreplayable[module] = why
+        return plain_forward(module, why, *inputs)
     values.clear()  # the buffers' copies are not needed past here
     attribute_values.clear()
     # The structure the replay will run with: what the forward built (heads made on a first call)
@@ -794,6 +868,19 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         saves_reached=several,
     )
     return _shaped_as(output, tapped)
+
+
+def _built_parts(module: nn.Module, inputs: Sequence[Tensor]) -> Any:
+    """A call that built parts of the module (a head sized by its input), its attempt undone, on
+    plain autograd: the random numbers their initialisation draws are drawn once, as plain draws
+    them (rewound after a trial, the forward drawing none after them, the generators ended where
+    plain's began). A module that builds parts again (a head per new size) keeps plain autograd."""
+    if module in _grown:
+        _unreplayable[module] = _BUILDS_PARTS
+        return plain_forward(module, _BUILDS_PARTS, *inputs)
+    _grown.add(module)
+    took_plain(module)
+    return type(module).forward(module, *inputs)
 
 
 _SAVES_THROUGH_HOOKS = (
@@ -934,19 +1021,6 @@ def _close(a: Tensor, b: Tensor) -> bool:
     scale = magnitude.amax(0, keepdim=True) if b.dim() > 0 else magnitude
     near = torch.isclose(a, b, rtol=rtol, atol=0.0, equal_nan=True).logical_or_((a - b).abs() <= rtol * scale)
     return bool(near.all())
-
-
-def _structure(module: nn.Module) -> list[tuple[nn.Module, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]:
-    """Each submodule with the names of its own submodules, parameters and buffers."""
-    return [(m, tuple(m._modules), tuple(m._parameters), tuple(m._buffers)) for m in module.modules()]
-
-
-def _drop_additions(structure: Sequence[tuple[nn.Module, tuple[str, ...], tuple[str, ...], tuple[str, ...]]]) -> None:
-    """Submodules, parameters and buffers registered since ``structure`` was taken, removed."""
-    for m, modules, params, buffers in structure:
-        for registered, names in ((m._modules, modules), (m._parameters, params), (m._buffers, buffers)):
-            for name in [n for n in registered if n not in names]:
-                del registered[name]
 
 
 def _changes_its_inputs(
