@@ -955,6 +955,24 @@ def test_anomaly_mode_catches_a_nan_that_only_a_deferred_weight_gradient_has():
     twobp.discard_weight_grads()
 
 
+def test_a_nan_refused_after_a_delivery_bucket_says_only_what_holds():
+    """Wrapped in PartlyDelivered (part of the work in .grad, the rest dropped), the refusal still
+    said that nothing reached .grad and the work stayed queued."""
+    class Finite(nn.Module):
+        def forward(self, x: Tensor) -> Tensor:
+            return torch.nan_to_num(x)
+
+    layers = twobp.patch(nn.Sequential(nn.Linear(3, 2), Finite(), nn.Linear(2, 2)))
+    queue = twobp.WeightGradQueue(delivery_bucket_bytes=1)
+    with torch.autograd.detect_anomaly(check_nan=True), twobp.use_queue(queue):
+        # The first layer's input holds an inf: its weight gradient (run second) alone is NaN.
+        layers(torch.tensor([[float("inf"), 1.0, 2.0]])).sum().backward()
+    with pytest.raises(PartlyDelivered, match="returned nan values") as raised:
+        queue.flush()
+    assert "stays queued" not in str(raised.value) and "Nothing reached" not in str(raised.value)
+    assert layers[2].weight.grad is not None and queue.pending().jobs == 0
+
+
 def test_anomaly_mode_checks_only_the_work_of_backwards_run_under_it():
     """A NaN weight gradient from a backward run without anomaly mode (plain leaves it in .grad)
     beside another layer's backward run under it: the flush checked every group and raised."""

@@ -104,3 +104,25 @@ def test_a_flush_failing_before_any_hand_over_keeps_its_work(watched) -> None:
     Gain.fail = False
     queue.flush()
     assert all(p.grad is not None for p in model.parameters())
+
+
+class _FailsAtTheEnd(_Log):
+    def finished(self) -> None:
+        raise KeyboardInterrupt("interrupted while waiting for the reductions")
+
+
+def test_a_flush_whose_watch_fails_at_the_end_does_not_queue_its_delivered_work_again(watched) -> None:
+    """A watch's end (FSDP2's last reductions and their wait) ran after the flush's failure
+    handling: failing there, with every gradient in .grad, the work was queued again, and the next
+    flush added it twice."""
+    handovers, _ = watched
+    stop = watch_flushes(lambda params, early: _FailsAtTheEnd(handovers, []))
+    try:
+        model = twobp.patch(nn.Sequential(Gain(3), nn.Linear(3, 3)))
+        queue = _queued(model)
+        with pytest.raises(KeyboardInterrupt) as raised:
+            queue.flush()
+    finally:
+        stop()
+    assert twobp.flush.partly_delivered(raised.value)
+    assert len(queue) == 0 and all(p.grad is not None for p in model.parameters())

@@ -1051,6 +1051,46 @@ def test_delivery_buckets_hand_gradients_over_while_the_flush_runs(bucket_bytes)
     assert_grads_match(patched, reference)
 
 
+class _TableThroughALayer(nn.Module):
+    """An embedding whose table also goes through a patched Linear (``proj(emb.weight)``): the
+    Linear's deferred work reads the table's memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(10, 8), nn.Linear(8, 8)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        table = self.proj(self.emb.weight)
+        return self.emb(tokens) @ table.t()  # the lookup's work queued first, the Linear's after
+
+
+def test_a_bucket_hands_a_parameter_over_after_the_groups_reading_its_memory():
+    """With delivery buckets, the table's gradient was handed over before the Linear's group ran,
+    and its optimizer-in-backward hook stepped the table in place: the Linear's weight gradient was
+    made from the stepped table (6474 off on a scale of 436). Plain's backward ran the Linear before
+    the table's accumulation."""
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(_TableThroughALayer().double())
+    for net in (patched, reference):
+        for p in net.parameters():
+            optimizer = torch.optim.SGD([p], lr=0.5)
+
+            def step(p: Tensor, optimizer: torch.optim.Optimizer = optimizer) -> None:
+                if not twobp.has_queued_work(p):
+                    optimizer.step()
+                    optimizer.zero_grad()
+
+            p.register_post_accumulate_grad_hook(step)
+    tokens = torch.randint(0, 10, (3, 5))
+    queue = twobp.WeightGradQueue(delivery_bucket_bytes=1)
+    with twobp.use_queue(queue):
+        patched(tokens).square().sum().backward()
+    queue.flush()
+    reference(tokens).square().sum().backward()
+    for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
 def test_discarding_the_empty_current_queue_while_another_holds_work_is_refused():
     """The forwards ran under use_queue(queue), the discard went to the (empty) current queue:
     the micro-batch meant to be dropped reached .grad at the next flush (6.1 off). Refused."""

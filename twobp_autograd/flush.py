@@ -194,6 +194,11 @@ def run_jobs(
     ready: list[tuple[Tensor, Tensor]] = []
     ready_bytes = 0
     bucket_bytes = options.delivery_bucket_bytes
+    # Hooks may change a parameter once its gradient is handed over (an optimizer step in them):
+    # where that happens before the last group, a later group reading the parameter's memory must
+    # have run first, as plain's backward ran it before the parameter's accumulation.
+    read_later = _read_by_later_groups(groups, last_group) if delivery is not None and (bucket_bytes or watches) else {}
+    waiting: list[tuple[Tensor, Tensor]] = []  # ready, handed over after the groups reading them
     handed_over = False
     grad_was_enabled = torch.is_grad_enabled()
     try:
@@ -215,6 +220,8 @@ def run_jobs(
                 del grads
                 if delivery is not None:
                     delivery.forget_undeliverable(group[0].params, index, last_group, ready[readied:])
+                if read_later:
+                    _wait_for_readers(ready, readied, waiting, read_later, index)
                 if bucket_bytes is not None:
                     ready_bytes += sum(param.numel() * param.element_size() for param, _ in ready[readied:])
                 if early:
@@ -229,6 +236,10 @@ def run_jobs(
         # From here a failure (a hook raising) may leave part of the gradients in .grad.
         handed_over = handed_over or bool(ready)
         deliver(ready, watches)
+        # Inside: a watch's end (FSDP2's last reductions and their wait) may fail with every
+        # gradient in .grad already; queued again, the work would be added twice.
+        for watch in watches:
+            watch.finished()
     except BaseException as error:
         if handed_over and not isinstance(error, Exception):
             # KeyboardInterrupt, SystemExit: keep the exception as it is, but say that part of
@@ -252,14 +263,12 @@ def run_jobs(
                 "twobp: a flush failed while handing its gradients over (a hook raised, or after a "
                 "delivery bucket or FSDP2's reduction group by group): .grad may hold part of that "
                 "work and the rest is dropped. Zero the gradients (optimizer.zero_grad()) and run the "
-                f"step again.{hooks_ran} The failure: {error}"
+                f"step again.{hooks_ran} The failure: {getattr(error, 'problem', error)}"
             ) from error
         raise
     finally:
         if delivery is not None:
             _hooked_flushes.remove(delivery)  # by identity: a delivery compares as itself only
-    for watch in watches:
-        watch.finished()
     return held
 
 
@@ -561,17 +570,65 @@ def summed_over_backward_calls(params: Iterable[Tensor]) -> bool:
     return False
 
 
+class _KernelRefused(RuntimeError):
+    """A flush's refusal of what a group's kernels would compute: ``problem`` says what is wrong,
+    and the message adds that the work stays queued, which holds only where nothing was handed over
+    yet (after a delivery bucket, PartlyDelivered quotes the problem alone)."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(
+            f"{problem} Nothing reached .grad and the work stays queued: drop the step with "
+            "optimizer.zero_grad() (or twobp.discard_weight_grads())."
+        )
+        self.problem = problem
+
+
 def _refuse_nan(job: WeightGradJob, grads: Sequence[Tensor | None]) -> None:
     """Anomaly mode's NaN check, on a deferred weight gradient (plain autograd checks each
     node's outputs in backward; these are computed at the flush)."""
     for index, grad in enumerate(grads):
         if grad is not None and torch.isnan(grad).any():
-            raise RuntimeError(
+            raise _KernelRefused(
                 f"twobp: the deferred weight-gradient kernel '{_kernel_name(job)}' returned nan values in its "
                 f"{index}th output (anomaly mode's check_nan was on when its backward ran; the flush "
-                "checks for it). Nothing reached .grad and the work stays queued: drop the step with "
-                "optimizer.zero_grad() (or twobp.discard_weight_grads())."
+                "checks for it)."
             )
+
+
+def _read_by_later_groups(groups: Sequence[Sequence[WeightGradJob]], last_group: dict[int, int]) -> dict[int, int]:
+    """id(param) -> the last group whose tensors lie in the parameter's memory, where that group
+    runs after the parameter's own last one (an embedding's table fed to a patched layer)."""
+    storages: dict[int, int] = {}
+    for group in groups:
+        for param in group[0].params:
+            if param is not None and type(param) in (Tensor, torch.nn.Parameter) and param.layout == torch.strided:
+                storages.setdefault(param.untyped_storage().data_ptr(), id(param))
+    storages.pop(0, None)  # no memory (meta)
+    read: dict[int, int] = {}
+    for index, group in enumerate(groups):
+        for job in group:
+            for t in job.tensors():
+                if type(t) is Tensor and t.layout == torch.strided:
+                    key = storages.get(t.untyped_storage().data_ptr())
+                    if key is not None and index > last_group[key]:
+                        read[key] = index
+    return read
+
+
+def _wait_for_readers(
+    ready: list[tuple[Tensor, Tensor]],
+    readied: int,
+    waiting: list[tuple[Tensor, Tensor]],
+    read_later: dict[int, int],
+    index: int,
+) -> None:
+    """Group ``index`` has run: what it readied (``ready[readied:]``) that a later group reads
+    waits; what waited for this group goes."""
+    new = ready[readied:]
+    del ready[readied:]
+    for item in (*[item for item in waiting if read_later[id(item[0])] <= index], *new):
+        (waiting if read_later.get(id(item[0]), -1) > index else ready).append(item)
+    waiting[:] = [item for item in waiting if read_later[id(item[0])] > index]
 
 
 def _kernel_name(job: WeightGradJob) -> str:
@@ -793,11 +850,10 @@ def _check_not_moved(job: WeightGradJob) -> None:
     home = job.home
     if home is None or job.device == home:
         return
-    raise RuntimeError(
+    raise _KernelRefused(
         f"twobp: queued weight-gradient work was made with its parameters on {home}, but they are now on "
         f"{job.device}: the model was moved (.to(device), .cpu(), .cuda()) between backward and "
-        "flush_weight_grads(). Flush before moving the model, or move it back before the flush. The work "
-        "stays queued."
+        "flush_weight_grads(). Flush before moving the model, or move it back before the flush."
     )
 
 
@@ -816,13 +872,12 @@ def _checked(job: WeightGradJob, grads: Sequence[Tensor | None]) -> Sequence[Ten
             wrong = True
             break
     if wrong:
-        raise RuntimeError(
+        raise _KernelRefused(
             f"twobp: the weight-gradient kernel '{_kernel_name(job)}' returned {_described(grads)} for "
             f"{len(params)} parameters of shapes {[None if p is None else tuple(p.shape) for p in params]}: a "
             "kernel returns a list or tuple of one gradient per parameter, shaped like it and on its device "
             "(None where it is not needed); or a parameter's shape changed since the backward (a .data assignment: "
-            "flush before it). The work stays queued: drop it with optimizer.zero_grad() or "
-            "twobp.discard_weight_grads()."
+            "flush before it)."
         )
     return grads
 
