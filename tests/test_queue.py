@@ -727,6 +727,76 @@ def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, acti
         flusher.join(30)
 
 
+@pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+def test_an_all_reduce_of_a_grad_waits_for_another_threads_flush_of_its_work(monkeypatch, one_rank_group):
+    """The all_reduce guard asked only the queued jobs, not those another thread's flush ran: the
+    average went through at once over the partial .grad, and the flush then added each rank's own
+    micro-batch (2.58 off on two gloo ranks)."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    for x in (torch.randn(5, 3), torch.randn(5, 3)):
+        patched(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+        if patched[0].weight.grad is None:
+            twobp.flush_weight_grads()  # the first micro-batch's gradients in .grad, the second's queued
+    flushing, release = threading.Event(), threading.Event()
+    run_jobs = queue_module.run_jobs
+
+    def slow_run_jobs(jobs, options, **kwargs):
+        if threading.current_thread() is flusher:
+            flushing.set()
+            release.wait(30)
+        return run_jobs(jobs, options, **kwargs)
+
+    monkeypatch.setattr(queue_module, "run_jobs", slow_run_jobs)
+    flusher = threading.Thread(target=twobp.flush_weight_grads)
+    flusher.start()
+    try:
+        assert flushing.wait(30)
+        threading.Timer(0.5, release.set).start()  # this thread is about to wait for that flush
+        torch.distributed.all_reduce(patched[0].weight.grad)
+        assert release.is_set(), "the all_reduce went on while the other thread's flush ran its work"
+    finally:
+        release.set()
+        flusher.join(30)
+    assert_grads_match(patched, reference)
+
+
+def test_a_running_block_failing_after_its_jobs_ran_does_not_queue_them_again():
+    """take() then running(): a block that raised after run_jobs had handed every gradient over
+    (a collective timing out after it) put the jobs back, and the retried flush added them twice."""
+    from twobp_autograd.flush import run_jobs
+
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    x = torch.randn(5, 3)
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue):
+        patched(x).pow(2).sum().backward()
+    reference(x).pow(2).sum().backward()
+    jobs = queue.take()
+    with pytest.raises(TimeoutError), queue.running(jobs):
+        run_jobs(jobs[:1], queue.flush_options)
+        raise TimeoutError("the reduction after the flush timed out")
+    assert queue.pending().jobs == len(jobs) - 1  # the job not run goes back
+    queue.flush()
+    assert_grads_match(patched, reference)
+
+
+def test_a_capped_queues_bytes_follow_a_saved_storage_resized_before_the_flush():
+    """The bytes a job held were taken off under the storage's key as it was then: after a saved
+    input was resized in place (the flush refuses it) and the work dropped, pending() read -23880
+    bytes with no job, and the cap was off by that much from then on."""
+    queue = twobp.WeightGradQueue(max_pending_bytes=10**9)
+    layer = twobp.patch(nn.Linear(3, 4))
+    x = torch.randn(5, 3)
+    with twobp.use_queue(queue):
+        layer(x).sum().backward()
+    x.resize_(1000, 3)
+    with pytest.raises(RuntimeError, match="twobp: a tensor that a queued weight-gradient job needs"):
+        queue.flush()
+    layer.zero_grad()  # as the refusal advises
+    assert queue.pending() == (0, 0)
+
+
 def test_threads_training_their_own_models_on_the_default_queue_match_plain():
     """Three threads, each training its own model on the shared default queue beside a plain
     copy, with random steps: flush then step, step without a flush (refused while its work is
@@ -831,16 +901,22 @@ def test_use_queue_takes_a_queue():
             pass
 
 
-@pytest.mark.parametrize("tags", ["mb0", b"mb0", 0], ids=["str", "bytes", "int"])
-def test_flush_and_take_refuse_a_single_tag_not_in_a_list(tags):
+@pytest.mark.parametrize(
+    "tags, says",
+    [("mb0", "take a list of tags"), (b"mb0", "take a list of tags"), (0, "take a list of tags"),
+     (torch.tensor([0]), "take a list of tags"), ([["mb0"]], "take a list of hashable tags")],
+    ids=["str", "bytes", "int", "a-tensor", "a-list-in-the-list"],
+)  # fmt: skip
+def test_flush_and_take_refuse_a_single_tag_not_in_a_list(tags, says):
     """flush("mb0") flushed the tags 'm', 'b' and '0': nothing; a clear() after it then dropped
-    that micro-batch's work, every .grad left None. flush(0) failed in set()."""
+    that micro-batch's work, every .grad left None. flush(0) failed in set(), flush([["mb0"]]) too
+    (unhashable); a tensor's elements, hashed by identity, matched no tag, and nothing was said."""
     queue = twobp.WeightGradQueue()
     layer = twobp.patch(nn.Linear(4, 4))
     with twobp.use_queue(queue), queue.tagged("mb0"):
         layer(torch.randn(2, 4)).sum().backward()
     for method in (queue.flush, queue.take):
-        with pytest.raises(TypeError, match=r"twobp: flush\(tags=...\) and take\(tags=...\) take a list of tags"):
+        with pytest.raises(TypeError, match=rf"twobp: flush\(tags=...\) and take\(tags=...\) {says}"):
             method(tags)
     assert len(queue) == 1
     queue.flush(["mb0"])

@@ -269,6 +269,8 @@ def run_jobs(
     finally:
         if delivery is not None:
             _hooked_flushes.remove(delivery)  # by identity: a delivery compares as itself only
+    for job in jobs:
+        job.delivered = True
     return held
 
 

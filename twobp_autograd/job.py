@@ -34,7 +34,7 @@ class WeightGradJob:
 
     __slots__ = (
         "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
-        "versions", "parked", "accumulators", "home", "hooks_at_backward",
+        "versions", "parked", "accumulators", "home", "hooks_at_backward", "delivered", "counted",
     )
 
     def __init__(
@@ -69,6 +69,10 @@ class WeightGradJob:
         # Per parameter, its post-accumulate-grad hooks in that backward (see
         # flush.hooks_at_backward); None where none of the parameters had a user's hook.
         self.hooks_at_backward: tuple[tuple[tuple[int, Any], ...], ...] | None = None
+        self.delivered = False  # set once a flush has handed its gradients over
+        # (storage key, bytes) of each tensor it holds, as a capped queue counted them when it
+        # entered: taken off as counted (a storage resized since has another key).
+        self.counted: tuple[tuple[tuple[int, torch.device], int], ...] = ()
 
     def _versions(self) -> tuple[int, ...]:
         watched = (*self.saved, *self.grad_outputs, *self.params)

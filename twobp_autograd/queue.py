@@ -314,7 +314,7 @@ class WeightGradQueue:
                 for job in self._jobs:  # oldest first; a guess: storages shared by jobs count twice
                     if freed < over and not _waits_for_the_flush(job):
                         early.append(job)
-                        freed += sum(t.untyped_storage().nbytes() for t in _memory_of(job.held_tensors()))
+                        freed += sum(nbytes for _, nbytes in job.counted)
                     else:
                         kept.append(job)
                 if not early:
@@ -350,9 +350,11 @@ class WeightGradQueue:
         if self.max_pending_bytes is None:
             return
         for job in jobs:
-            for t in _memory_of(job.held_tensors()):
-                key = _storage_key(t)
-                entry = self._held.setdefault(key, [0, t.untyped_storage().nbytes()])
+            if sign > 0:
+                held = _memory_of(job.held_tensors())
+                job.counted = tuple([(_storage_key(t), t.untyped_storage().nbytes()) for t in held])
+            for key, nbytes in job.counted:
+                entry = self._held.setdefault(key, [0, nbytes])
                 entry[0] += sign
                 if entry[0] == 0:
                     self._held_bytes -= self._held.pop(key)[1]
@@ -399,13 +401,19 @@ class WeightGradQueue:
             return any(id(p) in wanted for job in self._jobs for p in job.params if p is not None)
 
     def params_with_work(self) -> list[Tensor]:
-        """The parameters queued jobs compute for, each once (a superset where a job has dropped
-        some since: :meth:`has_work_for` tells; this names candidates)."""
+        """The parameters queued jobs compute for, and those of jobs another thread's flush runs
+        or a fork cut off (a superset where a job has dropped some since: :meth:`has_work_for`
+        tells, waiting for those flushes; this names candidates)."""
         with self._lock:
             if self._params_with_work is None:
                 found = {id(p): p for job in self._jobs for p in job.params if p is not None}
                 self._params_with_work = list(found.values())
-            return self._params_with_work
+            if not self._flights and not self._cut_by_fork:
+                return self._params_with_work
+            me = threading.get_ident()
+            elsewhere = [job for flight in self._flights if flight.thread != me for job in flight.jobs]
+            others = [p for job in (*elsewhere, *self._cut_by_fork) for p in job.params if p is not None]
+            return self._params_with_work + others
 
     def busy(self) -> bool:
         """Whether work is queued, or running in another thread's flush (seen from outside
@@ -519,12 +527,17 @@ class WeightGradQueue:
 
     def _put_back_unless_delivered(self, jobs: list[WeightGradJob], error: BaseException) -> None:
         """After a failed run of ``jobs``: back in front of the queue, oldest first, where none of
-        their gradients reached ``.grad`` (the refusals say the work stays queued)."""
-        if not partly_delivered(error):
-            with self._lock:
-                self._jobs[:0] = jobs
-                self._params_with_work = None
-                self._count(jobs, +1)
+        their gradients reached ``.grad`` (the refusals say the work stays queued), but for those
+        a run delivered before the failure."""
+        if partly_delivered(error):
+            return
+        # Jobs a run handed over whole before the block raised (run_jobs returned, then a
+        # collective timed out) are done: queued again, they would be added twice.
+        jobs = [job for job in jobs if not job.delivered]
+        with self._lock:
+            self._jobs[:0] = jobs
+            self._params_with_work = None
+            self._count(jobs, +1)
 
     def _queue_held(self, held: list[tuple[Tensor, Tensor]], jobs: Sequence[WeightGradJob]) -> None:
         """Queue gradients an early flush held back as one job (never flushed early again), with
@@ -652,11 +665,21 @@ def _tag_list(tags: Sequence[Hashable] | None) -> Sequence[Hashable] | None:
     rather than read as one-letter tags, and so is a single tag that is not iterable."""
     if tags is None:
         return tags
-    if not isinstance(tags, (str, bytes)):
+    if not isinstance(tags, (str, bytes, Tensor)):  # a tensor's elements hash by identity: none is a tag
         try:
-            return list(tags)
+            listed = list(tags)
         except TypeError:
             pass
+        else:
+            for tag in listed:
+                try:
+                    hash(tag)
+                except TypeError:
+                    raise TypeError(
+                        f"twobp: flush(tags=...) and take(tags=...) take a list of hashable tags; {tag!r} is "
+                        f"a {type(tag).__name__}: pass a tuple for a tag made of several values"
+                    ) from None
+            return listed
     kind = "a string" if isinstance(tags, (str, bytes)) else f"an object of type {type(tags).__name__}"
     raise TypeError(
         f"twobp: flush(tags=...) and take(tags=...) take a list of tags, not {kind} ({tags!r}): "
