@@ -6,6 +6,7 @@ own backward to the weights, a tangent on a parameter) is a "twobp:" error."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -182,6 +183,25 @@ def test_backward_of_dual_outputs_defers_and_matches_plain():
     assert_grads_match(patched, reference, DTYPE)
     for p in reference.parameters():
         assert forward_ad.unpack_dual(p.grad).tangent is None
+
+
+@pytest.mark.parametrize("hook", ["a-tensor-hook-on-a-weight", "a-hook-on-an-outputs-node"])
+def test_backward_of_dual_outputs_with_hooks_matches_plain(hook: str):
+    """A hooked weight (wandb.watch's kind) or node gets its gradient during backward, into .grad
+    only: refused as forward-over-reverse (the error asked for backward(), which was called)."""
+    patched, reference = patched_and_reference(net(group_norm=False))
+    x, tangent = net_input(), net_input()
+    for model in (patched, reference):
+        if hook == "a-tensor-hook-on-a-weight":
+            model[0].weight.register_hook(lambda g: g * 2)
+        with forward_ad.dual_level(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the hooked weight is not deferred: warned
+            output = model(forward_ad.make_dual(x, tangent))
+            if hook == "a-hook-on-an-outputs-node":
+                output.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+            output.pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, DTYPE)
 
 
 def input_gradient(model: nn.Module, x: Tensor, tangent: Tensor) -> tuple[Tensor, Tensor]:

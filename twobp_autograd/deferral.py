@@ -167,6 +167,15 @@ class ParamDeferral(NamedTuple):
             )
         return [g if d == "now" else None for g, d in zip(grads, decisions, strict=True)]
 
+    def _returns_now(self, nodes: Sequence[Any], decisions: Sequence[Decision]) -> bool:
+        """Whether a 'now' gradient goes back to a caller (``autograd.grad`` captures the leaf, or
+        a weight that is no leaf passes it on), not only into ``.grad`` (a hooked parameter, a
+        post-hooked node), where autograd drops its tangent as it does in plain."""
+        return any(
+            d == "now" and (p is None or _decide(node) == "now")
+            for p, node, d in zip(self.params, nodes, decisions, strict=True)
+        )
+
     def _enqueue(self, nodes: Sequence[Any], job: WeightGradJob) -> None:
         # The parameters' accumulators, from the node's own edges to them (see WeightGradJob).
         job.accumulators = tuple([node for node, p in zip(nodes, job.params, strict=True) if p is not None])
@@ -190,7 +199,7 @@ class ParamDeferral(NamedTuple):
         and return what autograd gets: their gradients, None for the rest."""
         nodes = self._param_nodes(ctx)
         decisions = self._decisions(ctx, nodes)
-        if "now" in decisions and _carries_tangents(ctx, grad_outputs):
+        if "now" in decisions and _carries_tangents(ctx, grad_outputs) and self._returns_now(nodes, decisions):
             raise RuntimeError(
                 "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
                 "tensors with forward-mode tangents) is not supported: the weight gradient's "
