@@ -3782,3 +3782,95 @@ def test_a_recompute_forward_that_needs_a_graph_is_named_with_its_trials_error(m
     model = twobp.patch(_HooksAnIntermediate())
     with pytest.warns(UserWarning, match="the trial raised RuntimeError: cannot register a hook"):
         model(torch.randn(3, 6)).sum().backward()
+
+
+class _ActNorm(nn.Module):
+    """Glow's ActNorm, for the recompute rule: its first batch sets its parameters (under a flag,
+    private or public) so that the outputs start normalised."""
+
+    def __init__(self, private: bool) -> None:
+        super().__init__()
+        self.loc = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self.logs = nn.Parameter(torch.zeros(4, dtype=torch.float64))
+        self.private = private
+        self._initialized = self.initialized = False
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not (self._initialized if self.private else self.initialized):
+            with torch.no_grad():
+                self.loc.copy_(-x.mean(0))
+                self.logs.copy_(-torch.log(x.std(0) + 1e-6))
+            self._initialized = self.initialized = True
+        return (x + self.loc) * torch.exp(self.logs)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private-flag", "public-flag"])
+def test_a_recompute_forward_initialising_its_parameters_from_the_first_batch_trains_as_plain(private: bool):
+    """The first call's trial initialised the parameters (through the stand-ins, which share their
+    memory) and set the private flag; the rewind put the parameters back but not the flag, so the
+    call itself skipped the initialisation: never initialised, gradients 168 off."""
+    twobp.register(_ActNorm, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4).double(), _ActNorm(private)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # it keeps plain autograd, warned
+        for _ in range(3):
+            x = torch.randn(8, 4, dtype=torch.float64) * 3 + 1
+            for net in (patched, reference):
+                net(x).pow(2).sum().backward()
+            twobp.flush_weight_grads()
+            assert_grads_match(patched, reference, torch.float64)
+            for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(p, q)
+
+
+class _HooksItsTrunkAndBuildsAHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Linear(4, 4, dtype=torch.float64)
+        self.head: nn.Module | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.head is None:
+            self.head = nn.Linear(4, 2, dtype=torch.float64)
+            self.trunk.register_forward_hook(lambda module, args, output: output * 2)
+        return self.head(self.trunk(x))
+
+
+def test_a_recompute_first_call_building_a_head_and_hooking_registers_the_hook_once():
+    """Undoing what the trial built put the flag back but kept the hook it registered (hooks live in
+    a dict changed in place): the call registered it again, and the trunk's output was doubled
+    twice (gradients 154 off)."""
+    twobp.register(_HooksItsTrunkAndBuildsAHead, twobp.ops.recompute)
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(_HooksItsTrunkAndBuildsAHead())
+    for net in (patched, reference):
+        torch.manual_seed(1)
+        net(torch.ones(3, 4, dtype=torch.float64)).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert len(patched.trunk._forward_hooks) == len(reference.trunk._forward_hooks) == 1
+    assert_grads_match(patched, reference, torch.float64)
+
+
+class _Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, dtype=torch.float64))
+        self.register_buffer("shift", torch.zeros(4, dtype=torch.float64))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight + self.shift
+
+
+def test_a_recompute_module_with_a_buffer_made_under_inference_mode_trains_as_plain(monkeypatch):
+    """A buffer refreshed under inference_mode (a serving path): the rule read its version
+    counter, and plain's training step failed with PyTorch's 'Inference tensors do not track
+    version counter'."""
+    monkeypatch.setattr(warn_once, "given", set())
+    twobp.register(_Shifted, twobp.ops.recompute)
+    model = twobp.patch(_Shifted())
+    with torch.inference_mode():
+        model.shift = torch.full((4,), 0.5, dtype=torch.float64)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="made under torch.inference_mode"):
+        model(x).pow(2).sum().backward()
+    torch.testing.assert_close(model.weight.grad, (2 * (x * model.weight + 0.5) * x).sum(0).detach())

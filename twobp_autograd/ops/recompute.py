@@ -444,21 +444,47 @@ def _is_scalar(value: object) -> bool:
 class _Attributes:
     """Each submodule's attributes as a call found them, shallow (its Python values, and its
     submodules and parameters by name): put back where a trial or the attempt built parts of the
-    module (a head sized by the input, with the flag that guards it, private or not), before the call
-    runs on plain autograd, which builds them once. (Not after every trial: a hook registered under
-    a flag, in a dict put back as it was but changed in place, would be registered again.)"""
+    module (a head sized by the input, with the flag that guards it, private or not), or changed
+    its state under a flag (ActNorm's initialisation from the first batch), before the call runs
+    on plain autograd, which does that once. Where trials run, the hook dicts' contents too: a
+    hook a trial registered in place (under such a flag) would be registered twice."""
 
-    __slots__ = ("saved",)
+    __slots__ = ("saved", "hooks")
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, *, with_hooks: bool) -> None:
         self.saved = [(m, dict(vars(m)), dict(m._modules), dict(m._parameters)) for m in module.modules()]
+        self.hooks: list[tuple[dict[Any, Any], dict[Any, Any]]] = (
+            [
+                (hooks, dict(hooks))
+                for _, attributes, _, _ in self.saved
+                for name, hooks in attributes.items()
+                if name.endswith("hooks") and isinstance(hooks, dict)
+            ]
+            if with_hooks
+            else []
+        )
 
-    def built_since(self, module: nn.Module) -> bool:
-        """Whether submodules or parameters were added, removed or replaced since."""
-        return _parts(module) != [
-            (id(m), [(k, id(v)) for k, v in modules.items()], [(k, id(v)) for k, v in params.items()])
-            for m, _, modules, params in self.saved
-        ]
+    def built_since(self) -> bool:
+        """Whether submodules or parameters were added, removed or replaced since (a new
+        submodule anywhere changes its parent's: the saved ones tell)."""
+        for m, _, modules, params in self.saved:
+            now_modules, now_params = m._modules, m._parameters
+            if len(now_modules) != len(modules) or len(now_params) != len(params):
+                return True
+            if any(now_modules.get(k) is not v for k, v in modules.items()):
+                return True
+            if any(now_params.get(k) is not v for k, v in params.items()):
+                return True
+        return False
+
+    def values_rebound(self) -> bool:
+        """Whether a submodule's Python attribute was set, added or removed since (a private flag
+        such as ActNorm's ``_initialized``)."""
+        for m, attributes, _, _ in self.saved:
+            now = vars(m)
+            if now.keys() != attributes.keys() or any(now[k] is not v for k, v in attributes.items()):
+                return True
+        return False
 
     def drop_tensors_added(self) -> None:
         """Tensor attributes set since where there was none (a cache made from the stand-ins, which
@@ -473,6 +499,9 @@ class _Attributes:
                     del now[name]
 
     def restore(self) -> None:
+        for hooks, contents in self.hooks:
+            hooks.clear()
+            hooks.update(contents)
         for m, attributes, modules, params in self.saved:
             vars(m).clear()
             vars(m).update(attributes)
@@ -482,11 +511,8 @@ class _Attributes:
             m._parameters.update(params)
 
 
-def _parts(module: nn.Module) -> list[tuple[int, list[tuple[str, int]], list[tuple[str, int]]]]:
-    return [
-        (id(m), [(k, id(v)) for k, v in m._modules.items()], [(k, id(v)) for k, v in m._parameters.items()])
-        for m in module.modules()
-    ]
+def _tensor_attributes(module: nn.Module) -> list[Tensor]:
+    return [value for m in module.modules() for value in vars(m).values() if isinstance(value, Tensor)]
 
 
 _SCALAR_TYPES = (int, float, bool, str, type(None))
@@ -520,6 +546,10 @@ _BUILDS_PARTS = "a forward that builds parts of the module (submodules or parame
 _CHANGES_PARAMETERS = (
     "a forward that changes its parameters (a max-norm constraint applied through .data or under "
     "no_grad): the recompute rule runs it on stand-ins, which such a change would not reach"
+)
+_INFERENCE_STATE = (
+    "buffers or tensor attributes made under torch.inference_mode (no version counter to check the "
+    "replay's state by)"
 )
 _CHANGES_INPUTS = "a forward that changes its inputs in place (the flush's recomputation would see the changed values)"
 _REENTRANT_CHECKPOINT = (
@@ -699,7 +729,12 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         return type(module).forward(module, *inputs)
     tensors = (*inputs, *params.values())
     cpu_state, (devices, device_states) = torch.get_rng_state(), get_device_states(*tensors)
-    state = _ForwardState(module, params)
+    try:
+        state = _ForwardState(module, params)
+    except RuntimeError:  # a buffer or tensor attribute made under inference_mode
+        if not any(t.is_inference() for t in (*module.buffers(), *_tensor_attributes(module))):
+            raise
+        return plain_forward(module, _INFERENCE_STATE, *inputs)
     values = [b.clone() for _, b in state.named_buffers]  # none for most such modules
     verdicts = _rows_apart.setdefault(module, {})
     # A verdict holds for calls alike: the training flags of its submodules, the buffers and
@@ -728,7 +763,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
     substitutes = {n: detached(p) for n, p in params.items()}
 
-    attributes = _Attributes(module)
+    attributes = _Attributes(module, with_hooks=trials)
 
     def rewind() -> None:
         """Random state, buffers and parameters' contents back to where this call found them."""
@@ -753,7 +788,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             with _outside_selective_checkpointing():
                 changes_inputs, trial_output = _changes_its_inputs(module, inputs, substitutes)
         except Exception as error:  # needs a graph (a tensor hook on an intermediate): plain's forward decides
-            built = attributes.built_since(module)
+            built = attributes.built_since()
             rewind()
             undo(built)  # what the trial built or cached before it failed too
             # Plain's own error first (a bad input shape): no warning, and the module stays deferred.
@@ -765,8 +800,21 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             warn_plain_call(module, failed)
             took_plain(module)
             return output
+        # A trial that changed the module's state (ActNorm's data-dependent initialisation of its
+        # parameters, a buffer or a cache) under a Python flag it set: the rewind puts the state
+        # back but not the flag, and the attempt would skip the change plain makes.
+        changed_state = (
+            _CHANGES_PARAMETERS if state.parameters_changed(substitutes, param_values)
+            else _STATEFUL if state.changed_by_forward(module, values)
+            else _STATEFUL_ATTRIBUTES if state.attributes_changed(module, attribute_values)
+            else None
+        )  # fmt: skip
         rewind()  # the trial's draws and buffer changes
-        if attributes.built_since(module):
+        if changed_state and not attributes.built_since() and attributes.values_rebound():
+            undo(True)
+            _unreplayable[module] = changed_state
+            return plain_forward(module, changed_state, *inputs)
+        if attributes.built_since():
             undo(True)
             return _built_parts(module, inputs)
         if changes_inputs:  # its replay at the flush would see the changed values
@@ -827,7 +875,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             output, [*tensors, *substitutes.values(), *state.buffers().values(), *state.attribute_objects.values()]
         )
     )  # fmt: skip
-    built = attributes.built_since(module)
+    built = attributes.built_since()
     if why is not None or built:
         # Run again on plain autograd from the same random state, attributes and buffers, so that
         # the output is plain's and generators, buffers and parts built end where one plain
