@@ -664,6 +664,29 @@ def test_a_backward_that_raised_on_cuda_does_not_block_the_next_flush():
     assert_grads_match(patched, reference)
 
 
+class _Release(threading.Event):
+    flusher: threading.Thread
+
+
+def _flush_held_on_another_thread(monkeypatch: pytest.MonkeyPatch) -> _Release:
+    """A flush started on another thread, held inside its run of the jobs until the event
+    returned is set (its ``flusher`` is the thread)."""
+    flushing, release = threading.Event(), _Release()
+    run_jobs = queue_module.run_jobs
+
+    def slow_run_jobs(jobs, options, **kwargs):
+        if threading.current_thread() is release.flusher:
+            flushing.set()
+            release.wait(30)
+        return run_jobs(jobs, options, **kwargs)
+
+    monkeypatch.setattr(queue_module, "run_jobs", slow_run_jobs)
+    release.flusher = threading.Thread(target=twobp.flush_weight_grads)
+    release.flusher.start()
+    assert flushing.wait(30)
+    return release
+
+
 @pytest.mark.parametrize("action", ["flush", "step", "zero_grad", "clip", "tagged-flush", "clip-with-norm-read"])
 def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, action):
     """Two threads on the default queue: the first one's flush takes the second's work too.
@@ -676,19 +699,7 @@ def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, acti
     with current_queue().tagged("mine"):
         patched(x).pow(2).sum().backward()
     reference(x).pow(2).sum().backward()
-    flushing, release = threading.Event(), threading.Event()
-    run_jobs = queue_module.run_jobs
-
-    def slow_run_jobs(jobs, options, **kwargs):
-        if threading.current_thread() is flusher:
-            flushing.set()
-            release.wait(30)
-        return run_jobs(jobs, options, **kwargs)
-
-    monkeypatch.setattr(queue_module, "run_jobs", slow_run_jobs)
-    flusher = threading.Thread(target=twobp.flush_weight_grads)
-    flusher.start()
-    assert flushing.wait(30)
+    release = _flush_held_on_another_thread(monkeypatch)
     assert twobp.pending().jobs == 0  # taken: the other thread's flush runs it now
     optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (patched, reference)]
     threading.Timer(0.5, release.set).start()  # this thread is about to wait for that flush
@@ -710,7 +721,7 @@ def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, acti
         else:
             patched.zero_grad()
         assert release.is_set(), f"{action} went on while the other thread's flush ran its work"
-        flusher.join(30)
+        release.flusher.join(30)
         if action in ("flush", "tagged-flush"):
             assert_grads_match(patched, reference)
         elif action == "step":
@@ -724,7 +735,7 @@ def test_work_another_threads_flush_took_counts_until_it_lands(monkeypatch, acti
             assert all(p.grad is None for p in patched.parameters())
     finally:
         release.set()
-        flusher.join(30)
+        release.flusher.join(30)
 
 
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
@@ -738,26 +749,14 @@ def test_an_all_reduce_of_a_grad_waits_for_another_threads_flush_of_its_work(mon
         reference(x).pow(2).sum().backward()
         if patched[0].weight.grad is None:
             twobp.flush_weight_grads()  # the first micro-batch's gradients in .grad, the second's queued
-    flushing, release = threading.Event(), threading.Event()
-    run_jobs = queue_module.run_jobs
-
-    def slow_run_jobs(jobs, options, **kwargs):
-        if threading.current_thread() is flusher:
-            flushing.set()
-            release.wait(30)
-        return run_jobs(jobs, options, **kwargs)
-
-    monkeypatch.setattr(queue_module, "run_jobs", slow_run_jobs)
-    flusher = threading.Thread(target=twobp.flush_weight_grads)
-    flusher.start()
+    release = _flush_held_on_another_thread(monkeypatch)
     try:
-        assert flushing.wait(30)
         threading.Timer(0.5, release.set).start()  # this thread is about to wait for that flush
         torch.distributed.all_reduce(patched[0].weight.grad)
         assert release.is_set(), "the all_reduce went on while the other thread's flush ran its work"
     finally:
         release.set()
-        flusher.join(30)
+        release.flusher.join(30)
     assert_grads_match(patched, reference)
 
 
