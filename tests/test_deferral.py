@@ -3823,6 +3823,28 @@ def test_a_recompute_forward_initialising_its_parameters_from_the_first_batch_tr
                 torch.testing.assert_close(p, q)
 
 
+def test_a_recompute_forward_initialising_under_a_flag_it_cannot_put_back_is_refused():
+    """The flag in a dict: the trial set it, the rewind put the parameters back but not the dict,
+    and the call skipped the initialisation (never initialised, gradients 5.0 off on 7.1)."""
+
+    class ActNormFlaggedInADict(_ActNorm):
+        def __init__(self) -> None:
+            super().__init__(private=True)
+            self.status = {"initialized": False}
+
+        def forward(self, x: Tensor) -> Tensor:
+            self._initialized = self.status["initialized"]
+            self.status["initialized"] = True
+            return super().forward(x)
+
+    twobp.register(ActNormFlaggedInADict, twobp.ops.recompute)
+    model = twobp.patch(ActNormFlaggedInADict())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="twobp: ActNormFlaggedInADict's first call changed its parameters"):
+            model(torch.randn(8, 4, dtype=torch.float64))
+
+
 class _HooksItsTrunkAndBuildsAHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()

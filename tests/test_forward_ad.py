@@ -185,23 +185,19 @@ def test_backward_of_dual_outputs_defers_and_matches_plain():
         assert forward_ad.unpack_dual(p.grad).tangent is None
 
 
-@pytest.mark.parametrize("hook", ["a-tensor-hook-on-a-weight", "a-hook-on-an-outputs-node"])
-def test_backward_of_dual_outputs_with_hooks_matches_plain(hook: str):
-    """A hooked weight (wandb.watch's kind) or node gets its gradient during backward, into .grad
-    only: refused as forward-over-reverse (the error asked for backward(), which was called)."""
-    patched, reference = patched_and_reference(net(group_norm=False))
-    x, tangent = net_input(), net_input()
-    for model in (patched, reference):
-        if hook == "a-tensor-hook-on-a-weight":
-            model[0].weight.register_hook(lambda g: g * 2)
-        with forward_ad.dual_level(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the hooked weight is not deferred: warned
-            output = model(forward_ad.make_dual(x, tangent))
-            if hook == "a-hook-on-an-outputs-node":
-                output.grad_fn.register_hook(lambda grad_inputs, grad_outputs: None)
+def test_backward_of_dual_outputs_to_a_hooked_weight_is_refused_naming_the_hook():
+    """A tensor-hooked weight (wandb.watch's kind) inside a dual level: its gradient goes into
+    .grad, where the tangent is dropped, but the hook is handed it on the way, and a tangent made
+    from the saved activations alone is wrong (1.05 off where the refusal was lifted). Refused,
+    naming the hook, where the refusal said to call backward(), which had been called."""
+    model = twobp.patch(net(group_norm=False))
+    model[0].weight.register_hook(lambda g: g * 2)
+    with forward_ad.dual_level(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the hooked weight is not deferred: warned
+        output = model(forward_ad.make_dual(net_input(), net_input()))
+        with pytest.raises(RuntimeError, match="twobp: a backward inside a forward-mode dual level reaches a weight"):
             output.pow(3).sum().backward()
-    twobp.flush_weight_grads()
-    assert_grads_match(patched, reference, DTYPE)
+    twobp.discard_weight_grads()
 
 
 def input_gradient(model: nn.Module, x: Tensor, tangent: Tensor) -> tuple[Tensor, Tensor]:

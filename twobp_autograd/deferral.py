@@ -169,8 +169,8 @@ class ParamDeferral(NamedTuple):
 
     def _returns_now(self, nodes: Sequence[Any], decisions: Sequence[Decision]) -> bool:
         """Whether a 'now' gradient goes back to a caller (``autograd.grad`` captures the leaf, or
-        a weight that is no leaf passes it on), not only into ``.grad`` (a hooked parameter, a
-        post-hooked node), where autograd drops its tangent as it does in plain."""
+        a weight that is no leaf passes it on), not only into ``.grad`` past a hook (a hooked
+        parameter, a post-hooked node)."""
         return any(
             d == "now" and (p is None or _decide(node) == "now")
             for p, node, d in zip(self.params, nodes, decisions, strict=True)
@@ -199,14 +199,23 @@ class ParamDeferral(NamedTuple):
         and return what autograd gets: their gradients, None for the rest."""
         nodes = self._param_nodes(ctx)
         decisions = self._decisions(ctx, nodes)
-        if "now" in decisions and _carries_tangents(ctx, grad_outputs) and self._returns_now(nodes, decisions):
+        if "now" in decisions and _carries_tangents(ctx, grad_outputs):
+            if self._returns_now(nodes, decisions):
+                raise RuntimeError(
+                    "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
+                    "tensors with forward-mode tangents) is not supported: the weight gradient's "
+                    "tangent would miss the terms through the saved activations. Take the weight "
+                    "gradients with backward() and flush (their tangents are dropped there, as autograd "
+                    "drops them in .grad), ask autograd.grad for input gradients only, or "
+                    "twobp.unpatch(model) for this computation."
+                )
+            # Bound for .grad, where autograd drops the tangent; but a hook on the way sees it.
             raise RuntimeError(
-                "twobp: forward-over-reverse AD (autograd.grad of a patched module's weights on "
-                "tensors with forward-mode tangents) is not supported: the weight gradient's "
-                "tangent would miss the terms through the saved activations. Take the weight "
-                "gradients with backward() and flush (their tangents are dropped there, as autograd "
-                "drops them in .grad), ask autograd.grad for input gradients only, or "
-                "twobp.unpatch(model) for this computation."
+                "twobp: a backward inside a forward-mode dual level reaches a weight with a tensor "
+                "hook (register_hook) or a hook on a patched output's node: the hook would be handed "
+                "the weight gradient's tangent, which misses the terms through the saved activations. "
+                "Use register_post_accumulate_grad_hook (it sees .grad, which holds no tangent), run "
+                "the backward outside the dual level, or twobp.unpatch(model) for this computation."
             )
         param_grads: list[Tensor | None] = [None] * len(decisions)
         if "now" in decisions:

@@ -477,15 +477,6 @@ class _Attributes:
                 return True
         return False
 
-    def values_rebound(self) -> bool:
-        """Whether a submodule's Python attribute was set, added or removed since (a private flag
-        such as ActNorm's ``_initialized``)."""
-        for m, attributes, _, _ in self.saved:
-            now = vars(m)
-            if now.keys() != attributes.keys() or any(now[k] is not v for k, v in attributes.items()):
-                return True
-        return False
-
     def drop_tensors_added(self) -> None:
         """Tensor attributes set since where there was none (a cache made from the stand-ins, which
         require no grad) dropped, or put back to what they were (``None``)."""
@@ -801,19 +792,23 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             took_plain(module)
             return output
         # A trial that changed the module's state (ActNorm's data-dependent initialisation of its
-        # parameters, a buffer or a cache) under a Python flag it set: the rewind puts the state
-        # back but not the flag, and the attempt would skip the change plain makes.
+        # parameters, a buffer or a cache), maybe under a flag it set: the rewind puts the state
+        # back, and the attempt, the flag set, would skip the change plain makes. Such a module
+        # keeps plain autograd, its attributes put back first (a private flag too).
         changed_state = (
             _CHANGES_PARAMETERS if state.parameters_changed(substitutes, param_values)
             else _STATEFUL if state.changed_by_forward(module, values)
             else _STATEFUL_ATTRIBUTES if state.attributes_changed(module, attribute_values)
             else None
         )  # fmt: skip
+        after_trial = _state_of(module, substitutes) if changed_state else {}
         rewind()  # the trial's draws and buffer changes
-        if changed_state and not attributes.built_since() and attributes.values_rebound():
+        if changed_state and not attributes.built_since():
             undo(True)
             _unreplayable[module] = changed_state
-            return plain_forward(module, changed_state, *inputs)
+            output = plain_forward(module, changed_state, *inputs)
+            _check_made_again(module, after_trial)
+            return output
         if attributes.built_since():
             undo(True)
             return _built_parts(module, inputs)
@@ -916,6 +911,30 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         saves_reached=several,
     )
     return _shaped_as(output, tapped)
+
+
+def _state_of(module: nn.Module, substitutes: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Copies of the parameters' (as the forward saw them: the stand-ins) and buffers' values."""
+    values = {name: t.detach().clone() for name, t in substitutes.items()}
+    values.update((name, b.detach().clone()) for name, b in module.named_buffers())
+    return values
+
+
+def _check_made_again(module: nn.Module, after_trial: Mapping[str, Tensor]) -> None:
+    """The call run again on plain autograd must leave the parameters and buffers as the trial
+    did: where it does not, the change hung on a flag the rule could not put back (kept in a
+    dict, on another object, the class or a global), and plain skipped it."""
+    now = {name: t.detach() for name, t in (*module.named_parameters(), *module.named_buffers())}
+    if all(name in now and _same_bits(now[name], value) for name, value in after_trial.items()):
+        return
+    raise RuntimeError(
+        f"twobp: {type(module).__name__}'s first call changed its parameters or buffers (an "
+        "initialisation from the first batch) under a condition the recompute rule could not put "
+        "back after its trial run (a flag kept in a dict, on another object, on the class or in a "
+        "global), and the call run again on plain autograd skipped that change: the module was not "
+        "changed as plain's first call changes it. Keep such a flag in a Python attribute of the "
+        "module, or exclude the module from patch() (exclude=[...]) and rebuild it."
+    )
 
 
 def _built_parts(module: nn.Module, inputs: Sequence[Tensor]) -> Any:
