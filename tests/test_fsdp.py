@@ -11,6 +11,7 @@ below read what each rank returned.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -228,6 +229,9 @@ class _EventLog:
         self.events.append("delivered")
 
     def finished(self) -> None:
+        fsdp_hooks.reduce_group = self._reduce_group  # type: ignore[assignment]
+
+    def abandoned(self) -> None:
         fsdp_hooks.reduce_group = self._reduce_group  # type: ignore[assignment]
 
 
@@ -687,3 +691,42 @@ def test_a_backward_that_raised_after_a_flush_inside_it_leaves_no_reduction_behi
         twobp.discard_weight_grads()
         model.zero_grad()
     assert not fsdp._after_backward
+
+
+def test_a_flush_failing_after_a_hand_over_leaves_no_gradient_for_the_next_step(
+    one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The head's gradients reached its group (the root, reduced last) before the next layer's
+    kernel failed: PartlyDelivered said to zero the gradients and run the step again, but zero_grad
+    clears the sharded .grad only, and FSDP2's next post-backward reduced the unsharded leftovers
+    into the rerun's .grad (0.129 off on two gloo ranks)."""
+    from twobp_autograd import flush
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    plain = copy.deepcopy(model)
+    twobp.patch(model)
+    for net in (model, plain):
+        fully_shard(net[0])
+        fully_shard(net[2])
+        fully_shard(net)  # the root holds the head, computed first and reduced last
+    run_group, runs = flush._run_group, [0]
+
+    def failing_third(group, options):
+        runs[0] += 1
+        if runs[0] == 3:
+            raise torch.OutOfMemoryError("the first layer's kernel ran out of memory")
+        return run_group(group, options)
+
+    x = torch.randn(3, 4)
+    model(x).pow(2).sum().backward()
+    monkeypatch.setattr(flush, "_run_group", failing_third)
+    with pytest.raises(flush.PartlyDelivered, match="zero_grad"):
+        twobp.flush_weight_grads()
+    monkeypatch.setattr(flush, "_run_group", run_group)
+    model.zero_grad()
+    for net in (model, plain):
+        net(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), msg=name)

@@ -55,6 +55,9 @@ class _Log:
     def finished(self) -> None:
         self._finished.append(True)
 
+    def abandoned(self) -> None:
+        pass
+
 
 @pytest.fixture
 def watched() -> Iterator[tuple[list[list[Tensor]], list[bool]]]:

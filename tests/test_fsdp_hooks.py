@@ -94,6 +94,11 @@ def _behaviour(rank: int) -> dict:
     found["unsharded_grad_taken"] = unsharded.grad is None
     found["state_restored"] = groups[1]._training_state == state_before
     found["buffers_released"] = not groups[1].comm_ctx.reduce_scatter_states
+    # A failed flush's leftovers dropped from the unsharded parameters (the next post-backward reads them).
+    unsharded.grad = torch.ones_like(unsharded)
+    fsdp_hooks.drop_unsharded_grads(groups[1], {id(unsharded)})
+    accumulated = groups[1].fsdp_params[0].unsharded_accumulated_grad
+    found["unsharded_grads_dropped"] = unsharded.grad is None and accumulated is None
     # What the HSDP partial-reduce check reads of a group and its parameters.
     fsdp_param = groups[1].fsdp_params[0]
     found["partial_reduce_names"] = (
@@ -132,6 +137,7 @@ def behaviour(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "buffers_released",
         "inner_reduced_before_root",
         "partial_reduce_names",
+        "unsharded_grads_dropped",
     ],
 )
 def test_fsdp2_behaves_as_the_hooks_expect(behaviour: dict, what: str) -> None:

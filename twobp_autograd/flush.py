@@ -109,6 +109,11 @@ class DeliveryWatch(Protocol):
 
     def finished(self) -> None: ...
 
+    def abandoned(self) -> None:
+        """The flush failed after handing part of its gradients over and drops the rest: drop
+        what is held for it (FSDP2: gradients of groups not reduced yet)."""
+        ...
+
 
 #: ``watcher(params, early)``, asked as each flush starts with the parameters it will deliver and
 #: whether it is an early flush (a capped queue's): a :class:`DeliveryWatch` to follow it, or None.
@@ -241,6 +246,9 @@ def run_jobs(
         for watch in watches:
             watch.finished()
     except BaseException as error:
+        if handed_over:
+            for watch in watches:
+                watch.abandoned()
         if handed_over and not isinstance(error, Exception):
             # KeyboardInterrupt, SystemExit: keep the exception as it is, but say that part of
             # the work is in .grad, so that the caller drops the rest instead of queueing it again.

@@ -104,6 +104,15 @@ class _GroupReductions:
             self._reduce(self._order[self._next])
         fsdp_hooks.wait_for_reductions(self._reduced)
 
+    def abandoned(self) -> None:
+        """The groups not reduced drop the unsharded gradients the failed flush gave them (else
+        FSDP2's next post-backward reduces them into the next step's ``.grad``, after the
+        zero_grad PartlyDelivered asks for); one whose reduction raised too, and a reduced one
+        holds none."""
+        for group in self._order:
+            if not fsdp_hooks.in_backward(group):
+                fsdp_hooks.drop_unsharded_grads(group, self._group_of.keys())
+
     def _reduce(self, group: Any) -> None:
         self._next += 1
         if id(group) in self._held or fsdp_hooks.in_backward(group):

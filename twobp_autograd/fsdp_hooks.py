@@ -211,6 +211,16 @@ def reduce_group(group: Any) -> None:
         _remember_partial(group)
 
 
+def drop_unsharded_grads(group: Any, among: Collection[int]) -> None:
+    """Drop the gradients ``group``'s unsharded parameters (those whose id is in ``among``) hold
+    for its next post-backward, which would reduce them into the next step's ``.grad``."""
+    for fsdp_param in group.fsdp_params:
+        unsharded = getattr(fsdp_param, "_unsharded_param", None)
+        if unsharded is not None and id(unsharded) in among:
+            unsharded.grad = None
+            fsdp_param.unsharded_accumulated_grad = None
+
+
 # group -> (FSDP2's partial-reduce buffer a flush left pending, its version then). Weak both ways:
 # a group going, or FSDP2 dropping the buffer, ends the entry's meaning.
 _left_by_flush: weakref.WeakKeyDictionary[Any, tuple[weakref.ref[Tensor], int]] = weakref.WeakKeyDictionary()
