@@ -3,6 +3,7 @@ weight gradients, and every path where no weight gradient can be wanted stays pl
 
 import contextlib
 import copy
+import functools
 import gc
 import io
 import warnings
@@ -433,6 +434,28 @@ def test_a_wrapper_added_after_patch_runs_around_the_deferred_forward_and_unpatc
     twobp.unpatch(model)
     model(x).pow(2).sum().backward()
     assert twobp.pending().jobs == 0 and model[0].weight.grad is not None
+
+
+def _forward_through(module: nn.Module, *args: torch.Tensor) -> torch.Tensor:
+    return module._old_forward(*args)
+
+
+def test_a_model_with_a_picklable_wrapper_added_after_patch_saves_and_loads(tmp_path):
+    """functools.update_wrapper (accelerate's add_hook_to_module uses it) copies the wrapped
+    forward's __dict__ into the wrapper: it copied the patched call's weak reference to its
+    module, and torch.save failed ("cannot pickle 'weakref.ReferenceType'") where plain saves."""
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)))
+    reference = twobp.unpatch(copy.deepcopy(model))
+    model[0]._old_forward = model[0].forward
+    model[0].forward = functools.update_wrapper(functools.partial(_forward_through, model[0]), model[0]._old_forward)
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    x = torch.randn(3, 4)
+    for m in (loaded, reference):
+        m(x).pow(2).sum().backward()
+    assert twobp.pending().jobs == 2
+    twobp.flush_weight_grads()
+    assert_grads_match(loaded, reference)
 
 
 @pytest.fixture

@@ -59,6 +59,11 @@ class DeferredForwardCall:
     module has a deprecated non-full backward hook; else the rule's (the class's forward once
     unpatched under a wrapper added since, such as accelerate's hooks, which keep calling it)."""
 
+    # The weak reference to the module lives in a slot, not in __dict__: functools.wraps /
+    # update_wrapper copy the wrapped callable's __dict__ into a wrapper added after patch
+    # (accelerate's add_hook_to_module), and a weakref there made the model unpicklable.
+    __slots__ = ("_module", "__dict__", "__weakref__")
+
     #: Set after the first deferred call, which checks that the rule's op computed with its
     #: deferred parameters detached (a class default: calls pickled before it existed load too).
     first_call_checked = False
@@ -99,7 +104,7 @@ class DeferredForwardCall:
         # script's __main__, or a lambda, would not pickle).
         # runs_alone is the rule's, found again from ``deferred``: a pickle made before it existed
         # gets it too, and no pickle names the rule's private lock.
-        unpicklable = ("class_forward", "classes_of_the_rule", "_module", "runs_alone")
+        unpicklable = ("class_forward", "classes_of_the_rule", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
@@ -408,7 +413,7 @@ def _call_of_its_own(module: nn.Module) -> nn.Module:
     """``module``, given a call of its own where it shares another module's (a shallow copy).
     A call not set up yet is being unpickled with it (a deep copy of a shallow copy): skipped."""
     call = module.__dict__.get(_CALL)
-    if isinstance(call, DeferredForwardCall) and "_module" in call.__dict__ and call.owner() is not module:
+    if isinstance(call, DeferredForwardCall) and hasattr(call, "_module") and call.owner() is not module:
         _adopt(module, call)
     return module
 
