@@ -236,7 +236,10 @@ class GradientSynchroniser:
         except BaseException:
             # Forget this flush's readiness and launched buckets, so that neither a retry nor the
             # next step writes a reduction of these gradients back (a retry launches its own).
-            self.reset()
+            # The buckets not launched yet are launched marked aborted: every rank then issues
+            # each bucket of the step once (ranks launch different prefixes before a failure
+            # where their unused parameters differ), and a peer whose step went on raises.
+            self._abort()
             raise
         finally:
             self._armed = False
@@ -261,8 +264,15 @@ class GradientSynchroniser:
             for b in range(self._next_bucket, len(self._buckets)):
                 self._launch(b)
             self._next_bucket = len(self._buckets)
-            for work, bucket, flat in self._works:
+            for work, _, flat in self._works:
                 self._wait(work)
+                if flat[-1].item():
+                    raise ReductionFailed(
+                        "twobp: GradientSynchroniser: the step's synchronise failed on another rank of "
+                        "the group (see its error); this rank's gradients are left as they were: "
+                        "zero_grad() and run the step again on every rank, or fix and retry."
+                    )
+            for _, bucket, flat in self._works:
                 self._write_back(bucket, flat)
             if not self._order_agreed:
                 self._agree_on_order()
@@ -275,7 +285,7 @@ class GradientSynchroniser:
     def _refuse_queued_work(self) -> None:
         queued = len(queued_among(self.params, wait=True))
         if queued:
-            self.reset()
+            self._abort()
             raise RuntimeError(
                 f"twobp: GradientSynchroniser: {queued} parameter(s) still have weight work queued when "
                 "their reduction would start, so their gradients would arrive later, unreduced. The "
@@ -299,6 +309,13 @@ class GradientSynchroniser:
                 "GradientSynchroniser after changing what trains (close() the old one).",
                 stacklevel=3,
             )
+
+    def _abort(self) -> None:
+        try:
+            for b in range(self._next_bucket, len(self._buckets)):
+                self._launch(b, aborted=True)
+        finally:
+            self.reset()
 
     def reset(self) -> None:
         """Forget this step's progress (after a failed step). Launched reductions are not
@@ -379,7 +396,7 @@ class GradientSynchroniser:
         self._buckets = buckets
         self._bucket_of = {i: b for b, bucket in enumerate(buckets) for i in bucket.params}
 
-    def _launch(self, b: int) -> None:
+    def _launch(self, b: int, aborted: bool = False) -> None:
         """Flatten the bucket's gradients divided by the world size (as DDP does before its
         sum), followed by one flag per parameter: 1 where this rank has a gradient."""
         bucket = self._buckets[b]
@@ -392,15 +409,18 @@ class GradientSynchroniser:
                     f"twobp: GradientSynchroniser reduces dense gradients only; parameter {i} (shape "
                     f"{tuple(p.shape)}) has a {grad.layout} one: build its embedding with sparse=False"
                 )
+            if aborted:
+                grad = None
             pieces.append(grad.reshape(-1) if grad is not None else p.new_zeros(p.numel(), dtype=bucket.dtype))
             flags.append(grad is not None)
+        flags.append(aborted)  # how many ranks gave this step up
         flat = torch.cat([*pieces, torch.tensor(flags, dtype=bucket.dtype, device=bucket.device)])
         flat[: bucket.numel].div_(self.world_size)
         self._works.append((dist.all_reduce(flat, group=self.group, async_op=True), bucket, flat))
 
     def _write_back(self, bucket: _Bucket, flat: Tensor) -> None:
         offset = 0
-        used = flat[bucket.numel :].tolist()
+        used = flat[bucket.numel : -1].tolist()
         with torch.no_grad():
             for i, anyone in zip(bucket.params, used, strict=True):
                 p = self.params[i]
