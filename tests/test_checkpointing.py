@@ -849,3 +849,37 @@ def test_checkpointed_instance_norm_updates_its_running_statistics_as_plain(wrap
     assert_grads_match(patched, reference, torch.float64)
     for (name, ours), plain in zip(patched.named_buffers(), reference.buffers(), strict=True):
         torch.testing.assert_close(ours, plain, rtol=1e-12, atol=1e-12, msg=name)
+
+
+class _NoisyWhenAsked(nn.Module):
+    """A module for the recompute rule that adds noise where its public ``noise`` says so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+        self.noise = 0.0
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.tanh(x @ self.weight)
+        return y + self.noise * torch.randn_like(y) if self.noise > 0 else y
+
+
+def test_a_checkpointed_call_that_deferred_recomputes_so_after_another_call_drew_random_numbers():
+    """GPipe's order: micro-batch 1's forward under a checkpoint deferred; micro-batch 2's, outside
+    it, drew noise, and the rule sent the module to plain autograd; micro-batch 1's recomputation
+    then took that verdict for itself and was refused, where plain trains."""
+    twobp.register(_NoisyWhenAsked, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _NoisyWhenAsked()).double())
+    first, second = torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4, dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the draw sends the module to plain autograd, warned
+        for net in (patched, reference):
+            torch.manual_seed(0)
+            out_first = checkpoint(net, first, use_reentrant=False)
+            net[1].noise = 0.1
+            out_second = net(second)
+            net[1].noise = 0.0
+            out_second.square().sum().backward()
+            out_first.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

@@ -40,6 +40,7 @@ __all__ = [
     "forget_since",
     "link_nested_frames",
     "deferred_in_live_checkpoints",
+    "replaying_deferred",
     "saved_through_user_hooks",
 ]
 
@@ -206,6 +207,17 @@ def took_plain(module: Any) -> None:
             "saved tensors to the deferred path's nodes. Add or remove such hooks before the forward "
             "or after the backward."
         )
+
+
+def replaying_deferred(module: Any) -> bool:
+    """Whether ``module``'s call in progress recomputes, for a checkpoint, a call that deferred in
+    its forward: it must take the deferred path again (a per-module verdict made since, by a later
+    call outside the region, does not apply to it)."""
+    stack = getattr(_in_progress, "records", None)
+    if not stack:
+        return False
+    record = stack[-1]
+    return bool(record.origin == _origin(module) and record.replaying and record.deferred)
 
 
 def _innermost_frame() -> tuple[Any, Hashable | None] | None:

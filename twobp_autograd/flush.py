@@ -248,7 +248,11 @@ def run_jobs(
     except BaseException as error:
         if handed_over:
             for watch in watches:
-                watch.abandoned()
+                try:
+                    watch.abandoned()
+                except Exception as cleanup:  # the flush's own failure is the one to report
+                    if hasattr(error, "add_note"):  # Python 3.11 and later
+                        error.add_note(f"twobp: dropping what a flush watch held failed too: {cleanup!r}")
         if handed_over and not isinstance(error, Exception):
             # KeyboardInterrupt, SystemExit: keep the exception as it is, but say that part of
             # the work is in .grad, so that the caller drops the rest instead of queueing it again.

@@ -48,7 +48,7 @@ from torch.utils.checkpoint import get_device_states, set_device_states
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .. import fsdp_hooks
-from ..checkpoint_paths import forget_since, recorded_so_far, took_plain
+from ..checkpoint_paths import forget_since, recorded_so_far, replaying_deferred, took_plain
 from ..deferral import defer_weight_grads, detached, untappable_view
 from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
@@ -677,13 +677,15 @@ def _running_the_rule() -> Iterator[None]:
                 _rule_threads[me] -= 1
 
 
-def _rewind_random_state(cpu_state: Tensor, devices: list[int], device_states: list[Tensor]) -> None:
+def _rewind_random_state(cpu_state: Tensor, devices: list[int], device_states: list[Tensor]) -> bool:
     """The default generators back to ``cpu_state`` and ``device_states``, where no other thread
-    runs the rule (see :data:`_rule_threads`)."""
+    runs the rule (see :data:`_rule_threads`); whether they went back."""
     with _rule_threads_lock:
-        if len(_rule_threads) == 1:
-            torch.set_rng_state(cpu_state)
-            set_device_states(devices, device_states)
+        if len(_rule_threads) != 1:
+            return False
+        torch.set_rng_state(cpu_state)
+        set_device_states(devices, device_states)
+        return True
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
@@ -705,7 +707,8 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     elif any(t.is_inference() for t in inputs):
         reason = "inputs made under torch.inference_mode (no version counter to check the replay's input by)"
     else:
-        reason = _unreplayable.get(module) or unsupported_tensors(*inputs, *params.values())
+        unreplayable = None if replaying_deferred(module) else _unreplayable.get(module)
+        reason = unreplayable or unsupported_tensors(*inputs, *params.values())
         if reason is None and _has_hooked_submodules(module):
             reason = _HOOKED_SUBMODULES
         if reason is None and _sharded_by_fsdp(module, params):
@@ -756,12 +759,14 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
 
     attributes = _Attributes(module, with_hooks=trials)
 
-    def rewind() -> None:
-        """Random state, buffers and parameters' contents back to where this call found them."""
-        _rewind_random_state(cpu_state, devices, device_states)
+    def rewind() -> bool:
+        """Random state, buffers and parameters' contents back to where this call found them;
+        whether the random state went back (not while another thread runs the rule)."""
+        rewound = _rewind_random_state(cpu_state, devices, device_states)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
         state.restore_parameters(param_values)
+        return rewound
 
     def undo(built: bool) -> None:
         """What the trials or the attempt added (a part built, a cache made from the stand-ins) or
@@ -802,12 +807,13 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             else None
         )  # fmt: skip
         after_trial = _state_of(module, substitutes) if changed_state else {}
-        rewind()  # the trial's draws and buffer changes
+        random_state_rewound = rewind()  # the trial's draws and buffer changes
         if changed_state and not attributes.built_since():
             undo(True)
             _unreplayable[module] = changed_state
             output = plain_forward(module, changed_state, *inputs)
-            _check_made_again(module, after_trial)
+            if random_state_rewound:  # else the plain run may draw other numbers (a buffer of noise)
+                _check_made_again(module, after_trial)
             return output
         if attributes.built_since():
             undo(True)
