@@ -107,11 +107,14 @@ class WeightGradJob:
                 "rule keeps its parameters from its forward, where plain autograd may not have saved "
                 "them; a parameter is modified by load_state_dict, reset_parameters(), "
                 "registering a parametrization, a conversion under swap_module_params_on_conversion, or "
-                "the forward of an nn.Embedding with max_norm whose weight a patched layer shares). "
-                "Flush before modifying it. This flush leaves the work queued (work got from "
-                "queue.take() stays the caller's): to drop the step, optimizer.zero_grad() drops its "
-                "parameters' queued work with their .grad (twobp.discard_weight_grads() drops only the "
-                "queued work)."
+                "the forward of an nn.Embedding with max_norm whose weight a patched layer shares; an "
+                "output gradient is changed where autograd also gave it, uncopied, to a parameter's "
+                ".grad, which the next backward accumulated into: a parameter added to a patched "
+                "layer's output through a view, such as a position table at a micro-batch of one; "
+                "flush after each backward there). Flush before modifying it. This flush leaves the "
+                "work queued (work got from queue.take() stays the caller's): to drop the step, "
+                "optimizer.zero_grad() drops its parameters' queued work with their .grad "
+                "(twobp.discard_weight_grads() drops only the queued work)."
             )
 
     def tensors(self) -> tuple[Tensor, ...]:
