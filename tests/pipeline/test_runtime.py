@@ -781,3 +781,12 @@ def test_queues_that_are_not_one_per_held_stage_are_refused(one_rank_group: None
             loss_fn=_mse,
             queue={index: WeightGradQueue() for index in queues},
         )
+
+
+def test_a_placement_naming_more_stages_than_the_schedule_runs_is_refused(one_rank_group: None) -> None:
+    """placement=(0, 1, 1) over a two-stage schedule: no rank held the last stage, the last rank
+    handed its output over to a stage no rank runs, and failed in step() with a bare KeyError."""
+    with pytest.raises(ValueError, match=r"twobp: rank 0: placement=\(0, 0\) .* runs its 1 stages on ranks \(0,\)"):
+        PipelineRuntime(
+            nn.Linear(4, 4), schedule("gpipe", 1, 2)[0], num_micro_batches=2, loss_fn=_mse, placement=(0, 0)
+        )

@@ -46,7 +46,7 @@ from .actions import Action, ActionKind, Message, Payload
 from .memory_probe import MemoryProbe, peak_rss
 from .metrics import RankMetrics, StepReport, StepTimer
 from .posting import posting_order
-from .schedules import ScheduleError, validate_rank, validate_schedule
+from .schedules import ScheduleError, stage_owners, validate_rank, validate_schedule
 
 __all__ = ["GradientSync", "PipelineError", "PipelineRuntime", "init_distributed"]
 
@@ -235,6 +235,14 @@ class PipelineRuntime:
         self._sent_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
         self._received_shapes: dict[tuple[Hashable, int, int], tuple[torch.Size, torch.dtype]] = {}
         everyone = self._schedule_of_every_rank() if self.world_size > 1 else [self.actions]
+        owners = stage_owners(everyone)
+        if tuple([owners[stage] for stage in range(len(owners))]) != self.placement:
+            # Else no rank holds the last stage, or hands its output over to one no rank runs.
+            raise ValueError(
+                f"twobp: rank {self.rank}: placement={self.placement} names which rank holds each stage, "
+                f"but the schedule runs its {len(owners)} stages on ranks "
+                f"{tuple([owners[stage] for stage in range(len(owners))])}: pass that placement"
+            )
         # On a backend that pairs messages by the order two ranks post them (NCCL; gloo pairs them
         # by tag, and each receive is posted when its action or the one before needs it): what
         # this rank sends and receives, in the one order all ranks post (see .posting).
