@@ -8,6 +8,7 @@ synchroniser that reduced nothing (or summed instead of averaging) would not mat
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -729,3 +730,40 @@ def test_a_retried_synchronise_pairs_every_ranks_buckets_where_ranks_use_other_p
     for result in run_scenario(_retry_after_a_refusal_with_a_branch_on_one_rank, 2, str(tmp_path)):
         assert result["refused"].startswith("twobp:"), result
         assert all(off is not None and off < 1e-12 for off in result["off"].values()), result
+
+
+def _rerun_after_one_rank_refused_with_buffers(rank: int) -> dict:
+    """Rank 0's forwards ran under use_queue(queue): its synchronise() is refused, rank 1's raises
+    ReductionFailed; both drop the step and run it again, BatchNorm buffers broadcast."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    synchroniser = GradientSynchroniser(model, bucket_bytes=1, timeout=10.0)
+    queue = twobp.WeightGradQueue()
+
+    def data(data_rank: int, step: int) -> Tensor:
+        return torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + data_rank))
+
+    with twobp.use_queue(queue) if rank == 0 else contextlib.nullcontext():
+        model(data(rank, 1)).pow(2).mean().backward()
+    try:
+        synchroniser.synchronise()
+    except RuntimeError as error:
+        failed = type(error).__name__
+    model.zero_grad()
+    model(data(rank, 2)).pow(2).mean().backward()
+    synchroniser.synchronise()
+    for data_rank in range(2):
+        (reference(data(data_rank, 2)).pow(2).mean() / 2).backward()
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    return {"failed": failed, "off": [float((p.grad - q.grad).abs().max()) for p, q in pairs]}
+
+
+def test_every_rank_runs_the_next_step_after_one_ranks_synchronise_failed(tmp_path) -> None:
+    """The failed rank had skipped finish(), so its next forward did not broadcast the buffers
+    while its peer's did: that broadcast paired with a reduction, and every rank timed out."""
+    results = run_scenario(_rerun_after_one_rank_refused_with_buffers, 2, str(tmp_path))
+    assert [r["failed"] for r in results] == ["RuntimeError", "ReductionFailed"], results
+    for result in results:
+        assert max(result["off"]) < 1e-12, result

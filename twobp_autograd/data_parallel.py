@@ -162,7 +162,6 @@ class GradientSynchroniser:
             with torch.no_grad():
                 # As DDP: broadcast_buffers=False leaves rank-local buffers as they are.
                 broadcast_tensors([*module.parameters(), *(module.buffers() if broadcast_buffers else ())], group=group)
-        self._buffers_due = True
         if broadcast_buffers and any(True for _ in module.buffers()):
             broadcast = _weak_hook(self._broadcast_buffers)
             self._hooks.extend(m.register_forward_pre_hook(broadcast) for m in _called_modules(module))
@@ -280,7 +279,6 @@ class GradientSynchroniser:
             self._unsynchronised = False
         finally:
             self.reset()
-            self._buffers_due = True
 
     def _refuse_queued_work(self) -> None:
         queued = len(queued_among(self.params, wait=True))
@@ -327,6 +325,9 @@ class GradientSynchroniser:
         self._observed = []
         self._armed = False
         self._final = set()
+        # The next step's first training forward broadcasts the buffers on every rank: a rank
+        # whose step failed before finish() would otherwise skip the broadcast its peers make.
+        self._buffers_due = True
 
     def close(self) -> None:
         """Remove the hooks this synchroniser put on the parameters and the module."""
