@@ -1166,6 +1166,28 @@ def test_a_bucket_hands_a_parameter_over_after_the_groups_reading_its_memory():
         torch.testing.assert_close(p, q)
 
 
+def _sparse_rows(rows: int, layout: str) -> Tensor:
+    dense = torch.randn(rows, 5, dtype=torch.float64)
+    dense[dense.abs() < 0.8] = 0
+    return {"csr": dense.to_sparse_csr(), "coo": dense.to_sparse(), "dense": dense}[layout]
+
+
+@pytest.mark.parametrize("layouts", [("csr", "csr"), ("coo", "dense"), ("csr", "dense")], ids="+".join)
+def test_a_linear_on_sparse_inputs_flushes_as_plain_when_micro_batches_are_joined(layouts):
+    """Joined on dim 0 (concat, and on a GPU the default), sparse rows failed torch.cat at the
+    flush, with an error asking for a rule's concatenate=False the user never wrote."""
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(nn.Linear(5, 3).double())
+    queue = twobp.WeightGradQueue("concat")
+    for rows, layout in zip((4, 3), layouts, strict=True):
+        x = _sparse_rows(rows, layout)
+        reference(x).square().sum().backward()
+        with twobp.use_queue(queue):
+            patched(x).square().sum().backward()
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 def test_discarding_the_empty_current_queue_while_another_holds_work_is_refused():
     """The forwards ran under use_queue(queue), the discard went to the (empty) current queue:
     the micro-batch meant to be dropped reached .grad at the next flush (6.1 off). Refused."""

@@ -293,7 +293,7 @@ def _grouped(jobs: Sequence[WeightGradJob]) -> list[list[WeightGradJob]]:
         return [list(jobs)]
     grouped: dict[Hashable, list[WeightGradJob]] = {}
     for job in jobs:
-        shapes = tuple([(t.shape[1:], t.dtype, t.device) for t in job.tensors()])
+        shapes = tuple([(t.shape[1:], t.dtype, t.device, t.layout) for t in job.tensors()])
         grouped.setdefault((job.group, tuple(map(id, job.params)), shapes, job.autocast), []).append(job)
     return list(grouped.values())
 
@@ -910,8 +910,10 @@ def _described(grads: object) -> str:
 def _subclassed(job: WeightGradJob) -> bool:
     """Whether the job holds tensor subclasses (DTensors under tensor parallelism): those run one
     micro-batch at a time, as backward would have run them. Joined, a sequence-sharded DTensor
-    is gathered, and the gradient comes out replicated where backward leaves it a partial sum."""
-    return any(type(t) is not Tensor for t in job.tensors())
+    is gathered, and the gradient comes out replicated where backward leaves it a partial sum.
+    So do sparse tensors (a Linear's sparse COO/CSR input): torch.cat refuses CSR ones.
+    (Jobs of one group share their tensors' layouts: the first job's stand for all.)"""
+    return any(type(t) is not Tensor or t.layout != torch.strided for t in job.tensors())
 
 
 class _Sum:

@@ -448,3 +448,18 @@ def test_a_joined_bias_gradient_is_as_precise_as_plain_autograds() -> None:
         return ((model.bias.grad.double() - exact.bias.grad).norm() / exact.bias.grad.norm()).item()
 
     assert error(patched) <= 3 * error(plain), (error(patched), error(plain))
+
+
+@pytest.mark.parametrize("kernel, dilation", [(5, 1), (4, 1), (2, 2)], ids=["odd", "even", "dilated"])
+def test_same_padding_follows_a_weight_of_another_size_assigned_since(kernel: int, dilation: int):
+    """F.conv2d works 'same' padding out from the weight's shape; the rule read the constructor's
+    kernel_size, and the flush's kernel failed on the output gradient's shape (ATen's error)."""
+    model = nn.Conv2d(4, 6, 3, padding="same", dilation=dilation).double()
+    model.weight = nn.Parameter(torch.randn(6, 4, kernel, kernel, dtype=torch.float64))
+    patched, reference = twobp.patch(copy.deepcopy(model)), model
+    for _ in range(2):
+        x = torch.randn(2, 4, 9, 9, dtype=torch.float64)
+        for net in (patched, reference):
+            net(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

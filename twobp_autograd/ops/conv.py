@@ -95,11 +95,13 @@ _WEIGHT_ONLY = (False, True, False)
 _ALL_BUT_CHANNELS = {dims: tuple(d for d in range(dims) if d != 1) for dims in (3, 4, 5)}
 
 
-def _same_padding(module: nn.modules.conv._ConvNd) -> tuple[IntTuple, IntTuple | None]:
+def _same_padding(module: nn.modules.conv._ConvNd, weight: Tensor) -> tuple[IntTuple, IntTuple | None]:
     """``padding='same'`` as symmetric per-dim padding plus the extra right-side zeros, worked
     out at each call as ``F.convNd`` does (the module's own pairs are only made at construction:
-    a padding set to 'same' later would leave them stale)."""
-    totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size, strict=True)]
+    a padding set to 'same' later would leave them stale), from the weight's own kernel size as
+    F.convNd reads it (``module.kernel_size`` is only the constructor's: a weight of another
+    size assigned since would pad otherwise)."""
+    totals = [d * (k - 1) for d, k in zip(module.dilation, weight.shape[2:], strict=True)]
     symmetric = tuple(total // 2 for total in totals)
     extra: list[int] = []
     for total in reversed(totals):  # F.pad's order: the last dim first
@@ -212,7 +214,7 @@ def conv(module: nn.modules.conv._ConvNd, input: Tensor) -> Tensor:
         input = F.pad(input, module._reversed_padding_repeated_twice, mode=module.padding_mode)
         conv_padding = zeros
     elif module.padding == "same":
-        kernel_padding, extra = _same_padding(module)
+        kernel_padding, extra = _same_padding(module, weight)
     elif not isinstance(module.padding, str):  # 'valid' pads nothing
         kernel_padding = tuple(module.padding)
     config = dict(
