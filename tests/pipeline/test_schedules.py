@@ -165,10 +165,12 @@ def test_zb_never_holds_more_than_max_pending_weight_grads(max_pending: int) -> 
         (lambda: schedule("interleaved", 2), "unknown schedule"),
         (lambda: schedule("gpipe", 2, max_pending=2), "zb"),
         (lambda: schedule("zb", 2, max_pending=0), "at least 1"),
+        (lambda: schedule("zb", 2, 4, twobp=False, max_pending=0), "at least 1"),  # as zbv refuses it
         (lambda: schedule("gpipe", 2, 0), "at least one"),
         (lambda: schedule("1f1b-1", 0), "at least one"),
     ],
-    ids=["unknown-name", "max-pending-not-zb", "max-pending-zero", "no-micro-batch", "no-stage"],
+    ids=["unknown-name", "max-pending-not-zb", "max-pending-zero", "max-pending-zero-2bp-off", "no-micro-batch",
+         "no-stage"],  # fmt: skip
 )
 def test_bad_arguments_are_refused(call, match: str) -> None:
     with pytest.raises(ValueError, match=match):

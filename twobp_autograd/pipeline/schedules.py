@@ -184,11 +184,11 @@ def _zero_bubble(
     comes back, which the early forwards fill. Before an ``I`` that would leave more than
     ``max_pending`` (default p) micro-batches waiting for their ``W``, the oldest one's ``W``
     runs first. The rest runs as one concatenated ``W`` at the end."""
+    max_pending = num_stages if max_pending is None else max_pending
+    if max_pending < 1 or (max_in_flight is not None and max_in_flight < 1):  # with 2BP off too, as zbv
+        raise ValueError(f"max_pending and max_in_flight must be at least 1, got {max_pending} and {max_in_flight}")
     if not twobp:
         return _one_f_one_b(num_stages, num_micro_batches, twobp=False)
-    max_pending = num_stages if max_pending is None else max_pending
-    if max_pending < 1 or (max_in_flight is not None and max_in_flight < 1):
-        raise ValueError(f"max_pending and max_in_flight must be at least 1, got {max_pending} and {max_in_flight}")
     in_flight_cap = [max_in_flight or 2 * (num_stages - rank) - 1 for rank in range(num_stages)]
 
     # The F/I order of 1F1B without its W; W is placed below.
