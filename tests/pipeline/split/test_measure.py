@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 from torch import nn
 
@@ -45,6 +46,30 @@ def test_measuring_with_2bp_times_the_patched_blocks_and_their_flush_then_unpatc
     assert not twobp.pending().jobs
     for name, b in model.named_buffers():
         torch.testing.assert_close(b, before[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("twobp_on", [False, True], ids=["plain", "2bp"])
+def test_measuring_leaves_gradients_held_mid_accumulation_as_they_were(twobp_on: bool) -> None:
+    """The gradients were put back as the tensors they were, but the measuring backwards had
+    accumulated into those tensors in place (a bias gradient of 3 came back as 12)."""
+    model = small_net().double().train()
+    model(torch.randn(6, 4, dtype=torch.float64)).sum().backward()
+    before = {name: p.grad.clone() for name, p in model.named_parameters()}
+    measure_block_costs(list(model), torch.randn(6, 4, dtype=torch.float64), repeats=1, twobp=twobp_on)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, before[name], rtol=0, atol=0, msg=name)
+
+
+def test_measuring_with_2bp_leaves_the_callers_patch_in_place() -> None:
+    """It unpatched every module of the blocks after timing them, the caller's patch too: the
+    model trained on plain autograd from then on, with no word."""
+    model = twobp.patch(small_net().train(), exclude=[nn.BatchNorm1d])
+    measure_block_costs(list(model), torch.randn(6, 4), repeats=1, twobp=True)
+    assert isinstance(model[0].__dict__.get("forward"), DeferredForwardCall)
+    assert not isinstance(model[1].__dict__.get("forward"), DeferredForwardCall)  # the caller's exclude kept
+    model(torch.randn(6, 4)).sum().backward()
+    assert model[0].weight.grad is None and twobp.pending().jobs > 0
+    twobp.flush_weight_grads()
 
 
 def _agree(rank: int) -> list[float]:

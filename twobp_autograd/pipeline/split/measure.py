@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ... import WeightGradQueue, patch, unpatch, use_queue
+from ... import WeightGradQueue, patch, use_queue
+from ...patching import _is_patched, _unpatch_module
 
 __all__ = ["parameter_costs", "measure_block_costs", "agreed_block_costs"]
 
@@ -38,6 +39,13 @@ def measure_block_costs(
     Leaves gradients and buffers (BatchNorm running statistics) as they were."""
     buffers = {id(b): b.detach().clone() for block in blocks for b in block.buffers()}
     grads = {id(p): p.grad for block in blocks for p in block.parameters()}
+    # Measure on fresh gradients: backward accumulates into an existing .grad in place, so the
+    # tensors kept above would come back holding the measuring passes' gradients too.
+    for block in blocks:
+        for p in block.parameters():
+            p.grad = None
+    # Modules patched before (by the caller) stay patched; only what is patched here is undone.
+    patched_before = {id(m) for block in blocks for m in block.modules() if _is_patched(m)}
     costs: list[float] = []
     x = sample
     queue = WeightGradQueue()
@@ -64,7 +72,9 @@ def measure_block_costs(
         queue.clear()
         if twobp:
             for block in blocks:
-                unpatch(block)
+                for module in block.modules():
+                    if id(module) not in patched_before:
+                        _unpatch_module(module)
         with torch.no_grad():
             for block in blocks:
                 for b in block.buffers():
