@@ -648,3 +648,27 @@ def test_a_global_step_pre_hook_registered_before_patch_runs_after_the_refusal(t
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split() == ["refused", "unchanged"], result.stdout
+
+
+def test_zero_grad_between_backward_and_flush_runs_the_optimizer_in_backward_step_plain_ran():
+    """Plain's hook stepped the optimizer in backward, before the zero_grad; the zero_grad dropped
+    the queued work, and with it the step (0.49 off, silently)."""
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(nn.Linear(4, 4).double())
+    for net in (patched, reference):
+        for p in net.parameters():
+            optimizer = torch.optim.SGD([p], lr=0.1)
+
+            def step(p: torch.Tensor, optimizer: torch.optim.Optimizer = optimizer) -> None:
+                if not twobp.has_queued_work(p):  # the call during backward: no gradient yet
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+
+            p.register_post_accumulate_grad_hook(step)
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for net in (patched, reference):
+        net(x).pow(2).sum().backward()
+        net.zero_grad()  # a micro-batch skipped after the step was taken
+    twobp.flush_weight_grads()
+    for p, q in zip(patched.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.optim import optimizer as optimizer_module
 
-from .flush import accumulated_dtype, forget_deliveries, summed_over_backward_calls, undelivered
+from .flush import accumulated_dtype, forget_deliveries, has_user_hooks, summed_over_backward_calls, undelivered
 from .queue import WeightGradQueue, current_queue, dropped_without_grad, queues_with_work
 from .warn_once import warn_once
 
@@ -162,6 +162,7 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
     optimizer steps a zero gradient, momentum and weight decay included, but skips a None)."""
     params = list(params)
     _refuse_mid_flush(params, what)
+    _run_the_hooks_plain_ran(params)
     forget_deliveries(params)
     if dropped_without_grad:
         for param in params:
@@ -181,6 +182,18 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
     for queue in queues:
         for param in queue.discard_work_for(tensors, given_grads=not set_to_none):
             _zeros_as_plain_zero_grad_leaves(param, set_to_none)
+
+
+def _run_the_hooks_plain_ran(params: list[Any]) -> None:
+    """Parameters with a post-accumulate-grad hook of the user's (optimizer-in-backward) and
+    queued work: plain autograd ran the hook in backward (the optimizer stepped), which dropping
+    the work would skip. The queues holding it are flushed first (every gradient in ``.grad``,
+    every hook run, as after plain's backward); the zero_grad then drops what plain's drops."""
+    queues, tensors = _queued(params)
+    hooked = [p for p in tensors if has_user_hooks(p)] if queues else []
+    for queue in queues:
+        if hooked and queue.has_work_for(hooked):
+            queue.flush()
 
 
 def _zeros_as_plain_zero_grad_leaves(param: torch.Tensor, set_to_none: bool) -> None:
