@@ -638,11 +638,10 @@ def _wait_for_readers(
 ) -> None:
     """Group ``index`` has run: what it readied (``ready[readied:]``) that a later group reads
     waits; what waited for this group goes."""
-    new = ready[readied:]
+    held = [*waiting, *ready[readied:]]
     del ready[readied:]
-    for item in (*[item for item in waiting if read_later[id(item[0])] <= index], *new):
-        (waiting if read_later.get(id(item[0]), -1) > index else ready).append(item)
-    waiting[:] = [item for item in waiting if read_later[id(item[0])] > index]
+    waiting[:] = [item for item in held if read_later.get(id(item[0]), -1) > index]
+    ready.extend(item for item in held if read_later.get(id(item[0]), -1) <= index)
 
 
 def _kernel_name(job: WeightGradJob) -> str:

@@ -162,13 +162,14 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
     optimizer steps a zero gradient, momentum and weight decay included, but skips a None)."""
     params = list(params)
     _refuse_mid_flush(params, what)
-    _run_the_hooks_plain_ran(params)
+    queues, tensors = _queued(params)
+    if _ran_the_hooks_plain_ran(queues, tensors):
+        queues, tensors = _queued(params)
     forget_deliveries(params)
     if dropped_without_grad:
         for param in params:
             if isinstance(param, torch.Tensor) and dropped_without_grad.pop(id(param), None) is param:
                 _zeros_as_plain_zero_grad_leaves(param, set_to_none)
-    queues, tensors = _queued(params)
     if not queues:
         return
     stand_ins = _stand_ins(tensors)
@@ -184,16 +185,17 @@ def _discard_queued_work(params: Iterable[Any], what: str, set_to_none: bool) ->
             _zeros_as_plain_zero_grad_leaves(param, set_to_none)
 
 
-def _run_the_hooks_plain_ran(params: list[Any]) -> None:
+def _ran_the_hooks_plain_ran(queues: list[WeightGradQueue], tensors: list[torch.Tensor]) -> bool:
     """Parameters with a post-accumulate-grad hook of the user's (optimizer-in-backward) and
     queued work: plain autograd ran the hook in backward (the optimizer stepped), which dropping
     the work would skip. The queues holding it are flushed first (every gradient in ``.grad``,
-    every hook run, as after plain's backward); the zero_grad then drops what plain's drops."""
-    queues, tensors = _queued(params)
+    every hook run, as after plain's backward); the zero_grad then drops what plain's drops.
+    Whether any was flushed."""
     hooked = [p for p in tensors if has_user_hooks(p)] if queues else []
-    for queue in queues:
-        if hooked and queue.has_work_for(hooked):
-            queue.flush()
+    flushing = [queue for queue in queues if hooked and queue.has_work_for(hooked)]
+    for queue in flushing:
+        queue.flush()
+    return bool(flushing)
 
 
 def _zeros_as_plain_zero_grad_leaves(param: torch.Tensor, set_to_none: bool) -> None:

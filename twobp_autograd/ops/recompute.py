@@ -182,15 +182,6 @@ def _same_value(now: object, then: object) -> bool:
     return now is then or (type(now) is type(then) and now == then)
 
 
-def _storage_key(v: Tensor) -> Hashable:
-    """The values a held tensor reads: its storage and view (two views from one start, ``table[:1]``
-    and ``table[:2]``, hold others), or its own alias's id where it has no data pointer (sparse,
-    meta, subclasses; that alias lives as long as the state holding it)."""
-    if type(v) is Tensor and v.layout == torch.strided and not v.is_meta:
-        return (v.data_ptr(), v.shape, v.stride(), v.dtype)
-    return id(v)
-
-
 def _same_bits(a: Tensor, b: Tensor) -> bool:
     """Equal contents, NaNs included (a buffer and the copy taken before a call)."""
     if a.shape != b.shape or a.dtype != b.dtype:
@@ -259,7 +250,7 @@ class _ForwardState:
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
         storages = tuple([v.data_ptr() if type(v) is Tensor else None for v in self.values])
-        attributes = tuple([(n, _storage_key(v)) for n, v in self.attributes.items()])
+        attributes = tuple([(n, _tensor_key(v)) for n, v in self.attribute_objects.items()])
         return (
             self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast,
             attributes, tuple([(n, v) for _, n, v in self.scalars]), self.default_dtype, self.default_device,
@@ -580,7 +571,7 @@ _leaves_inputs: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 #: may then join its calls' rows).
 _rows_apart: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, bool]] = weakref.WeakKeyDictionary()
 _MAX_VERDICTS = 8  # per module
-#: A serial number per tensor a verdict key names (a buffer, a tensor attribute's base): an id()
+#: A serial number per tensor a key names (a buffer, a tensor attribute's base): an id()
 #: or a data pointer is reused once its tensor is freed (a mode buffer assigned anew each step).
 _serials: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _next_serial = itertools.count()
@@ -593,8 +584,9 @@ def _serial(t: Tensor) -> int:
     return serial
 
 
-def _verdict_key(t: Tensor) -> Hashable:
-    """A held tensor for a verdict key: its base's serial and the view of it (``table[:k]``)."""
+def _tensor_key(t: Tensor) -> Hashable:
+    """A held tensor in a key (a verdict's, a group's): its base's serial and version, and the view
+    of it (``table[:1]`` and ``table[:2]`` of one table hold other values)."""
     base = t if t._base is None else t._base
     offset = t.storage_offset() if t.layout == torch.strided else 0
     return (_serial(base), t._version, t.shape, t.stride() if t.layout == torch.strided else (), offset, t.dtype)
@@ -739,8 +731,8 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         state.flags,
         # A mode kept in a buffer or a tensor attribute (README's advice for state) may switch the
         # forward between row-wise and mixing as a public number does.
-        tuple([_verdict_key(b) for _, b in state.named_buffers]),
-        tuple([(n, _verdict_key(v)) for n, v in state.attribute_objects.items()]),
+        tuple([_tensor_key(b) for _, b in state.named_buffers]),
+        tuple([(n, _tensor_key(v)) for n, v in state.attribute_objects.items()]),
         tuple([(n, v) for a, n, v in state.scalars if (id(a), n) not in changing]),
         tuple([t.dim() for t in inputs]),
     )
