@@ -270,3 +270,40 @@ def test_hook_on_the_output_sees_what_plain_sees(setting: Setting, in_place: boo
     assert calls.count(patched) == calls.count(reference)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@needs_cuda
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("setting", RMS_NORM, ids=setting_ids(RMS_NORM))
+def test_rms_norm_on_cuda(setting: Setting, dtype: torch.dtype) -> None:
+    """On CUDA the rule runs RMSNorm's fused op as one node where rms_norm takes that op (inputs
+    of three dims or fewer), the tap elsewhere: outputs, input gradients and weight gradients
+    as plain's either way."""
+    run_micro_batches(setting.module(dtype), setting, dtype=dtype, device="cuda")
+
+
+@needs_cuda
+@pytest.mark.parametrize("lossy", [False, True], ids=["plain-saving", "lossy-saved-tensor-hooks"])
+@pytest.mark.parametrize("input_needs_grad", [True, False], ids=["input-needs-grad", "first-layer"])
+def test_rms_norm_on_cuda_is_one_node_with_plains_input_gradient(lossy: bool, input_needs_grad: bool) -> None:
+    """One node, as plain's: the input gradient bit for bit plain's (the same backward op), the
+    weight's deferred and equal to plain's, also from what saved-tensor hooks hand back (fp64:
+    their fp16 rounding is far above the tolerance)."""
+    patched, reference = patched_and_reference(RMS_NORM[0].module(torch.float64).cuda())
+    for shape in RMS_NORM[0].shapes:
+        x = RMS_NORM[0].input(shape, torch.float64, "cuda")
+        xp, xr = x.clone().requires_grad_(input_needs_grad), x.clone().requires_grad_(input_needs_grad)
+        with lossy_saved_tensors_hooks() if lossy else contextlib.nullcontext():
+            yp, yr = patched(xp), reference(xr)
+        assert type(yp.grad_fn).__name__ == "_DeferredFusedRMSNormBackward"
+        assert torch.equal(yp, yr)
+        cubic_loss(yp).backward()
+        cubic_loss(yr).backward()
+        if input_needs_grad:
+            assert torch.equal(xp.grad, xr.grad)
+    assert_no_grads(patched)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
