@@ -2997,6 +2997,45 @@ def test_a_parameter_of_the_activations_shape_with_one_sample_micro_batches_matc
     assert_grads_match(patched, reference, torch.float64)
 
 
+class _PositionTable(nn.Module):
+    """A ``(T, D)`` position table added through ``unsqueeze(0)`` to an embedding's output: at
+    a micro-batch of one sample autograd gives the table a view of the embedding's output
+    gradient, uncopied, as its ``.grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens, self.head = nn.Embedding(20, 4), nn.Linear(4, 4)
+        self.positions = nn.Parameter(torch.randn(3, 4))
+        self.kept: list[Tensor] = []
+
+    def forward(self, tokens: Tensor, keep: str) -> Tensor:
+        hidden = self.tokens(tokens) + self.positions.unsqueeze(0)
+        if keep == "hook":  # a gradient logger keeps what its hook is handed
+            hidden.register_hook(self.kept.append)
+        elif keep == "retain_grad":
+            hidden.retain_grad()
+            self.kept.append(hidden)
+        return self.head(hidden)
+
+
+@pytest.mark.parametrize("keep", ["none", "hook", "retain_grad"])
+def test_an_output_gradient_held_elsewhere_and_changed_in_place_later_leaves_the_queued_work_alone(keep):
+    """What else holds a patched layer's output gradient at the end of its backward (a
+    parameter's ``.grad``, which the next backward accumulates into in place; a hook's or
+    ``retain_grad``'s copy the user then changes) may change it before the flush: the queue
+    copies such gradients then. Each was refused at the flush as modified in place."""
+    patched, reference = patched_and_reference(_PositionTable().double())
+    for _ in range(3):
+        tokens = torch.randint(0, 20, (1, 3))
+        for model in (patched, reference):
+            model(tokens, keep).pow(3).sum().backward()
+            for kept in model.kept:
+                (kept.grad if keep == "retain_grad" else kept).mul_(7.0)
+            model.kept.clear()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 class _ElsewhereTensor(torch.Tensor):
     """Reports the meta device, computes on the CPU: activations on another device than the
     parameter (a GPU's, for a parameter kept in host memory), on a machine with one device."""

@@ -108,14 +108,28 @@ class WeightGradJob:
                 "them; a parameter is modified by load_state_dict, reset_parameters(), "
                 "registering a parametrization, a conversion under swap_module_params_on_conversion, or "
                 "the forward of an nn.Embedding with max_norm whose weight a patched layer shares; an "
-                "output gradient is changed where autograd also gave it, uncopied, to a parameter's "
-                ".grad, which the next backward accumulated into: a parameter added to a patched "
-                "layer's output through a view, such as a position table at a micro-batch of one; "
-                "flush after each backward there). Flush before modifying it. This flush leaves the "
+                "expanded output gradient (a reduction's) is changed where autograd also gave it, "
+                "uncopied, to a parameter's .grad, which the next backward accumulated into; flush "
+                "after each backward there). Flush before modifying it. This flush leaves the "
                 "work queued (work got from queue.take() stays the caller's): to drop the step, "
                 "optimizer.zero_grad() drops its parameters' queued work with their .grad "
                 "(twobp.discard_weight_grads() drops only the queued work)."
             )
+
+    def own_grad_outputs(self, held_elsewhere: set[int]) -> None:
+        """Copy the output gradients whose storage (:func:`storage_id`) is in ``held_elsewhere``
+        and unchanged since the backward that queued them: what holds it besides the queue may
+        change it in place before the flush. (Autograd may hand a gradient uncopied to a
+        parameter's ``.grad``, a position table added to a micro-batch of one sample, and the
+        next backward accumulates into that ``.grad`` in place.) One changed already is left to
+        the flush's refusal."""
+        offset = len(self.saved)
+        grad_outputs, versions = list(self.grad_outputs), list(self.versions)
+        for index, grad in enumerate(grad_outputs):
+            if storage_id(grad) in held_elsewhere and grad._version == versions[offset + index]:
+                grad_outputs[index] = copy = grad.clone()
+                versions[offset + index] = copy._version
+        self.grad_outputs, self.versions = tuple(grad_outputs), tuple(versions)
 
     def tensors(self) -> tuple[Tensor, ...]:
         return (*self.saved, *self.grad_outputs)
@@ -164,6 +178,16 @@ class WeightGradJob:
     @property
     def needs(self) -> tuple[bool, ...]:
         return tuple([p is not None for p in self.params])
+
+
+def storage_id(tensor: Tensor) -> int | None:
+    """Its storage's identity (``torch._C._storage_Use_Count`` takes it), for a plain strided
+    tensor with no expanded dim; None for others (a wrapper subclass's storage is not its data;
+    an expanded one, such as a loss's ``sum()`` hands on, is what the backward's caller holds,
+    and a copy would be as large as the output)."""
+    if type(tensor) is not Tensor or tensor.layout != torch.strided or 0 in tensor.stride():
+        return None
+    return tensor.untyped_storage()._cdata
 
 
 def _params_device(params: tuple[Tensor | None, ...]) -> torch.device | None:

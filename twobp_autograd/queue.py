@@ -42,7 +42,7 @@ from .flush import (
     partly_delivered,
     run_jobs,
 )
-from .job import WeightGradJob, finished_grads
+from .job import WeightGradJob, finished_grads, storage_id
 from .offload import HostOffload
 from .warn_once import warn_once
 
@@ -60,6 +60,7 @@ __all__ = [
 
 _any_autocast_enabled = torch._C._is_any_autocast_enabled
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_storage_use_count = torch._C._storage_Use_Count
 
 
 class PendingWork(NamedTuple):
@@ -279,11 +280,37 @@ class WeightGradQueue:
         """The backward ``task`` has ended (see :class:`_BackwardEnd`), or ``raised``."""
         with self._lock:
             self._running_backwards.pop(task, None)
+            if not raised:
+                self._own_grad_outputs_held_elsewhere(task)
             if self._backward_waiters:
                 self._backward_ended.notify_all()
             left_work = raised and any(job.task == task for job in self._jobs)
         if left_work:
             _warn_raised_backward_once()
+
+    def _own_grad_outputs_held_elsewhere(self, task: int) -> None:
+        """At the end of backward ``task``: its jobs copy the output gradients that something
+        besides the queue still holds (see :meth:`WeightGradJob.own_grad_outputs`), found by the
+        storage's use count over the jobs' own references (the graph is gone by then). Jobs
+        parked in host memory hold copies already."""
+        jobs = [job for job in self._jobs if job.task == task and job.grad_outputs and job.parked is None]
+        if not jobs:
+            return
+        ours: dict[int, int] = {}
+        for job in jobs:
+            for grad in job.grad_outputs:
+                key = storage_id(grad)
+                if key is not None:
+                    ours[key] = ours.get(key, 0) + 1
+        held_elsewhere = {key for key, count in ours.items() if _storage_use_count(key) > count}
+        if not held_elsewhere:
+            return
+        for job in jobs:
+            if not any(storage_id(grad) in held_elsewhere for grad in job.grad_outputs):
+                continue
+            self._count([job], -1)  # the bytes held change (only a capped queue counts)
+            job.own_grad_outputs(held_elsewhere)
+            self._count([job], +1)
 
     @contextlib.contextmanager
     def cap_enforced_after(self) -> Iterator[WeightGradQueue]:
