@@ -416,6 +416,39 @@ def test_a_module_with_its_own_instance_forward_keeps_plain_autograd(fresh_warni
     assert_grads_match(model, reference)
 
 
+def _scaled_by(scale: torch.Tensor, kind: type) -> type[nn.Module]:
+    """A class whose forward takes no module (a staticmethod or classmethod): it reaches its
+    parameter through a closure."""
+
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(args[-1]) * scale
+
+    return type("Scaled", (nn.Module,), {"forward": kind(forward)})
+
+
+@pytest.mark.parametrize("kind", [staticmethod, classmethod])
+def test_a_module_whose_forward_is_a_staticmethod_keeps_plain_autograd(kind, fresh_warnings):
+    """Plain PyTorch calls ``self.forward(x)``; patched, every call (deferred, eval or no_grad)
+    crashed calling ``type(m).forward(m, x)``. Such a module is left unpatched, with one warning."""
+    scale = nn.Parameter(torch.tensor(2.0, dtype=torch.float64))
+    reference_scale = nn.Parameter(scale.detach().clone())
+    scaled = _scaled_by(scale, kind)
+    twobp.register(scaled, recompute)
+    model = nn.Sequential(nn.Linear(4, 4), scaled()).double()
+    reference = nn.Sequential(copy.deepcopy(model[0]), _scaled_by(reference_scale, kind)())
+    with pytest.warns(UserWarning, match="a forward that is a staticmethod or classmethod"):
+        report = twobp.patch(model, report=True)
+    assert report.patched == ["0"] and "staticmethod" in report.skipped["1"]
+    x = torch.randn(3, 4, dtype=torch.float64)
+    for m in (model, reference):
+        m(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(model, reference, torch.float64)
+    torch.testing.assert_close(scale.grad, reference_scale.grad, rtol=1e-12, atol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=0, atol=0)
+
+
 def test_a_wrapper_added_after_patch_runs_around_the_deferred_forward_and_unpatch_reaches_it():
     """Wrapping a patched module's forward (accelerate's add_hook_to_module does it) keeps both:
     the wrapper runs, the weight work is deferred, the module still counts as patched; unpatch

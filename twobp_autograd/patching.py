@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import functools
+import inspect
 import sys
 import warnings
 import weakref
@@ -423,10 +424,17 @@ _INSTANCE_FORWARD = (
     "deferred forward would bypass (patch before adding it)"
 )
 
+_STATIC_FORWARD = (
+    "a forward that is a staticmethod or classmethod, which no rule can call with the module nor "
+    "run with its parameters substituted (it reaches none through the module)"
+)
+
 _REPLACED_FORWARD = (
     "a class forward replaced since its rule was registered, which the rule's computation would not "
     "follow (register a rule for it again with twobp.register if it still computes the same)"
 )
+
+_UNBOUND = (staticmethod, classmethod)
 
 #: Where a patched module keeps its DeferredForwardCall: its ``forward`` may be a wrapper around
 #: it by now (accelerate's hooks, added after patching, call the forward they found).
@@ -486,6 +494,10 @@ def patch(
                 result.skipped[name] = unregistered_why(type(module), suggest=not is_parametrized(module))
             continue
         reason = rule.unsupported(module)
+        if reason is None and isinstance(inspect.getattr_static(type(module), "forward", None), _UNBOUND):
+            # The patched call's plain path, and the recompute rule, call the class's forward
+            # with the module as its first argument, as a method.
+            reason = _STATIC_FORWARD
         if reason is None and not rule.stands_for(module):
             reason = _REPLACED_FORWARD
         if reason is None and module.__dict__.get("forward") is not None:
