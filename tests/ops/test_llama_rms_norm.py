@@ -16,6 +16,7 @@ from torch import nn
 import twobp_autograd as twobp
 from tests.ops.norm_settings import HUGGING_FACE_RMS_NORM, cubic_loss
 from tests.utils import TOLERANCES, assert_grads_match, patched_and_reference
+from twobp_autograd import warn_once
 from twobp_autograd.ops import computes_like_llama_rms_norm, llama_rms_norm
 
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
@@ -182,3 +183,25 @@ def test_a_first_call_under_a_meta_default_device_is_judged_on_the_cpu(monkeypat
         output.sum().backward()
     assert output.device.type == "meta" and twobp.pending().jobs == 1
     twobp.discard_weight_grads()
+
+
+@pytest.mark.parametrize("weight_shape", [(1, 8), (1, 1, 8), (1,)], ids=str)
+def test_a_weight_that_broadcasts_keeps_plain_autograd_and_its_gradients(
+    weight_shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight of shape (1, H) (or one value for all features) broadcasts in Llama's forward:
+    the kernel summed the rows to (H,), which the flush refused for the weight's shape."""
+    monkeypatch.setattr(warn_once, "given", set())  # each reason warns once per process
+    module = LlamaRMSNorm(8).double()
+    module.weight = nn.Parameter(torch.rand(weight_shape, dtype=torch.float64) + 0.5)
+    patched, reference = patched_and_reference(module)
+    inputs = [torch.randn(3, 5, 8, dtype=torch.float64), torch.randn(4, 8, dtype=torch.float64)]
+    with pytest.warns(UserWarning, match="a weight other than one value per feature"):
+        outputs = [patched(x) for x in inputs]
+    for x, out in zip(inputs, outputs, strict=True):
+        plain = reference(x)
+        torch.testing.assert_close(out, plain, rtol=0, atol=0)
+        cubic_loss(out).backward()
+        cubic_loss(plain).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

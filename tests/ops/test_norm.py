@@ -272,6 +272,20 @@ def test_hook_on_the_output_sees_what_plain_sees(setting: Setting, in_place: boo
     assert_grads_match(patched, reference, torch.float64)
 
 
+def test_rms_norm_weight_of_another_shape_is_refused_in_the_forward_as_in_plain() -> None:
+    """The fused op the rule calls does not check the weight's shape: a (1, H) weight broadcast
+    there, and the flush failed on the kernel's (H,) gradient where plain refuses the forward."""
+    module = nn.RMSNorm(8)
+    module.weight = nn.Parameter(torch.ones(1, 8))
+    patched, reference = patched_and_reference(module)
+    x = torch.randn(3, 5, 8)
+    with pytest.raises(RuntimeError, match="same shape as normalized_shape"):
+        reference(x)
+    with pytest.raises(RuntimeError, match="same shape as normalized_shape"):
+        patched(x)
+    assert twobp.pending().jobs == 0
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 

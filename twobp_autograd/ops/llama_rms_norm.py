@@ -57,6 +57,10 @@ def llama_rms_norm(module: nn.Module, hidden_states: Tensor) -> Tensor:
     if not computes_like_llama_rms_norm(type(module)):
         return plain_forward(module, "a forward other than LlamaRMSNorm's", hidden_states)
     reason = unsupported_tensors(hidden_states, weight)
+    if reason is None and weight.shape != hidden_states.shape[-1:]:
+        # A weight that broadcasts ((1, H), or one value for all features) gets a gradient of
+        # its own shape from plain autograd; the kernel sums rows to one value per feature.
+        reason = "a weight other than one value per feature of the input's last dim"
     if reason is not None:
         return plain_forward(module, reason, hidden_states)
     eps = float(cast(float, module.variance_epsilon))

@@ -126,7 +126,7 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
         x.is_cuda
         and _fused_backward is not None
         and param.dtype == x.dtype
-        and _takes_fused_op(x, shape)
+        and _takes_fused_op(x, shape, param)
         and single_node_applies(x, param)
         and not x.is_inference()  # the tap path's refusal, as plain's node cannot save it
     ):
@@ -143,8 +143,8 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     kernel, group = configured_kernel(
         rms_norm_weight_grad, eps=module.eps, weight_dtype=weight.dtype, normalized=not keeps_input
     )
-    # Inputs of the wrong shape take the public op, for its error.
-    fused = weight.dtype == x.dtype and _takes_fused_op(x, shape)
+    # Inputs and weights of the wrong shape take the public op, for its error.
+    fused = weight.dtype == x.dtype and _takes_fused_op(x, shape, weight)
     if fused:
         output, inverse_rms = torch.ops.aten._fused_rms_norm(x, shape, weight, module.eps)
     else:
@@ -158,7 +158,8 @@ def rms_norm(module: nn.RMSNorm, x: Tensor) -> Tensor:
     return defer_weight_grads(output, (param,), saved, kernel, group=group)
 
 
-def _takes_fused_op(x: Tensor, shape: tuple[int, ...]) -> bool:
-    """rms_norm's own test for its fused op (for same-dtype input and weight); channels-last
-    inputs are only 4-D or 5-D."""
-    return x.dim() < 4 and x.shape[x.dim() - len(shape) :] == shape
+def _takes_fused_op(x: Tensor, shape: tuple[int, ...], weight: Tensor) -> bool:
+    """rms_norm's own test for its fused op (for same-dtype input and weight; channels-last
+    inputs are only 4-D or 5-D), and a weight of the normalized shape: the fused op does not
+    check it (a (1, H) weight broadcasts there on the CPU, where plain refuses it)."""
+    return x.dim() < 4 and x.shape[x.dim() - len(shape) :] == shape == weight.shape
