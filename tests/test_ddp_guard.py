@@ -93,6 +93,23 @@ def test_ddp_and_replicate_over_a_copy_of_a_patched_model_are_refused(copied_by,
         DistributedDataParallel(copies[1])
 
 
+@pytest.mark.parametrize("copied_by", ["deepcopy", "torch.save-and-load"])
+def test_patching_the_model_inside_a_copy_of_a_ddp_is_refused(copied_by, one_rank_group, tmp_path) -> None:
+    """A DDP deep-copied or loaded is built by ``__setstate__``, not ``__init__``, with a reducer
+    of its own: patching its module went through, and each rank stepped on its own gradients
+    (1.53 off DDP's mean on two ranks)."""
+    twobp.patch(nn.Linear(2, 2))  # the guard on DDP's construction is installed by now
+    wrapped = DistributedDataParallel(_model())
+    if copied_by == "deepcopy":
+        copied = copy.deepcopy(wrapped)
+    else:
+        torch.save(wrapped, tmp_path / "ddp.pt")
+        copied = torch.load(tmp_path / "ddp.pt", weights_only=False)
+    del wrapped
+    with pytest.raises(RuntimeError, match="built earlier.*GradientSynchroniser"):
+        twobp.patch(copied.module)
+
+
 _FRESH_PROCESS = """
 import sys, torch
 model = torch.load(sys.argv[1], weights_only=False)  # no patch() in this process

@@ -62,6 +62,16 @@ def _watch_ddp_constructions() -> None:
         _ddp_wrappers.add(self)
 
     setattr(DistributedDataParallel, "__init__", watched_init)  # noqa: B010  (mypy refuses a direct assignment)
+    # A DDP deep-copied, or loaded with torch.load, is built by __setstate__ (with a reducer of
+    # its own), not __init__: it reduces its module's parameters in backward all the same.
+    original_setstate = vars(DistributedDataParallel)["__setstate__"]
+
+    @functools.wraps(original_setstate)
+    def watched_setstate(self: nn.Module, state: Any) -> None:
+        original_setstate(self, state)
+        _ddp_wrappers.add(self)
+
+    setattr(DistributedDataParallel, "__setstate__", watched_setstate)  # noqa: B010
     # Wrappers built before this package was imported (lazily, by a plugin or a Trainer
     # callback): found once among the live objects. A DDP needs a process group, so without
     # one there is none to find.
