@@ -74,10 +74,15 @@ def test_a_bound_is_only_for_zb_and_zbv(spec: str, capsys) -> None:
         (["--trace", __file__], "is a file"),
         (["--micro-batches", "3", "--nproc", "2"], "--micro-batches 3 is not a multiple"),
         (["--schedule", "interleaved-1f1b", "--micro-batches", "6", "--nproc", "4"], "groups of the 4 ranks"),
+        (["--schedule", "gpipe", "--baseline", "torch", "--micro-batches", "4", "--batch-size", "6"], "do not divide"),
+        (["--schedule", "gpipe", "--baseline", "torch", "--micro-batches", "1", "--nproc", "2"], "per rank (2)"),
+        (["--schedule", "gpipe", "--baseline", "torch", "--micro-batches", "5", "--batch-size", "10"], "2 rounds"),
     ],
     ids=[
         "more-micro-batches-than-samples", "torch-baseline-without-a-count", "json-a-directory", "trace-a-file",
         "all-schedules-with-interleaved-at-an-odd-count", "interleaved-at-a-count-ranks-do-not-divide",
+        "torch-baseline-uneven-micro-batches", "torch-baseline-fewer-micro-batches-than-ranks",
+        "torch-baseline-count-its-rounds-do-not-divide",
     ],  # fmt: skip
 )
 def test_options_that_cannot_work_are_refused_before_any_rank_starts(argv: list[str], says: str, capsys) -> None:

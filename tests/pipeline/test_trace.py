@@ -55,7 +55,7 @@ def test_chrome_trace_structure() -> None:
     ]
     assert [e["ts"] for e in spans] == pytest.approx([0, 3000, 5000, 1000, 2000])
     assert [e["dur"] for e in spans] == pytest.approx([1000, 1000, 2000, 1000, 1000])
-    assert spans[2]["args"] == {"micro_batches": [0, 1]}
+    assert spans[2]["args"] == {"micro_batches": [0, 1], "stage": None}
     assert all(e["tid"] == 0 for e in spans)
 
 
@@ -94,3 +94,15 @@ def test_plot_timelines_stacks_panels_on_one_axis(tmp_path: Path) -> None:
     path = tmp_path / "panels.png"
     plot_timelines(panels, path, "GPipe, 2 stages")
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+def test_a_rank_with_several_stages_keeps_each_actions_stage(tmp_path: Path) -> None:
+    """On the V rank 0 runs F0 of stage 0 and of stage 3: both were written as ``F0`` and read
+    back without their stage."""
+    timelines = simulate(schedule("zbv", 2, 4, twobp=True), StageCosts(1, 1, 1)).timelines
+    trace = to_chrome_trace(timelines)
+    names = [(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(set(names)) == len(names)
+    path = tmp_path / "zbv.json"
+    write_chrome_trace(path, timelines)
+    assert [[e.action for e in t] for t in read_chrome_trace(path)] == [[e.action for e in t] for t in timelines]

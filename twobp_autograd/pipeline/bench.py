@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,7 @@ from . import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     PipelineRuntime,
+    RankMetrics,
     StepReport,
     bench_report,
     default_num_micro_batches,
@@ -107,6 +109,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if args.baseline == "torch" and args.micro_batches is None:
         # Each of our schedules has its own default; PyTorch's would run at another.
         parser.error("--baseline torch compares every schedule at one micro-batch count: give --micro-batches")
+    if args.baseline == "torch":
+        m = args.micro_batches
+        # PyTorch's stages are built for one micro-batch shape (a smaller last one fails mid-step,
+        # its loss broadcast against the target first), and its schedules refuse some counts.
+        if batch_size % m:
+            parser.error(
+                f"--baseline torch: PyTorch's stages take micro-batches of one shape; the {batch_size} samples "
+                f"(--batch-size) do not divide into --micro-batches {m}"
+            )
+        if m < ranks:
+            parser.error(f"--baseline torch: PyTorch's 1F1B needs at least one micro-batch per rank ({ranks}), not {m}")
+        if m % (m // ranks):
+            parser.error(
+                f"--baseline torch: PyTorch's interleaved schedules run m // ranks = {m // ranks} rounds, which must "
+                f"divide --micro-batches {m}"
+            )
     if args.json and os.path.isdir(args.json):
         parser.error(f"--json {args.json!r} is a directory: name the file to write")
     if args.trace and os.path.exists(args.trace) and not os.path.isdir(args.trace):
@@ -271,9 +289,15 @@ def _timed_step(
     runtime: PipelineRuntime | TorchPipeline, inputs: torch.Tensor | None, targets: torch.Tensor | None
 ) -> tuple[float, object]:
     """One step of ``runtime`` between barriers: its seconds and what its step returned."""
-    result: list[object] = []
-    seconds = timed(lambda: result.append(runtime.step(inputs, targets)))
-    return seconds, result[0]
+    if isinstance(runtime, PipelineRuntime):
+        # The metrics go to rank 0 after the clock stops: PyTorch's steps gather none, and on a
+        # small model the gather (pickled timelines, two messages a rank) doubled the step time.
+        pipeline, metrics = runtime, list[RankMetrics]()
+        # Without gather, a step returns this rank's metrics.
+        seconds = timed(lambda: metrics.append(cast(RankMetrics, pipeline.step(inputs, targets, gather=False))))
+        return seconds, pipeline.gather_report(metrics[0])
+    seconds = timed(lambda: runtime.step(inputs, targets))
+    return seconds, None
 
 
 if __name__ == "__main__":

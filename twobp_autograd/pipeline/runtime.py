@@ -356,12 +356,12 @@ class PipelineRuntime:
             loss=float(torch.stack(step.losses).sum()) if self.last else None,
             peak_pending_bytes=step.memory.peak_pending_bytes,
         )
-        return self._gathered(metrics) if gather else metrics
+        return self.gather_report(metrics) if gather else metrics
 
-    def _gathered(self, metrics: RankMetrics) -> StepReport | RankMetrics:
-        """Every rank's metrics on rank 0 (a report), each wait bounded by ``timeout``: a rank
-        that failed after its last message would hold ``gather_object`` up to the process
-        group's own timeout (30 minutes by default)."""
+    def gather_report(self, metrics: RankMetrics) -> StepReport | RankMetrics:
+        """Every rank's metrics on rank 0 (a report: what ``step`` returns with ``gather``), each
+        wait bounded by ``timeout``: a rank that failed after its last message would hold
+        ``gather_object`` up to the process group's own timeout (30 minutes by default)."""
         if self.rank != 0:
             payload = torch.frombuffer(bytearray(pickle.dumps(metrics)), dtype=torch.uint8)
             for tensor in (torch.tensor([payload.numel()]), payload):

@@ -54,10 +54,12 @@ _COLOURS: dict[ActionKind, str] = {
 
 
 def action_label(action: Action) -> str:
-    """``F3``, ``I3``, ``W*`` (all pending), ``W0-3`` (a run of micro-batches) or ``W0,2``."""
+    """``F3``, ``I3``, ``W*`` (all pending), ``W0-3`` (a run of micro-batches) or ``W0,2``;
+    ``F3@s2`` where the action names its stage (a rank holding several)."""
+    where = "" if action.stage is None else f"@s{action.stage}"
     if action.micro_batches is None:
-        return f"{action.kind}*"
-    return f"{action.kind}{_compact(action.micro_batches)}"
+        return f"{action.kind}*{where}"
+    return f"{action.kind}{_compact(action.micro_batches)}{where}"
 
 
 def to_chrome_trace(timelines: Timelines, *, seconds_per_unit: float = 1.0) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def to_chrome_trace(timelines: Timelines, *, seconds_per_unit: float = 1.0) -> d
                     "tid": 0,
                     "ts": event.start * to_us,
                     "dur": event.duration * to_us,
-                    "args": {"micro_batches": _micro_batches(event.action)},
+                    "args": {"micro_batches": _micro_batches(event.action), "stage": event.action.stage},
                 }
             )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
@@ -104,7 +106,9 @@ def read_chrome_trace(path: str | os.PathLike[str]) -> list[list[Event]]:
             continue
         micro_batches = raw["args"]["micro_batches"]
         kind = ActionKind[raw["cat"].upper()]
-        action = Action(kind, None if isinstance(micro_batches, str) else tuple(micro_batches))
+        action = Action(
+            kind, None if isinstance(micro_batches, str) else tuple(micro_batches), raw["args"].get("stage")
+        )
         start = raw["ts"] / 1e6
         timelines.setdefault(raw["pid"], []).append(Event(raw["pid"], action, start, start + raw["dur"] / 1e6))
     return [timelines.get(rank, []) for rank in range(max(timelines, default=-1) + 1)]
