@@ -449,6 +449,32 @@ def test_a_module_whose_forward_is_a_staticmethod_keeps_plain_autograd(kind, fre
         torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=0, atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:twobp")
+@pytest.mark.parametrize("kind", [staticmethod, classmethod])
+def test_a_class_forward_made_a_staticmethod_after_patch_runs_as_plain_calls_it(kind):
+    """The patched call's plain paths (the class's forward replaced since patch; eval, no_grad)
+    passed the module to it as a first argument: a TypeError where plain runs."""
+    scale = nn.Parameter(torch.tensor(2.0))
+
+    class Doubled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.weight
+
+    twobp.register(Doubled, recompute)
+    model = twobp.patch(Doubled())
+    forward = (lambda x: x * scale) if kind is staticmethod else (lambda cls, x: x * scale)
+    Doubled.forward = kind(forward)  # type: ignore[assignment,method-assign]
+    x = torch.randn(3)
+    model(x).sum().backward()
+    assert scale.grad == x.sum() and model.weight.grad is None
+    with torch.no_grad():
+        assert torch.equal(model(x), x * scale) and torch.equal(model.eval()(x), x * scale)
+
+
 def test_a_wrapper_added_after_patch_runs_around_the_deferred_forward_and_unpatch_reaches_it():
     """Wrapping a patched module's forward (accelerate's add_hook_to_module does it) keeps both:
     the wrapper runs, the weight work is deferred, the module still counts as patched; unpatch

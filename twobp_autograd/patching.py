@@ -194,7 +194,7 @@ class DeferredForwardCall:
                 if warn_plain is not None:
                     warn_plain(module)
                     took_plain(module)
-                    return type(module).forward(module, *args, **kwargs)
+                    return _bound_class_forward(module)(*args, **kwargs)
                 if compiling:
                     # Traced by Dynamo: the deferred path's Functions queue work in their backward,
                     # which no graph can hold. Ending the graph here, not inside the rule, gives
@@ -215,7 +215,10 @@ class DeferredForwardCall:
                     output = self.deferred(module, *args, **kwargs)
                 self.first_call_checked = True
                 return output
-            return type(module).forward(module, *args, **kwargs)
+            forward = type(module).forward
+            if forward is self.class_forward:  # a function, as patch() checked
+                return forward(module, *args, **kwargs)
+            return _bound_class_forward(module)(*args, **kwargs)
         finally:
             if record is not None:
                 leave_call()
@@ -545,7 +548,14 @@ def _warn_nothing_covered(model: nn.Module, result: PatchReport) -> None:
 
 
 def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    return type(module).forward(module, *args, **kwargs)
+    return _bound_class_forward(module)(*args, **kwargs)
+
+
+def _bound_class_forward(module: nn.Module) -> Any:
+    """The class's forward bound as ``module.forward`` would bind it, past the instance's own:
+    one made a staticmethod or classmethod since ``patch`` takes no module argument."""
+    cls = type(module)
+    return inspect.getattr_static(cls, "forward").__get__(module, cls)
 
 
 def unpatch(model: nn.Module) -> nn.Module:
