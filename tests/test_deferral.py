@@ -22,6 +22,7 @@ from tests.utils import assert_grads_match, assert_no_grads, patched_and_referen
 from twobp_autograd import warn_once
 from twobp_autograd.deferral import defer_weight_grads, detached
 from twobp_autograd.flush import PartlyDelivered
+from twobp_autograd.job import WeightGradJob
 
 
 def mlp(dtype=torch.float32) -> nn.Module:
@@ -3034,6 +3035,26 @@ def test_an_output_gradient_held_elsewhere_and_changed_in_place_later_leaves_the
             model.kept.clear()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+def test_output_gradients_only_the_queue_holds_are_not_copied(monkeypatch):
+    """The copy is for gradients something else holds: a plain training step makes none (the
+    storage's Python object holds a reference of its own, which the count once mistook for
+    another holder: every output gradient was copied at every backward)."""
+    copied: list[object] = []
+    own = WeightGradJob.own_grad_outputs
+    monkeypatch.setattr(WeightGradJob, "own_grad_outputs", lambda job, held: (copied.append(job), own(job, held)))
+    model = twobp.patch(mlp())
+    for _ in range(2):
+        x, labels = torch.randn(4, 6), torch.randint(0, 3, (4,))
+        nn.functional.cross_entropy(model(x), labels).backward()
+        model(x).pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    assert copied == []
+    table = twobp.patch(_PositionTable())
+    table(torch.randint(0, 20, (1, 3)), "none").pow(3).sum().backward()
+    assert len(copied) == 1, "the embedding's output gradient, given to the table's .grad too"
+    twobp.flush_weight_grads()
 
 
 class _ElsewhereTensor(torch.Tensor):

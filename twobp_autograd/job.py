@@ -180,14 +180,19 @@ class WeightGradJob:
         return tuple([p is not None for p in self.params])
 
 
-def storage_id(tensor: Tensor) -> int | None:
-    """Its storage's identity (``torch._C._storage_Use_Count`` takes it), for a plain strided
-    tensor with no expanded dim; None for others (a wrapper subclass's storage is not its data;
-    an expanded one, such as a loss's ``sum()`` hands on, is what the backward's caller holds,
-    and a copy would be as large as the output)."""
+def storage_of(tensor: Tensor) -> torch.UntypedStorage | None:
+    """Its storage, for a plain strided tensor with no expanded dim; None for others (a wrapper
+    subclass's storage is not its data; an expanded one, such as a loss's ``sum()`` hands on, is
+    what the backward's caller holds, and a copy would be as large as the output)."""
     if type(tensor) is not Tensor or tensor.layout != torch.strided or 0 in tensor.stride():
         return None
-    return tensor.untyped_storage()._cdata
+    return tensor.untyped_storage()
+
+
+def storage_id(tensor: Tensor) -> int | None:
+    """:func:`storage_of`'s identity, as ``torch._C._storage_Use_Count`` takes it."""
+    storage = storage_of(tensor)
+    return None if storage is None else storage._cdata
 
 
 def _params_device(params: tuple[Tensor | None, ...]) -> torch.device | None:

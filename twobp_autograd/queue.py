@@ -42,7 +42,7 @@ from .flush import (
     partly_delivered,
     run_jobs,
 )
-from .job import WeightGradJob, finished_grads, storage_id
+from .job import WeightGradJob, finished_grads, storage_id, storage_of
 from .offload import HostOffload
 from .warn_once import warn_once
 
@@ -296,13 +296,17 @@ class WeightGradQueue:
         jobs = [job for job in self._jobs if job.task == task and job.grad_outputs and job.parked is None]
         if not jobs:
             return
-        ours: dict[int, int] = {}
+        # Per storage: its Python object, kept alive while counting, and the jobs' references.
+        storages: dict[int, tuple[torch.UntypedStorage, int]] = {}
         for job in jobs:
             for grad in job.grad_outputs:
-                key = storage_id(grad)
-                if key is not None:
-                    ours[key] = ours.get(key, 0) + 1
-        held_elsewhere = {key for key, count in ours.items() if _storage_use_count(key) > count}
+                storage = storage_of(grad)
+                if storage is not None:
+                    key = storage._cdata
+                    storages[key] = (storage, storages[key][1] + 1 if key in storages else 1)
+        # Its use count: the jobs' tensors, its Python object (which recent releases keep with the
+        # storage for good, older ones only while it lives: one either way here), and the rest.
+        held_elsewhere = {key for key, (_, ours) in storages.items() if _storage_use_count(key) > ours + 1}
         if not held_elsewhere:
             return
         for job in jobs:
