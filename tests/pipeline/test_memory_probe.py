@@ -48,3 +48,60 @@ def test_without_mallinfo2_it_counts_the_held_tensors(monkeypatch: pytest.Monkey
     probe = MemoryProbe(torch.device("cpu"), WeightGradQueue())
     probe.sample([torch.zeros(256), torch.zeros(2, 8, dtype=torch.float64)])
     assert probe.peak_bytes() == 256 * 4 + 16 * 8
+
+
+def _touch_and_free(size: int) -> int:
+    """Map, touch and free ``size`` bytes; the resident set's high-water mark just after."""
+    block = torch.ones(size, dtype=torch.uint8)  # ones: every page is written, hence resident
+    block.add_(1)
+    high = memory_probe.step_peak_rss()[0]
+    del block
+    return high
+
+
+def _two_steps_around_a_transient(rank: int) -> dict:
+    """One rank's runtime: a step, 200 MiB touched and freed, then a step that allocates nothing
+    new. Spawned, so that the process's high-water mark is this scenario's alone."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from twobp_autograd.pipeline import PipelineRuntime, split_model
+    from twobp_autograd.pipeline.schedules import schedule
+
+    torch.manual_seed(0)
+    stage = split_model(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)), 1)[0]
+    runtime = PipelineRuntime(stage, schedule("gpipe", 1, 2, True)[0], num_micro_batches=2, loss_fn=F.mse_loss)
+    inputs, targets = torch.randn(4, 8), torch.randn(4, 4)
+    first = runtime.step(inputs, targets, gather=False)
+    high = _touch_and_free(200 * MIB)
+    second = runtime.step(inputs, targets, gather=False)
+    return {"first": first, "second": second, "high": high}
+
+
+@pytest.mark.skipif(not memory_probe.reset_peak_rss(), reason="needs Linux's /proc/self/clear_refs (peak RSS reset)")
+def test_each_step_reports_its_own_peak_rss(tmp_path) -> None:
+    """getrusage's ru_maxrss is the process's peak since it started: every step after the
+    transient reported it, so 2BP on and off (runs taking turns) showed the same figure."""
+    from tests.ranks import run_scenario
+
+    (result,) = run_scenario(_two_steps_around_a_transient, 1, str(tmp_path))
+    first, second = result["first"], result["second"]
+    assert first.peak_rss_scope == second.peak_rss_scope == "step"
+    assert 0 < second.peak_rss < result["high"] - 100 * MIB
+    assert second.peak_rss < first.peak_rss + 64 * MIB
+
+
+@pytest.mark.skipif(not memory_probe.reset_peak_rss(), reason="needs Linux's /proc/self/clear_refs (peak RSS reset)")
+def test_the_step_peak_rss_sees_what_the_step_touched() -> None:
+    probe = MemoryProbe(torch.device("cpu"), WeightGradQueue())
+    start, _ = probe.peak_rss()
+    _touch_and_free(64 * MIB)
+    peak, scope = probe.peak_rss()
+    assert scope == "step" and peak >= start + 60 * MIB
+
+
+def test_without_a_resettable_peak_rss_it_says_the_process_peak(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setattr(memory_probe, "_CLEAR_REFS", str(tmp_path / "absent" / "clear_refs"))
+    probe = MemoryProbe(torch.device("cpu"), WeightGradQueue())
+    peak, scope = probe.peak_rss()
+    assert scope == "process" and peak == peak_rss() > 0

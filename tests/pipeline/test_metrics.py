@@ -48,3 +48,21 @@ def test_step_timer_starts_an_event_when_its_message_arrived() -> None:
     assert (forward.rank, forward.action, backward.action) == (1, F(0), I(0))
     assert backward.start - forward.end >= 0.02 and timer.receive_wait >= 0.02
     assert timer.elapsed() >= backward.end
+
+
+def test_bench_table_says_which_peak_rss_it_shows() -> None:
+    """Where a rank could not reset its high-water mark, the figure is the process's peak since
+    it started (the same for every row): the table and the JSON say so."""
+    import argparse
+
+    from twobp_autograd.pipeline.bench_report import _summarise, _table
+
+    args = argparse.Namespace(model="mlp", steps=1, warmup=0)
+    for scope, label in (("step", "step peak RSS MiB"), ("process", "process peak RSS MiB")):
+        ranks = [_rank(0, 2.0, 0.5), _rank(1, 1.5, 0.25, loss=0.75)]
+        ranks[1].peak_rss_scope = scope
+        rows = _summarise({("gpipe", False): [StepReport(ranks)]}, {"gpipe": 2}, 8)
+        assert rows[0]["peak_rss_scope"] == scope
+        table = _table(rows, args, 2, torch.device("cpu"), 1)
+        assert label in table
+        assert ("since its process started" in table) == (scope == "process")

@@ -56,6 +56,11 @@ def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> lis
                 "bubble_ratio": statistics.median(r.bubble_ratio for r in steps),
                 "peak_bytes": max(m.peak_bytes for r in steps for m in r.ranks),
                 "peak_rss": max(m.peak_rss for r in steps for m in r.ranks),
+                # "process" where a rank could not reset its high-water mark: then every row of
+                # that rank shows its peak since it started, and the rows do not compare
+                "peak_rss_scope": (
+                    "process" if any(m.peak_rss_scope == "process" for r in steps for m in r.ranks) else "step"
+                ),
                 "loss": steps[-1].loss,
             }
         )
@@ -67,7 +72,8 @@ def _summarise(reports: Runs, num_micro: dict[str, int], batch_size: int) -> lis
 
 #: The summary keys of a run of this package's runtime that PyTorch's runs have no figure for.
 _MEASURED_BY_OUR_RUNS = (
-    "step_time_median", "samples_per_s", "bubble_ratio", "peak_bytes", "peak_rss", "loss", "ratio_to_off"
+    "step_time_median", "samples_per_s", "bubble_ratio", "peak_bytes", "peak_rss", "peak_rss_scope", "loss",
+    "ratio_to_off",
 )  # fmt: skip
 
 
@@ -99,14 +105,19 @@ def _cell(row: dict[str, Any], key: str, form: str, scale: float = 1.0) -> str:
 
 def _table(rows: list[dict[str, Any]], args: argparse.Namespace, world: int, device: torch.device, threads: int) -> str:
     memory = "peak alloc MiB" if device.type == "cuda" else "peak heap MiB"
-    header = [
-        "schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, "peak RSS MiB", "s/step", "vs torch GPipe"
-    ]
+    process_rss = any(row.get("peak_rss_scope") == "process" for row in rows)
+    rss = "process peak RSS MiB" if process_rss else "step peak RSS MiB"
+    header = ["schedule", "2BP", "m", "samples/s", "vs 2BP off", "bubble", memory, rss, "s/step", "vs torch GPipe"]
     lines = [
         f"{args.model}: {world} ranks on {device.type}, {threads} thread(s) each, "
         f"median of {args.steps} step(s) after {args.warmup} warm-up, runs taking turns step by step",
-        "",
     ]
+    if process_rss:
+        lines.append(
+            "peak RSS: each rank's peak since its process started (its high-water mark could not be reset "
+            "through /proc/self/clear_refs), the same for every row: it does not compare 2BP on and off"
+        )
+    lines.append("")
     table = [header] + [
         [
             row["schedule"],
@@ -158,6 +169,8 @@ def _write_json(
                     "idle": r.idle,
                     "loss": r.loss,
                     "peak_bytes": [m.peak_bytes for m in r.ranks],
+                    "peak_rss": [m.peak_rss for m in r.ranks],
+                    "peak_rss_scope": [m.peak_rss_scope for m in r.ranks],
                     "deferred_jobs": [m.deferred_jobs for m in r.ranks],
                 }
                 for r in steps

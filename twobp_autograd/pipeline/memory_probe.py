@@ -5,6 +5,9 @@ heap in use after every action (glibc's ``mallinfo2``: tensors, autograd's saved
 and queued weight-gradient work alike) and keeps the most over the step's start. Transients
 inside an action are not seen. Without ``mallinfo2`` (not glibc, or older than 2.33) it falls
 back to what it can count: queued work plus the stage inputs and outputs held for backward.
+
+The peak resident set is the step's too where Linux lets the process reset its high-water mark
+(``/proc/self/clear_refs``); elsewhere it is the process's peak since it started, and says so.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import resource
+import sys
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -20,7 +24,7 @@ from torch import Tensor
 
 from ..queue import PendingWork
 
-__all__ = ["MemoryProbe", "PendingSource", "heap_in_use", "peak_rss"]
+__all__ = ["MemoryProbe", "PendingSource", "heap_in_use", "peak_rss", "reset_peak_rss", "step_peak_rss"]
 
 
 class PendingSource(Protocol):
@@ -42,6 +46,7 @@ class MemoryProbe:
         self._heap_at_start = heap_in_use() if device.type == "cpu" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
+        self._rss_reset = reset_peak_rss()
 
     def sample(self, held: Iterable[Tensor], *, queued_more: bool = True) -> None:
         """``held``: the tensors the step keeps for later actions (read only without ``mallinfo2``).
@@ -66,10 +71,49 @@ class MemoryProbe:
             return torch.cuda.max_memory_allocated(self.device)
         return self._peak_bytes
 
+    def peak_rss(self) -> tuple[int, str]:
+        """The peak resident set in bytes and its scope: ``"step"`` (since the probe was created)
+        where the high-water mark could be reset, else ``"process"`` (since the process began)."""
+        return step_peak_rss() if self._rss_reset else (peak_rss(), "process")
+
 
 def peak_rss() -> int:
-    """The process's peak resident set so far, in bytes."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident set since it started, in bytes."""
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB elsewhere
+
+
+_CLEAR_REFS = "/proc/self/clear_refs"
+
+
+def reset_peak_rss() -> bool:
+    """Start the resident set's high-water mark (``VmHWM``) over at the current resident set
+    (Linux 4.0 and later: "5" to ``/proc/self/clear_refs``). False where that is not possible
+    (not Linux, no permission): :func:`step_peak_rss` then reports the process's peak."""
+    try:
+        with open(_CLEAR_REFS, "w", encoding="ascii") as file:
+            file.write("5")
+    except OSError:
+        return False
+    return _vm_hwm() is not None
+
+
+def step_peak_rss() -> tuple[int, str]:
+    """The peak resident set since :func:`reset_peak_rss` (``"step"``), or the process's peak
+    where ``/proc/self/status`` has no ``VmHWM`` (``"process"``); in bytes."""
+    hwm = _vm_hwm()
+    return (hwm, "step") if hwm is not None else (peak_rss(), "process")
+
+
+def _vm_hwm() -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii", errors="replace") as file:
+            for line in file:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
 
 
 class _MallInfo2(ctypes.Structure):

@@ -29,9 +29,12 @@ class RankMetrics:
     samples: int
     deferred_jobs: int  # most weight-gradient jobs queued at once (0 with 2BP off)
     peak_bytes: int  # see memory_probe.MemoryProbe
-    peak_rss: int  # bytes, the process's peak resident set so far
+    peak_rss: int  # bytes, the peak resident set over peak_rss_scope
     loss: float | None  # on the rank of the last stage
     peak_pending_bytes: int = 0  # most bytes the weight-gradient queue held after an action
+    # "step": since the step began (Linux, /proc/self/clear_refs); "process": since the process
+    # began (getrusage's ru_maxrss), where the high-water mark could not be reset
+    peak_rss_scope: str = "step"
 
 
 @dataclass

@@ -43,7 +43,7 @@ from ..data_parallel import ReductionFailed
 from ..queue import PendingWork
 from ..warn_once import warn_once
 from .actions import Action, ActionKind, Message, Payload
-from .memory_probe import MemoryProbe, peak_rss
+from .memory_probe import MemoryProbe
 from .metrics import RankMetrics, StepReport, StepTimer
 from .posting import posting_order
 from .schedules import ScheduleError, stage_owners, validate_rank, validate_schedule
@@ -344,6 +344,7 @@ class PipelineRuntime:
             step.held.clear()
             step.handed_over.clear()
             step.posted.clear()
+        rss, rss_scope = step.memory.peak_rss()
         metrics = RankMetrics(
             rank=self.rank,
             step_time=step.timer.elapsed(),
@@ -352,9 +353,10 @@ class PipelineRuntime:
             samples=len(inputs) if self.first and inputs is not None else 0,
             deferred_jobs=step.memory.deferred_jobs,
             peak_bytes=step.memory.peak_bytes(),
-            peak_rss=peak_rss(),
+            peak_rss=rss,
             loss=float(torch.stack(step.losses).sum()) if self.last else None,
             peak_pending_bytes=step.memory.peak_pending_bytes,
+            peak_rss_scope=rss_scope,
         )
         return self.gather_report(metrics) if gather else metrics
 
