@@ -4,6 +4,7 @@ full demo is run by hand: it takes minutes)."""
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import re
 import subprocess
@@ -143,6 +144,29 @@ def test_the_single_process_demo_steps_on_the_whole_batch_loss(micro_batches: in
     assert side.losses == [pytest.approx(expected, rel=1e-6)]
 
 
+def test_the_demo_compares_the_first_steps_gradients() -> None:
+    """What the summary prints after the first step: a gradient off by 2x on one side shows as
+    1.0 (Adam's first update, lr x sign, would have hidden it from the next loss)."""
+    from twobp_autograd.demo.single_process import ModelSide
+    from twobp_autograd.demo.summary import summary
+    from twobp_autograd.demo.training import gradient_difference
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.ReLU(), torch.nn.Linear(4, 3))
+    sides = [ModelSide(name, m, argparse.Namespace(micro_batches=2, lr=0.0), twobp=False) for name, m in
+             (("2BP", model), ("plain", copy.deepcopy(model)))]  # fmt: skip
+    x, y = torch.randn(6, 5), torch.randint(0, 3, (6,))
+    for side in sides:
+        side.step(x, y)
+    assert gradient_difference(*sides) == 0.0
+    sides[0].model[0].weight.grad.mul_(2)
+    assert gradient_difference(*sides) == pytest.approx(1.0)
+    sides[0].model[2].bias.grad = None
+    assert gradient_difference(*sides) == float("inf")
+    sides[0].first_step_grad_difference, sides[0].accuracies, sides[1].accuracies = 0.5, [0.1], [0.1]
+    assert "max relative difference 5.0e-01" in summary(sides, 6)
+
+
 @pytest.mark.parametrize("stages", [2, 1], ids=["pipeline-2-stages", "single-process"])
 def test_demo_runs_a_few_resnet18_steps_and_reports_accuracy(stages: int, tmp_path: Path) -> None:
     pytest.importorskip("sklearn")
@@ -155,7 +179,11 @@ def test_demo_runs_a_few_resnet18_steps_and_reports_accuracy(stages: int, tmp_pa
          "--timeline", str(timeline)]
     )  # fmt: skip
     assert re.search(r"epoch 1:\s+2BP loss \d+\.\d+ test acc \d+\.\d%.*plain loss \d+\.\d+ test acc \d+\.\d%", out), out
-    assert "final test accuracy" in out and "first-step losses agree" in out
+    assert "final test accuracy" in out
+    # The first step's gradients from the same weights: fp32 summation order apart, as the
+    # contract's 1e-5 (the first losses it printed came before any gradient, always 0).
+    difference = re.search(r"first step's gradients, 2BP against plain: max relative difference (\S+) ", out)
+    assert difference and float(difference.group(1)) < 1e-4, out
     if stages == 2:
         assert "2-stage pipeline" in out and "samples/s" in out
         assert timeline.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

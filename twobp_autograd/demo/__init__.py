@@ -3,9 +3,9 @@ digits, step for step against the same model without 2BP.
 
 By default it runs as a pipeline, one stage per rank (:mod:`.pipeline`); ``--stages 1`` trains
 the whole model in this process against plain autograd (:mod:`.single_process`). Both sides
-start from the same weights and see the same micro-batches, so their first losses must agree
-(up to float summation order) while 2BP moves the weight-gradient work out of backward; the
-medians of their step times give the ratio.
+start from the same weights and see the same micro-batches, so their first step's gradients must
+agree (up to float summation order; the demo prints by how much) while 2BP moves the
+weight-gradient work out of backward; the medians of their step times give the ratio.
 """
 
 from __future__ import annotations

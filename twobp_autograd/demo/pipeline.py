@@ -47,6 +47,15 @@ class StageSide(Side):
         self.optimizer = torch.optim.Adam(stage.parameters(), lr=lr)
         self.timeline: list[list[Event]] | None = None  # every rank's events in the last step
 
+    def parameters(self) -> list[tuple[str, Tensor]]:
+        return list(self.stage.named_parameters())
+
+    def most_over_ranks(self, value: float) -> float:
+        device = next((p.device for p in self.stage.parameters()), torch.device("cpu"))
+        most = torch.tensor([value], dtype=torch.float64, device=device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.runtime.group)
+        return float(most)
+
     def step(self, x: Tensor, y: Tensor) -> None:
         rank, world = dist.get_rank(), dist.get_world_size()
         self.optimizer.zero_grad(set_to_none=True)

@@ -25,6 +25,9 @@ class ModelSide(Side):
         self.model, self.twobp, self.micro_batches = model, twobp, args.micro_batches
         self.optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
 
+    def parameters(self) -> list[tuple[str, Tensor]]:
+        return list(self.model.named_parameters())
+
     def step(self, x: Tensor, y: Tensor) -> None:
         device = x.device
         _sync(device)
