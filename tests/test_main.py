@@ -51,6 +51,24 @@ def test_the_command_line_lists_its_subcommands(capsys: pytest.CaptureFixture[st
             assert "'bench' is the start of a command: bench pipeline" in capsys.readouterr().err
 
 
+def test_a_command_quoted_as_one_word_says_to_pass_two(capsys: pytest.CaptureFixture[str]) -> None:
+    """The usage lists "bench pipeline" with its space; quoted, it was an "unknown command"."""
+    for quoted in (["bench pipeline"], ["bench pipeline", "--steps", "2"], [" bench  pipeline "]):
+        with pytest.raises(SystemExit) as error:
+            main(quoted)
+        assert error.value.code == 2
+        assert "pass it as 2 words: bench pipeline" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("lr", ["-1", "0", "nan", "inf"])
+def test_demo_refuses_a_learning_rate_adam_cannot_train_with(lr: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """-1 ended in Adam's ValueError traceback after the data and model were built; 0 trained nothing."""
+    with pytest.raises(SystemExit) as error:
+        demo.main(["--lr", lr, "--no-compare", "--stages", "1"])
+    assert error.value.code == 2
+    assert "--lr must be a positive number" in capsys.readouterr().err
+
+
 def test_bench_pipeline_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = pytest.importorskip("twobp_autograd.pipeline.bench")
     received: list[list[str]] = []

@@ -79,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if argv[: len(command.words)] == list(command.words):
             return command.run(argv[len(command.words) :])
     parser = build_parser()
+    # A command quoted as one word ("bench pipeline"): the usage lists it with its space, and
+    # argparse would take it, to no subcommand.
+    for command in SUBCOMMANDS:
+        if len(command.words) > 1 and argv[:1] and argv[0].split() == list(command.words):
+            name = " ".join(command.words)
+            parser.error(f"'{argv[0]}' was given as one word (quoted); pass it as {len(command.words)} words: {name}")
     # The first word of a longer command alone ("bench", "bench --help"): argparse would call
     # it an invalid choice.
     longer = [" ".join(command.words) for command in SUBCOMMANDS if argv[:1] == list(command.words[:1])]

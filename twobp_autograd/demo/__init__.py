@@ -11,6 +11,7 @@ weight-gradient work out of backward; the medians of their step times give the r
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 
@@ -66,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda, but CUDA is not available")
+    if not (args.lr > 0 and math.isfinite(args.lr)):  # Adam's own check (lr >= 0) is a traceback, 0 trains nothing
+        parser.error(f"--lr must be a positive number (Adam's learning rate), not {args.lr}")
     if args.micro_batches < 1 or args.epochs < 1:
         parser.error("--micro-batches and --epochs must be at least 1")
     if args.batch_size < args.micro_batches:
