@@ -493,6 +493,39 @@ def test_optimizer_in_backward_steps_at_the_flush():
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
+class _LearnedQueries(nn.Module):
+    """Learned query tokens expanded to the batch (a Q-Former's, a Perceiver's latents): at one
+    sample the expand, and each layer's saved input, is a view of the parameter itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries = nn.Parameter(torch.randn(1, 3, 4))
+        self.norm, self.attention = nn.LayerNorm(4), nn.MultiheadAttention(4, 2, batch_first=True)
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        queries = self.queries.expand(x.shape[0], -1, -1)
+        mixed = self.attention(queries, x, x, need_weights=False)[0]
+        return self.head(self.norm(queries) + mixed) + self.head(queries)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_optimizer_in_backward_steps_a_parameter_a_patched_layer_saved_as_its_input(batch):
+    """The queries' gradient is plain's, in backward, and their hook steps them in place there;
+    at one sample each patched layer had saved a view of them for the flush, which refused
+    (modified in place). They are copied for the flush."""
+    patched, reference = patched_and_reference(_LearnedQueries().double())
+    _optimizer_in_backward(patched, skip="queued")
+    _optimizer_in_backward(reference, skip="queued")
+    for _ in range(3):
+        x = torch.randn(batch, 5, 4, dtype=torch.float64)
+        patched(x).pow(2).mean().backward()
+        twobp.flush_weight_grads()
+        reference(x).pow(2).mean().backward()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
 class _HandWrittenTiedLM(nn.Module):
     """A patched embedding whose weight a functional head also uses: one of its two
     contributions is plain autograd's, in backward, the other deferred."""

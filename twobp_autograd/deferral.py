@@ -230,12 +230,24 @@ class ParamDeferral(NamedTuple):
                     group,
                     concatenate,
                     tuple([p if d == "defer" else None for p, d in zip(self.params, decisions, strict=True)]),
-                    tuple([t.detach() for t in saved]),
+                    tuple([_kept_for_the_flush(t, self.params) for t in saved]),
                     tuple([g.detach() for g in grad_outputs]),
                     self.tag,
                 ),
             )
         return param_grads
+
+
+def _kept_for_the_flush(saved: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
+    """A saved tensor as a job keeps it: detached; copied where it is (a view of) a leaf with
+    post-accumulate-grad hooks other than the job's own parameters. Such a leaf gets its
+    gradient later in this backward, and an optimizer-in-backward hook steps it in place then,
+    before the flush reads it (learned queries expanded to a micro-batch of one sample: the
+    expand is a view of the parameter, which plain's kernels read before the step)."""
+    base = saved if saved._base is None else saved._base
+    if base.is_leaf and base._post_accumulate_grad_hooks and not any(base is p for p in params):
+        return saved.detach().clone()
+    return saved.detach()
 
 
 class _TapSpec(NamedTuple):

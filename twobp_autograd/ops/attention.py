@@ -98,7 +98,7 @@ def _deferred_products(
     products = tuple(F.linear(_rows(x), w, b) for x, w, b in zip(inputs, weights, biases, strict=True))
     weight_params = [params[0]] * len(inputs) if packed_weight else list(params[: len(inputs)])
     saved = tuple(
-        _rows(x).detach().to(p.dtype) if w is not None and w.requires_grad else x.new_empty(p.shape[0], 0)
+        _rows(x).to(p.dtype) if w is not None and w.requires_grad else x.new_empty(p.shape[0], 0)
         for x, p, w in zip(inputs, products, weight_params, strict=True)
     )
     kernel, group = configured_kernel(attention_in_projection_weight_grad, packed_weight=packed_weight)
