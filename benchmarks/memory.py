@@ -31,7 +31,6 @@ from local_ranks import add_model_arguments, count, recorded_arguments, run_on_l
 
 from twobp_autograd import WeightGradQueue
 from twobp_autograd.pipeline import PipelineRuntime, RankMetrics, StepReport, placement, schedule, split_model
-from twobp_autograd.pipeline.memory_probe import peak_rss
 from twobp_autograd.pipeline.zoo import build_model
 
 WORLD = 2
@@ -104,7 +103,7 @@ def _benchmark(rank: int, args: argparse.Namespace) -> None:
                     }
                 )
     gathered: list[Any] = [None] * WORLD
-    dist.all_gather_object(gathered, {"rank": rank, "cap": cap, "runs": measured, "peak_rss": peak_rss()})
+    dist.all_gather_object(gathered, {"rank": rank, "cap": cap, "runs": measured, "peak_rss": own.peak_rss})
     if rank == 0:
         _report(args, gathered)
 

@@ -179,6 +179,9 @@ def test_the_demo_compares_the_first_steps_gradients() -> None:
     assert gradient_difference(*sides) == 0.0
     sides[0].model[0].weight.grad.mul_(2)
     assert gradient_difference(*sides) == pytest.approx(1.0)
+    sides[0].model[0].weight.grad[0, 0] = float("nan")  # max() passed over a NaN difference: 0.0
+    assert gradient_difference(*sides) == float("inf")
+    sides[0].model[0].weight.grad.copy_(sides[1].model[0].weight.grad)
     sides[0].model[2].bias.grad = None
     assert gradient_difference(*sides) == float("inf")
     sides[0].first_step_grad_difference, sides[0].accuracies, sides[1].accuracies = 0.5, [0.1], [0.1]

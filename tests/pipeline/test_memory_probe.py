@@ -72,19 +72,31 @@ def _two_steps_around_a_transient(rank: int) -> dict:
     stage = split_model(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 4)), 1)[0]
     runtime = PipelineRuntime(stage, schedule("gpipe", 1, 2, True)[0], num_micro_batches=2, loss_fn=F.mse_loss)
     inputs, targets = torch.randn(4, 8), torch.randn(4, 4)
+    by_default = runtime.step(inputs, targets, gather=False)  # leaves the process's mark alone
+    untouched_high = _touch_and_free(200 * MIB)
+    untouched = runtime.step(inputs, targets, gather=False)
+    runtime.step_peak_rss = True
     first = runtime.step(inputs, targets, gather=False)
     high = _touch_and_free(200 * MIB)
     second = runtime.step(inputs, targets, gather=False)
-    return {"first": first, "second": second, "high": high}
+    return {
+        "by_default": by_default, "untouched": untouched, "untouched_high": untouched_high,
+        "first": first, "second": second, "high": high,
+    }  # fmt: skip
 
 
 @pytest.mark.skipif(not memory_probe.reset_peak_rss(), reason="needs Linux's /proc/self/clear_refs (peak RSS reset)")
 def test_each_step_reports_its_own_peak_rss(tmp_path) -> None:
     """getrusage's ru_maxrss is the process's peak since it started: every step after the
-    transient reported it, so 2BP on and off (runs taking turns) showed the same figure."""
+    transient reported it, so 2BP on and off (runs taking turns) showed the same figure. Asked
+    for (``step_peak_rss``, as ``bench pipeline`` asks), each step resets the mark; by default
+    the runtime leaves the process's mark alone."""
     from tests.ranks import run_scenario
 
     (result,) = run_scenario(_two_steps_around_a_transient, 1, str(tmp_path))
+    # By default the process's peak, as getrusage reads it: the transient stays in it.
+    assert result["by_default"].peak_rss_scope == result["untouched"].peak_rss_scope == "process"
+    assert result["untouched"].peak_rss >= result["untouched_high"] - MIB  # VmHWM and ru_maxrss: pages apart
     first, second = result["first"], result["second"]
     assert first.peak_rss_scope == second.peak_rss_scope == "step"
     assert 0 < second.peak_rss < result["high"] - 100 * MIB
@@ -93,7 +105,7 @@ def test_each_step_reports_its_own_peak_rss(tmp_path) -> None:
 
 @pytest.mark.skipif(not memory_probe.reset_peak_rss(), reason="needs Linux's /proc/self/clear_refs (peak RSS reset)")
 def test_the_step_peak_rss_sees_what_the_step_touched() -> None:
-    probe = MemoryProbe(torch.device("cpu"), WeightGradQueue())
+    probe = MemoryProbe(torch.device("cpu"), WeightGradQueue(), reset_rss=True)
     start, _ = probe.peak_rss()
     _touch_and_free(64 * MIB)
     peak, scope = probe.peak_rss()
@@ -102,6 +114,6 @@ def test_the_step_peak_rss_sees_what_the_step_touched() -> None:
 
 def test_without_a_resettable_peak_rss_it_says_the_process_peak(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     monkeypatch.setattr(memory_probe, "_CLEAR_REFS", str(tmp_path / "absent" / "clear_refs"))
-    probe = MemoryProbe(torch.device("cpu"), WeightGradQueue())
+    probe = MemoryProbe(torch.device("cpu"), WeightGradQueue(), reset_rss=True)
     peak, scope = probe.peak_rss()
     assert scope == "process" and peak == peak_rss() > 0

@@ -6,6 +6,7 @@ the first step the two sides' gradients (from the same weights and batch) are co
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 
 import torch
@@ -55,7 +56,9 @@ def gradient_difference(side: Side, reference: Side) -> float:
             worst = float("inf")
         elif p.grad is not None and p_ref.grad is not None:
             scale = p_ref.grad.abs().max().clamp_min(torch.finfo(p_ref.grad.dtype).tiny)
-            worst = max(worst, float((p.grad - p_ref.grad).abs().max() / scale))
+            difference = float((p.grad - p_ref.grad).abs().max() / scale)
+            # NaN on either side is no agreement (max() would pass over a NaN difference)
+            worst = max(worst, difference if math.isfinite(difference) else float("inf"))
     return side.most_over_ranks(worst)
 
 

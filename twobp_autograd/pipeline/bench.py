@@ -184,7 +184,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
         owners = placement(base, world)
         pipeline = splits.get(len(owners), num_micro[name], twobp)
         mine = {index: pipeline[index] for index, owner in enumerate(owners) if owner == rank}
-        runtimes[name, twobp] = PipelineRuntime(
+        runtime = runtimes[name, twobp] = PipelineRuntime(
             mine if len(mine) > 1 else mine[rank],
             schedule(base, world, num_micro[name], twobp, max_pending=max_pending)[rank],
             num_micro_batches=num_micro[name],
@@ -195,6 +195,7 @@ def _benchmark(args: argparse.Namespace, device: torch.device) -> None:
             queue=_queues(args, mine) if twobp else None,
             placement=owners,
         )
+        runtime.step_peak_rss = True  # the bench's own process: its rows compare by step
     if args.baseline == "torch":
         m = args.micro_batches  # given (parse_args): the same count as ours
         micro_batch = inputs[: -(-batch_size // m)]

@@ -6,8 +6,10 @@ and queued weight-gradient work alike) and keeps the most over the step's start.
 inside an action are not seen. Without ``mallinfo2`` (not glibc, or older than 2.33) it falls
 back to what it can count: queued work plus the stage inputs and outputs held for backward.
 
-The peak resident set is the step's too where Linux lets the process reset its high-water mark
-(``/proc/self/clear_refs``); elsewhere it is the process's peak since it started, and says so.
+The peak resident set is the process's peak since it started, or, asked for (``reset_rss``,
+which ``bench pipeline`` asks for), the step's, where Linux lets the process reset its
+high-water mark (``/proc/self/clear_refs``): a process-wide reset, which ``getrusage``'s
+``ru_maxrss`` reads too, so a library leaves it to the process's owner.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class PendingSource(Protocol):
 class MemoryProbe:
     """Created at a step's start; :meth:`sample` after each action."""
 
-    def __init__(self, device: torch.device, queue: PendingSource) -> None:
+    def __init__(self, device: torch.device, queue: PendingSource, *, reset_rss: bool = False) -> None:
         self.device = device
         self.queue = queue
         self.deferred_jobs = 0  # most weight-gradient jobs queued at once
@@ -46,7 +48,7 @@ class MemoryProbe:
         self._heap_at_start = heap_in_use() if device.type == "cpu" else None
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._rss_reset = reset_peak_rss()
+        self._rss_reset = reset_rss and reset_peak_rss()
 
     def sample(self, held: Iterable[Tensor], *, queued_more: bool = True) -> None:
         """``held``: the tensors the step keeps for later actions (read only without ``mallinfo2``).

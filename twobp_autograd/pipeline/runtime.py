@@ -171,6 +171,11 @@ class PipelineRuntime:
     the flushes that follow the step's last backward and finishes the step.
     """
 
+    #: Whether each step resets the process's resident-set high-water mark at its start, so that
+    #: its metrics' ``peak_rss`` is the step's (Linux; ``bench pipeline`` sets it). Off by default:
+    #: the reset is process-wide, and ``getrusage``'s ``ru_maxrss`` reads the same mark.
+    step_peak_rss = False
+
     def __init__(
         self,
         stage: nn.Module | Mapping[int, nn.Module],
@@ -326,7 +331,9 @@ class PipelineRuntime:
             targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
             shape_key=shape_key,
             loss_divisors=[],
-            memory=MemoryProbe(self.device, _Queues(s.queue for s in self.stages.values())),
+            memory=MemoryProbe(
+                self.device, _Queues(s.queue for s in self.stages.values()), reset_rss=self.step_peak_rss
+            ),
             timer=StepTimer(self.rank, self.device),
         )
         if self.last:
