@@ -475,6 +475,39 @@ def test_a_class_forward_made_a_staticmethod_after_patch_runs_as_plain_calls_it(
         assert torch.equal(model(x), x * scale) and torch.equal(model.eval()(x), x * scale)
 
 
+class _SavedLinear(nn.Linear):
+    pass
+
+
+def test_a_model_patched_with_a_rule_pickle_cannot_name_saves_and_loads(fresh_warnings):
+    """A rule defined inside a function (or a lambda) made torch.save of the patched model fail
+    (the rule was pickled by name). The loaded copy takes the rule registered for its class, or
+    without one keeps plain autograd, with a warning."""
+
+    def rule(module, x):
+        return twobp.ops.linear.linear(module, x)
+
+    twobp.register(_SavedLinear, rule)
+    model = twobp.patch(nn.Sequential(_SavedLinear(3, 2)).double())
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    for registered in (True, False):
+        if not registered:
+            twobp_autograd.registry.unregister(_SavedLinear)
+        buffer.seek(0)
+        with pytest.warns(UserWarning, match="rule pickle cannot name.*keeps plain autograd") if not registered else (
+            contextlib.nullcontext()
+        ):
+            loaded = torch.load(buffer, weights_only=False)
+        loaded(x).pow(3).sum().backward()
+        assert twobp.pending().jobs == (1 if registered else 0)
+        twobp.flush_weight_grads()
+        reference = twobp.unpatch(copy.deepcopy(model))
+        reference(x).pow(3).sum().backward()
+        assert_grads_match(loaded, reference, torch.float64)
+
+
 def test_a_wrapper_added_after_patch_runs_around_the_deferred_forward_and_unpatch_reaches_it():
     """Wrapping a patched module's forward (accelerate's add_hook_to_module does it) keeps both:
     the wrapper runs, the weight work is deferred, the module still counts as patched; unpatch

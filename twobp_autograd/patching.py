@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import functools
 import inspect
+import pickle
 import sys
 import warnings
 import weakref
@@ -108,6 +109,10 @@ class DeferredForwardCall:
         unpicklable = ("class_forward", "classes_of_the_rule", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
+        if not _pickles(self.deferred):
+            # A rule pickle cannot name (a lambda, a function defined inside another): found again
+            # where the copy is loaded, as the rule registered there for the module's class.
+            state["deferred"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -116,6 +121,8 @@ class DeferredForwardCall:
         state = dict(state)
         module = state.pop("module")
         self.__dict__.update(state)
+        if self.deferred is None:
+            self.deferred = _rule_found_again(module)
         self.runs_alone = getattr(self.deferred, "runs_alone", None)
         self._module = weakref.ref(module) if module is not None else _no_module
         # The forward the rule stands for, not the class's now (replaced since, it is not); for a
@@ -247,6 +254,32 @@ def _rule_forward(module: nn.Module) -> tuple[Any, set[type]]:
 
 def _no_module() -> None:
     return None
+
+
+def _pickles(rule: Any) -> bool:
+    try:
+        pickle.dumps(rule)
+    except Exception:  # pickle's own errors, or AttributeError for a local function
+        return False
+    return True
+
+
+def _rule_found_again(module: nn.Module | None) -> Any:
+    """For a patched module whose rule was not saved with it: the rule registered here for its
+    class, else its class's forward (plain autograd), with one warning."""
+    rule = rule_for(module) if module is not None else None
+    if rule is not None:
+        return rule.forward
+    name = type(module).__name__ if module is not None else "a module"
+    warn_once(
+        ("rule not found again", name),
+        f"twobp: {name} was saved patched with a rule pickle cannot name (a lambda, or a function "
+        "defined inside another), and none is registered for its class here: it keeps plain autograd "
+        "(correct gradients, computed in backward). Register the rule before loading (twobp.register), "
+        "or register a function defined at a module's top level.",
+        stacklevel=4,
+    )
+    return _class_forward
 
 
 def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
