@@ -83,6 +83,19 @@ def test_subclass_keeps_plain_autograd_until_registered():
     assert model[0].weight.grad is not None and twobp.pending().jobs == 0
 
 
+def test_a_subclass_sharded_by_fully_shard_is_reported_by_its_own_name(one_rank_group):
+    """FSDP2 swaps in a generated subclass (FSDP_MyLinear), which no user can import or register:
+    the report named it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(_MyLinear(3, 3), nn.Linear(3, 3))
+    fully_shard(model[0], mesh=init_device_mesh("cpu", (1,)))
+    report = twobp.patch(model, report=True)
+    assert report.skipped["0"].startswith("tests.test_patching._MyLinear is not registered")
+    assert "twobp.register(_MyLinear, twobp_autograd.ops.linear.linear)" in report.skipped["0"]
+
+
 class _LinearOfItsOwn(nn.Linear):
     def forward(self, x):
         return super().forward(x).relu()

@@ -527,7 +527,7 @@ def patch(
         if rule is None:
             if any(True for _ in module.parameters(recurse=False)):
                 # A parametrization's generated class is one per module: no class to register.
-                result.skipped[name] = unregistered_why(type(module), suggest=not is_parametrized(module))
+                result.skipped[name] = unregistered_why(module_class(module), suggest=not is_parametrized(module))
             continue
         reason = rule.unsupported(module)
         if reason is None and isinstance(inspect.getattr_static(type(module), "forward", None), _UNBOUND):
