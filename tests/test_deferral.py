@@ -509,17 +509,40 @@ class _LearnedQueries(nn.Module):
         return self.head(self.norm(queries) + mixed) + self.head(queries)
 
 
-@pytest.mark.parametrize("batch", [1, 2])
-def test_optimizer_in_backward_steps_a_parameter_a_patched_layer_saved_as_its_input(batch):
-    """The queries' gradient is plain's, in backward, and their hook steps them in place there;
-    at one sample each patched layer had saved a view of them for the flush, which refused
-    (modified in place). They are copied for the flush."""
-    patched, reference = patched_and_reference(_LearnedQueries().double())
+class _LearnedBagWeights(nn.Module):
+    """An EmbeddingBag whose per-sample weights are a parameter of their own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag, self.head = nn.EmbeddingBag(10, 4, mode="sum"), nn.Linear(4, 2)
+        self.weights = nn.Parameter(torch.rand(6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = torch.tensor([1, 2, 3, 4, 5, 6])
+        return self.head(self.bag(tokens, torch.tensor([0, 3]), per_sample_weights=self.weights)) * x.mean()
+
+
+@pytest.mark.parametrize(
+    ("model", "batch", "context"),
+    [
+        (_LearnedQueries, 1, contextlib.nullcontext),
+        (_LearnedQueries, 2, contextlib.nullcontext),
+        (_LearnedQueries, 1, torch.autograd.forward_ad.dual_level),  # Linear's and attention's tap path
+        (_LearnedBagWeights, 1, contextlib.nullcontext),
+    ],
+    ids=["queries-one-sample", "queries-two-samples", "queries-under-forward-ad", "bag-per-sample-weights"],
+)
+def test_optimizer_in_backward_steps_a_parameter_a_patched_layer_saved_as_its_input(model, batch, context):
+    """The parameter's gradient is plain's, in backward, and its hook steps it in place there;
+    each patched layer had saved it, or a view of it (queries expanded to one sample), for the
+    flush, which refused (modified in place). It is copied for the flush."""
+    patched, reference = patched_and_reference(model().double())
     _optimizer_in_backward(patched, skip="queued")
     _optimizer_in_backward(reference, skip="queued")
     for _ in range(3):
         x = torch.randn(batch, 5, 4, dtype=torch.float64)
-        patched(x).pow(2).mean().backward()
+        with context():
+            patched(x).pow(2).mean().backward()
         twobp.flush_weight_grads()
         reference(x).pow(2).mean().backward()
     for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):

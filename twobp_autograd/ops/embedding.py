@@ -219,7 +219,7 @@ def embedding_bag(
     # gradient is the op's, above).
     saved = [indices, offsets, offset2bag, bag_size, max_indices]
     if per_sample_weights is not None:
-        saved.append(per_sample_weights.detach())
+        saved.append(per_sample_weights)  # detached by the job (which copies a hooked leaf's)
     return defer_weight_grads(output, (weight,), saved, kernel, concatenate=False, group=group)
 
 

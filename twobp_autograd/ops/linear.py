@@ -114,7 +114,7 @@ def deferred_rows_product(rows: Tensor, weight: Tensor, bias: Tensor | None, *, 
         output = F.linear(rows, detached(weight), detached(bias))
     # Saved in the dtype the product ran in (autocast's), as plain autograd would; only for a
     # weight that needs a gradient, as plain saves it.
-    saved = (rows.detach().to(output.dtype),) if weight.requires_grad else ()
+    saved = (rows.to(output.dtype),) if weight.requires_grad else ()
     kernel, group = _KERNELS[transposed]
     return defer_weight_grads(output, (weight, bias), saved, kernel, group=group)
 
