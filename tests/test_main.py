@@ -201,8 +201,9 @@ def test_demo_runs_a_few_resnet18_steps_and_reports_accuracy(stages: int, tmp_pa
     )  # fmt: skip
     assert re.search(r"epoch 1:\s+2BP loss \d+\.\d+ test acc \d+\.\d%.*plain loss \d+\.\d+ test acc \d+\.\d%", out), out
     assert "final test accuracy" in out
-    # The first step's gradients from the same weights: fp32 summation order apart, as the
-    # contract's 1e-5 (the first losses it printed came before any gradient, always 0).
+    # The first step's gradients from the same weights: fp32 summation order apart (ResNet-18's
+    # largest gap about 1e-5 of its parameter's largest element; the first losses it printed
+    # came before any gradient, always 0).
     difference = re.search(r"first step's gradients, 2BP against plain: max relative difference (\S+) ", out)
     assert difference and float(difference.group(1)) < 1e-4, out
     if stages == 2:

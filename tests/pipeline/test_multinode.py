@@ -81,11 +81,11 @@ def test_two_nodes_run_the_pipeline_bench(model: str, tmp_path: Path) -> None:
 
 def test_two_nodes_run_the_demo(tmp_path: Path) -> None:
     """The README's demo command under torchrun: one pipeline stage per "node" (ResNet-18 and
-    two steps to keep it short), 2BP against the same pipeline without it, same first losses."""
+    two steps to keep it short), 2BP against the same pipeline without it, the same first gradients."""
     pytest.importorskip("sklearn")
     program = ["twobp_autograd", "demo", "--model", "resnet18", "--epochs", "1", "--max-steps", "2", "--timeline", ""]
     outputs = _run_two_nodes(program, tmp_path)
     assert "as a 2-stage pipeline" in outputs
-    agreement = re.search(r"first-step losses agree to (\S+) ", outputs)
-    assert agreement and float(agreement.group(1)) < 1e-5, outputs
+    agreement = re.search(r"first step's gradients, 2BP against plain: max relative difference (\S+) ", outputs)
+    assert agreement and float(agreement.group(1)) < 1e-4, outputs
     assert "2BP   final test accuracy" in outputs and "plain final test accuracy" in outputs
