@@ -326,6 +326,19 @@ def test_hooks_changed_between_two_backwards_of_one_flush_are_the_last_ones_with
     assert seen == [True]  # during the first backward only
 
 
+def test_has_queued_work_over_several_parameters_asks_of_any():
+    """``has_queued_work(model.parameters())`` answered False while work was queued (a generator
+    is no parameter of any job): it asks of each; what is no tensor is refused."""
+    model = twobp.patch(mlp())
+    assert not twobp.has_queued_work(model.parameters())
+    loss_of(model, torch.randn(4, 6)).backward()
+    assert twobp.has_queued_work(model.parameters()) and twobp.has_queued_work([model[0].bias])
+    with pytest.raises(TypeError, match="twobp: has_queued_work takes a tensor or tensors"):
+        twobp.has_queued_work(["weight"])  # type: ignore[list-item]
+    twobp.flush_weight_grads()
+    assert not twobp.has_queued_work(model.parameters())
+
+
 def test_a_hook_registered_after_the_backward_and_removed_during_its_flush_stays_removed():
     """The flush leaves out a hook registered after its backward; a hook of that backward
     removing it during the flush removes it for good (it came back after the flush)."""

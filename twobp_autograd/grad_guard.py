@@ -127,11 +127,16 @@ def _refuse_mid_flush(params: list[Any], what: str) -> None:
         )
 
 
-def has_queued_work(param: torch.Tensor) -> bool:
+def has_queued_work(param: torch.Tensor | Iterable[torch.Tensor]) -> bool:
     """Whether a queue holds weight-gradient work for ``param`` (its gradient is yet to come):
     what a post-accumulate-grad hook asks to tell its call during backward, before the deferred
-    gradient exists, from its call at the flush."""
-    return bool(_holding_work_for([param]))
+    gradient exists, from its call at the flush. Several tensors (``model.parameters()``): for
+    any of them."""
+    params = [param] if isinstance(param, torch.Tensor) else list(param)
+    strays = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+    if strays:
+        raise TypeError(f"twobp: has_queued_work takes a tensor or tensors (parameters), got {strays[:3]}")
+    return bool(_holding_work_for(params))
 
 
 def _holding_work_for(params: Iterable[Any], *, wait: bool = True) -> list[WeightGradQueue]:
