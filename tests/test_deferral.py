@@ -562,6 +562,70 @@ def test_optimizer_in_backward_steps_a_parameter_a_patched_layer_saved_as_its_in
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
 
 
+class _TanhAffine(nn.Module):
+    """A per-sample block for the recompute rule whose parameter ``a`` two of its ops read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.tanh(x * self.a + self.b) * self.a
+
+
+class _QueriedTanhAffine(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.queries, self.block = nn.Parameter(torch.randn(1, 3, 4)), _TanhAffine()
+
+    def forward(self, x: Tensor) -> Tensor:
+        queries = self.queries.expand(x.shape[0], -1, -1)
+        return self.block(queries).pow(2).sum() + (queries * x.mean()).sum()
+
+
+@pytest.mark.parametrize("model_kind", ["learned-queries", "plain-input"])
+def test_optimizer_in_backward_on_a_recompute_parameter_with_a_tensor_hook(model_kind):
+    """A tensor hook makes ``a`` take its gradient in backward; the rule's node handed it on at
+    once, before the forward's own nodes (which saved the detached ``a``, sharing its storage)
+    ran, and the optimizer's hook stepped ``a`` in place there: backward failed with autograd's
+    raw in-place error (plain accumulates ``a`` after all its uses), or the flush's replay found
+    ``a`` changed. Such a call keeps plain autograd, one warning."""
+    twobp.register(_TanhAffine, twobp.ops.recompute)
+    torch.manual_seed(0)
+    model = _QueriedTanhAffine() if model_kind == "learned-queries" else nn.Sequential(_TanhAffine())
+    patched, reference = patched_and_reference(model.double())
+    for model in (patched, reference):
+        (model.block if model_kind == "learned-queries" else model[0]).a.register_hook(lambda g: g)
+        _optimizer_in_backward(model, skip="queued")
+    for seed in range(3):
+        x = torch.randn(2, 3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        if model_kind == "learned-queries":
+            x = x[:1]
+        for model in (patched, reference):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model(x).pow(2).sum().backward()
+        twobp.flush_weight_grads()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_tensor_hook_registered_after_a_recompute_forward_on_a_stepped_parameter_is_named():
+    """Registered between the forward and its backward, the hook cannot keep that call on plain
+    autograd: the flush's refusal of the changed parameter says why and what to do."""
+    twobp.register(_TanhAffine, twobp.ops.recompute)
+    patched = twobp.patch(nn.Sequential(_TanhAffine()).double())
+    _optimizer_in_backward(patched, skip="queued")
+    output = patched(torch.randn(2, 4, dtype=torch.float64))
+    patched[0].a.register_hook(lambda g: g)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        output.pow(2).sum().backward()
+    with pytest.raises(RuntimeError, match=r"twobp: .*register the tensor hook before the forward"):
+        twobp.flush_weight_grads()
+    twobp.discard_weight_grads()
+
+
 class _HandWrittenTiedLM(nn.Module):
     """A patched embedding whose weight a functional head also uses: one of its two
     contributions is plain autograd's, in backward, the other deferred."""

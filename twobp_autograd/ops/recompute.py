@@ -33,7 +33,7 @@ import numbers
 import sys
 import threading
 import weakref
-from collections.abc import Hashable, Iterator, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -370,11 +370,19 @@ class _ForwardState:
             n for (n, p), v in zip(self.params.items(), self.param_versions, strict=True) if p._version != v
         ]
         if changed:
+            stepped = [n for n, p in self.params.items() if n in changed and _stepped_in_backward([p])]
+            hint = (
+                f" ({stepped} took their gradient in backward through a tensor hook registered after "
+                "the forward, and a post-accumulate-grad hook changed them then: register the tensor "
+                "hook before the forward, which keeps such calls on plain autograd.)"
+                if stepped
+                else ""
+            )
             raise RuntimeError(
                 f"twobp: buffer(s) or parameter(s) {changed} of a {type(module).__name__} changed in place "
                 "between its forward and the flush; the recompute rule re-runs that forward at the flush "
                 "and would read the new values. Flush the weight gradients before changing them, or leave "
-                "the module to plain autograd (patch(..., exclude=[...]))."
+                f"the module to plain autograd (patch(..., exclude=[...])).{hint}"
             )
 
     @contextmanager
@@ -626,6 +634,23 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
     )
 
 
+_STEPPED_IN_BACKWARD = (
+    "a parameter that has both a tensor hook (register_hook: its gradient is taken in backward) and "
+    "a post-accumulate-grad hook (an optimizer stepped in backward would change it in place while "
+    "the forward's own backward nodes, which saved it, and the flush's replay still read it)"
+)
+
+
+def _stepped_in_backward(params: Iterable[Tensor]) -> bool:
+    """Whether a leaf parameter takes its gradient in backward (a tensor hook makes it 'now', see
+    deferral) and may be changed in place as soon as that gradient is accumulated (a
+    post-accumulate-grad hook, such as an optimizer stepped in backward). Plain autograd
+    accumulates a leaf only after all its uses' nodes ran; the rule's node hands the gradient on
+    before the forward's own nodes (on the detached stand-in, which shares the parameter's storage
+    and version) run, and the flush replays the forward with the parameter's values."""
+    return any(p.is_leaf and p._backward_hooks and p._post_accumulate_grad_hooks for p in params)
+
+
 #: A lock per module: the rule's forward (and the flush's replay) runs a module with detached
 #: stand-ins put in place of its parameters and puts its buffers back after trial runs. Two
 #: threads running one module at once read each other's stand-ins (a gradient lost, a stand-in
@@ -703,6 +728,8 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         reason = unreplayable or unsupported_tensors(*inputs, *params.values())
         if reason is None and _has_hooked_submodules(module):
             reason = _HOOKED_SUBMODULES
+        if reason is None and _stepped_in_backward(params.values()):
+            reason = _STEPPED_IN_BACKWARD
         if reason is None and _sharded_by_fsdp(module, params):
             reason = _SHARDED
     if reason is not None:
