@@ -335,6 +335,8 @@ def test_has_queued_work_over_several_parameters_asks_of_any():
     assert twobp.has_queued_work(model.parameters()) and twobp.has_queued_work([model[0].bias])
     with pytest.raises(TypeError, match="twobp: has_queued_work takes a tensor or tensors"):
         twobp.has_queued_work(["weight"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="twobp: has_queued_work takes a tensor or tensors"):
+        twobp.has_queued_work(None)  # type: ignore[arg-type]
     twobp.flush_weight_grads()
     assert not twobp.has_queued_work(model.parameters())
 

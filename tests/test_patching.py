@@ -6,6 +6,8 @@ import copy
 import functools
 import gc
 import io
+import sys
+import types
 import warnings
 import weakref
 
@@ -1008,3 +1010,54 @@ def test_weight_and_bias_reads_what_attribute_reads_read(build):
             torch.testing.assert_close(read, want, rtol=0, atol=0)
         else:
             assert read is want
+
+
+class _NetWithItsRule(nn.Sequential):
+    def rule(self, module, x):
+        return twobp.ops.linear.linear(module, x)
+
+
+def test_a_deepcopy_keeps_a_local_rule_and_a_saved_rule_is_found_by_name():
+    """deepcopy kept a local rule before it was left out of pickles: it keeps it, whatever the
+    registry holds now; a rule function is saved by name and found leniently; a rule reaching the
+    model (a bound method of it) saves and deep-copies."""
+    calls = []
+
+    def rule(module, x):
+        calls.append(module)
+        return twobp.ops.linear.linear(module, x)
+
+    with twobp_autograd.registry.rules_restored_after():
+        twobp.register(_SavedLinear, rule)
+        model = twobp.patch(nn.Sequential(_SavedLinear(3, 2)).double())
+    copied = copy.deepcopy(model)
+    copied(torch.randn(4, 3, dtype=torch.float64)).sum().backward()
+    assert calls == [copied[0]] and twobp.pending().jobs == 1
+    twobp.flush_weight_grads()
+
+    # A rule defined at the top of the saving script (here a module that is gone by the load):
+    # pickled by name, the load failed on it, where plain torch.load of the model works.
+    script = types.ModuleType("_twobp_saving_script")
+    source = "import twobp_autograd\ndef rule(module, x):\n    return twobp_autograd.ops.linear.linear(module, x)"
+    exec(source, vars(script))
+    sys.modules[script.__name__] = script
+    try:
+        with twobp_autograd.registry.rules_restored_after():
+            twobp.register(_SavedLinear, script.rule)
+            buffer = io.BytesIO()
+            torch.save(twobp.patch(nn.Sequential(_SavedLinear(3, 2))), buffer)
+    finally:
+        del sys.modules[script.__name__]
+    twobp.register(_SavedLinear, twobp.ops.linear.linear)
+    buffer.seek(0)
+    torch.load(buffer, weights_only=False)(torch.randn(4, 3)).sum().backward()
+    assert twobp.pending().jobs == 1  # the rule registered for the class where it is loaded
+    twobp.flush_weight_grads()
+
+    net = _NetWithItsRule(*[_SavedLinear(4, 4) for _ in range(4)])
+    with twobp_autograd.registry.rules_restored_after():
+        twobp.register(_SavedLinear, net.rule)
+        twobp.patch(net)
+        buffer = io.BytesIO()
+        torch.save(net, buffer)
+        copy.deepcopy(net)

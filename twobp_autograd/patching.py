@@ -4,11 +4,13 @@
 
 from __future__ import annotations
 
+import copy
 import fnmatch
 import functools
+import importlib
 import inspect
-import pickle
 import sys
+import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -102,6 +104,26 @@ class DeferredForwardCall:
         return module
 
     def __getstate__(self) -> dict[str, Any]:
+        state = self._state()
+        rule = self.deferred
+        if isinstance(rule, types.FunctionType):
+            # By name, found leniently where it is loaded (a rule defined in the saving script's
+            # __main__ is not there in another script, where plain torch.load of the model works);
+            # one with no name to find (a lambda, a function defined inside another) as None. Either
+            # way a rule not found is the one registered there for the module's class.
+            named = _found_by_name(rule.__module__, rule.__qualname__) is rule
+            state["deferred"] = _RuleByName((rule.__module__, rule.__qualname__)) if named else None
+        return state
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> DeferredForwardCall:
+        """A deep copy keeps the rule itself, whatever pickle makes of it (deepcopy keeps a
+        function as it is): the registry may hold another rule for the class by now, or none."""
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self._state(), memo))
+        return copied
+
+    def _state(self) -> dict[str, Any]:
         # The class's forward is found again where the copy is made (a function defined in a
         # script's __main__, or a lambda, would not pickle).
         # runs_alone is the rule's, found again from ``deferred``: a pickle made before it existed
@@ -109,10 +131,6 @@ class DeferredForwardCall:
         unpicklable = ("class_forward", "classes_of_the_rule", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
-        if not _pickles(self.deferred):
-            # A rule pickle cannot name (a lambda, a function defined inside another): found again
-            # where the copy is loaded, as the rule registered there for the module's class.
-            state["deferred"] = None
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -121,6 +139,8 @@ class DeferredForwardCall:
         state = dict(state)
         module = state.pop("module")
         self.__dict__.update(state)
+        if isinstance(self.deferred, _RuleByName):
+            self.deferred = self.deferred.found()
         if self.deferred is None:
             self.deferred = _rule_found_again(module)
         self.runs_alone = getattr(self.deferred, "runs_alone", None)
@@ -256,12 +276,23 @@ def _no_module() -> None:
     return None
 
 
-def _pickles(rule: Any) -> bool:
+def _found_by_name(module_name: str, qualname: str) -> Any:
+    """What ``qualname`` names in ``module_name`` (imported if it is not loaded), or None."""
     try:
-        pickle.dumps(rule)
-    except Exception:  # pickle's own errors, or AttributeError for a local function
-        return False
-    return True
+        found: Any = sys.modules.get(module_name) or importlib.import_module(module_name)
+    except Exception:  # no such module where a copy is loaded
+        return None
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found
+
+
+class _RuleByName(tuple[str, str]):
+    """A rule function pickled as its module and qualified name (see ``__getstate__``)."""
+
+    def found(self) -> Any:
+        found = _found_by_name(*self)
+        return found if callable(found) else None
 
 
 def _rule_found_again(module: nn.Module | None) -> Any:
