@@ -1054,6 +1054,21 @@ def test_a_deepcopy_keeps_a_local_rule_and_a_saved_rule_is_found_by_name():
     assert twobp.pending().jobs == 1  # the rule registered for the class where it is loaded
     twobp.flush_weight_grads()
 
+    # Rules that are no function and pickle cannot write: found again where loaded.
+    class LocalRule:
+        def __call__(self, module, x):
+            return twobp.ops.linear.linear(module, x)
+
+    for unpicklable in (functools.partial(lambda module, x: twobp.ops.linear.linear(module, x)), LocalRule()):
+        with twobp_autograd.registry.rules_restored_after():
+            twobp.register(_SavedLinear, unpicklable)
+            buffer = io.BytesIO()
+            torch.save(twobp.patch(nn.Sequential(_SavedLinear(3, 2))), buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=False)(torch.randn(4, 3)).sum().backward()
+        assert twobp.pending().jobs == 1
+        twobp.flush_weight_grads()
+
     net = _NetWithItsRule(*[_SavedLinear(4, 4) for _ in range(4)])
     with twobp_autograd.registry.rules_restored_after():
         twobp.register(_SavedLinear, net.rule)

@@ -9,6 +9,8 @@ import fnmatch
 import functools
 import importlib
 import inspect
+import io
+import pickle
 import sys
 import types
 import warnings
@@ -113,6 +115,8 @@ class DeferredForwardCall:
             # way a rule not found is the one registered there for the module's class.
             named = _found_by_name(rule.__module__, rule.__qualname__) is rule
             state["deferred"] = _RuleByName((rule.__module__, rule.__qualname__)) if named else None
+        elif not _pickles_apart_from_modules(rule):
+            state["deferred"] = None  # a partial of a lambda, an instance of a local class: found again
         return state
 
     def __deepcopy__(self, memo: dict[int, Any]) -> DeferredForwardCall:
@@ -285,6 +289,22 @@ def _found_by_name(module_name: str, qualname: str) -> Any:
     for part in qualname.split("."):
         found = getattr(found, part, None)
     return found
+
+
+class _ProbePickler(pickle.Pickler):
+    """Pickles a rule with modules and tensors left out (a bound method of the model reaches it:
+    probing it whole, per patched module, would pickle the model once per module)."""
+
+    def persistent_id(self, obj: Any) -> Any:
+        return id(obj) if isinstance(obj, (nn.Module, torch.Tensor)) else None
+
+
+def _pickles_apart_from_modules(rule: Any) -> bool:
+    try:
+        _ProbePickler(io.BytesIO()).dump(rule)
+    except Exception:  # pickle's own errors, or AttributeError for a local object
+        return False
+    return True
 
 
 class _RuleByName(tuple[str, str]):
