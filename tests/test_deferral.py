@@ -20,6 +20,7 @@ from torch import Tensor, nn
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
 from twobp_autograd import warn_once
+from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.deferral import defer_weight_grads, detached
 from twobp_autograd.flush import PartlyDelivered
 from twobp_autograd.job import WeightGradJob
@@ -610,6 +611,23 @@ def test_optimizer_in_backward_on_a_recompute_parameter_with_a_tensor_hook(model
         twobp.flush_weight_grads()
     for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_a_tensor_hook_beside_the_synchronisers_own_hook_keeps_the_rule_deferring(one_rank_group):
+    """The synchroniser's post-accumulate-grad hook reads ``.grad``, never changes the parameter:
+    with a user's tensor hook on ``a`` (a gradient clamp) the whole call had gone to plain
+    autograd, ``b`` no longer deferred, with a warning of an optimizer stepped in backward."""
+    twobp.register(_TanhAffine, twobp.ops.recompute)
+    model = twobp.patch(nn.Sequential(_TanhAffine()).double())
+    sync = GradientSynchroniser(model)
+    model[0].a.register_hook(lambda g: g.clamp(-1, 1))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(2, 3, 4, dtype=torch.float64)).pow(2).sum().backward()
+    assert not [w for w in caught if "such calls keep plain autograd" in str(w.message)]
+    assert twobp.pending().jobs == 1  # b's work; a's gradient came at once, through its hook
+    sync.synchronise()
+    sync.close()
 
 
 def test_a_tensor_hook_registered_after_a_recompute_forward_on_a_stepped_parameter_is_named():
