@@ -17,6 +17,7 @@ import torch
 import torch.nn.utils.prune
 from torch import Tensor, nn
 
+import twobp_autograd
 import twobp_autograd as twobp
 from tests.utils import assert_grads_match, assert_no_grads, patched_and_reference
 from twobp_autograd import warn_once
@@ -479,7 +480,7 @@ def test_optimizer_in_backward_with_a_capped_queue_steps_once_on_the_whole_gradi
         torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
 
 
-def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = True) -> list:
+def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = True, marked: bool = False) -> list:
     """PyTorch's optimizer-in-backward idiom: one optimizer per parameter, stepped (and its
     gradient freed, or zeroed) by the parameter's post-accumulate-grad hook, which returns at
     once while ``p.grad`` is None (``skip="none"``) or work is queued for ``p`` (``"queued"``),
@@ -492,6 +493,8 @@ def _optimizer_in_backward(model: nn.Module, *, skip: str, set_to_none: bool = T
         optimizers[p].step()
         optimizers[p].zero_grad(set_to_none=set_to_none)
 
+    if marked:  # "copes with partial gradients": it may still step the parameter
+        step = twobp_autograd.queue.takes_partial_gradients(step)
     return [p.register_post_accumulate_grad_hook(step) for p in model.parameters()]
 
 
@@ -545,16 +548,21 @@ class _LearnedBagWeights(nn.Module):
         (_LearnedQueries, 2, contextlib.nullcontext),
         (_LearnedQueries, 1, torch.autograd.forward_ad.dual_level),  # Linear's and attention's tap path
         (_LearnedBagWeights, 1, contextlib.nullcontext),
+        (_LearnedQueries, 1, "marked"),  # a hook marked takes_partial_gradients still steps
     ],
-    ids=["queries-one-sample", "queries-two-samples", "queries-under-forward-ad", "bag-per-sample-weights"],
-)
+    ids=[
+        "queries-one-sample", "queries-two-samples", "queries-under-forward-ad", "bag-per-sample-weights",
+        "queries-one-sample-marked-hook",
+    ],
+)  # fmt: skip
 def test_optimizer_in_backward_steps_a_parameter_a_patched_layer_saved_as_its_input(model, batch, context):
     """The parameter's gradient is plain's, in backward, and its hook steps it in place there;
     each patched layer had saved it, or a view of it (queries expanded to one sample), for the
     flush, which refused (modified in place). It is copied for the flush."""
     patched, reference = patched_and_reference(model().double())
-    _optimizer_in_backward(patched, skip="queued")
-    _optimizer_in_backward(reference, skip="queued")
+    marked, context = context == "marked", contextlib.nullcontext if context == "marked" else context
+    _optimizer_in_backward(patched, skip="queued", marked=marked)
+    _optimizer_in_backward(reference, skip="queued", marked=marked)
     for _ in range(3):
         x = torch.randn(batch, 5, 4, dtype=torch.float64)
         with context():

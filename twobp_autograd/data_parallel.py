@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
-from .flush import OWN_HOOK_MARK, accumulated_dtype, check_count, run_jobs
+from .flush import OWN_HOOK_MARK, READS_ONLY_MARK, accumulated_dtype, check_count, reads_grad_only, run_jobs
 from .grad_guard import install_grad_guards, step_checks
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 
@@ -358,6 +358,7 @@ class GradientSynchroniser:
 
     # -- readiness ------------------------------------------------------------------------
 
+    @reads_grad_only
     @takes_partial_gradients
     def _on_accumulated(self, param: Tensor) -> None:
         # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
@@ -543,8 +544,9 @@ def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
         if bound is not None:
             bound(*args)
 
-    if getattr(method, OWN_HOOK_MARK, False):
-        setattr(hook, OWN_HOOK_MARK, True)
+    for mark in (OWN_HOOK_MARK, READS_ONLY_MARK):
+        if getattr(method, mark, False):
+            setattr(hook, mark, True)
     return hook
 
 

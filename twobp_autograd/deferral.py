@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
-from .flush import has_user_hooks, hooks_at_backward
+from .flush import hooks_at_backward, may_change_in_backward
 from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads
 from .queue import WeightGradQueue, current_queue
 from .warn_once import warn_once
@@ -240,12 +240,13 @@ class ParamDeferral(NamedTuple):
 
 def _kept_for_the_flush(saved: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
     """A saved tensor as a job keeps it: detached; copied where it is (a view of) a leaf with
-    user's post-accumulate-grad hooks (not this package's own) other than the job's own parameters. Such a leaf gets its
+    post-accumulate-grad hooks that may change it (not only read ``.grad``) other than the job's
+    own parameters. Such a leaf gets its
     gradient later in this backward, and an optimizer-in-backward hook steps it in place then,
     before the flush reads it (learned queries expanded to a micro-batch of one sample: the
     expand is a view of the parameter, which plain's kernels read before the step)."""
     base = saved if saved._base is None else saved._base
-    if base.is_leaf and has_user_hooks(base) and not any(base is p for p in params):
+    if base.is_leaf and may_change_in_backward(base) and not any(base is p for p in params):
         return saved.detach().clone()
     return saved.detach()
 

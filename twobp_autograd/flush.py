@@ -47,6 +47,9 @@ __all__ = [
     "has_user_hooks",
     "hooks_at_backward",
     "OWN_HOOK_MARK",
+    "READS_ONLY_MARK",
+    "may_change_in_backward",
+    "reads_grad_only",
 ]
 
 FlushStrategy = Literal["concat", "loop", "auto"]
@@ -404,6 +407,25 @@ class _HookedDelivery:
 #: gradient alone, or on others only once they are final (the data-parallel synchroniser's):
 #: it needs no tracking of what a flush has handed over (see :func:`queue.takes_partial_gradients`).
 OWN_HOOK_MARK = "_twobp_takes_partial_gradients"
+
+
+#: Set on a post-accumulate-grad hook of this package's own that only reads its parameter's
+#: ``.grad`` (the data-parallel synchroniser's): never changes a parameter in backward.
+READS_ONLY_MARK = "_twobp_reads_grad_only"
+
+
+def reads_grad_only(hook: Any) -> Any:
+    """Mark ``hook`` (this package's own) as one that never changes its parameter."""
+    setattr(hook, READS_ONLY_MARK, True)
+    return hook
+
+
+def may_change_in_backward(param: Tensor) -> bool:
+    """Whether ``param`` has a post-accumulate-grad hook that may change it in place when its
+    gradient arrives (an optimizer stepped in backward): any not marked as only reading ``.grad``
+    (a hook marked ``takes_partial_gradients`` may still step)."""
+    hooks = param._post_accumulate_grad_hooks
+    return bool(hooks) and any(not getattr(hook, READS_ONLY_MARK, False) for hook in hooks.values())
 
 
 def has_user_hooks(param: Tensor) -> bool:

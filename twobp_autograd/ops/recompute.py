@@ -50,7 +50,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .. import fsdp_hooks
 from ..checkpoint_paths import forget_since, recorded_so_far, replaying_deferred, took_plain
 from ..deferral import defer_weight_grads, detached, untappable_view
-from ..flush import has_user_hooks
+from ..flush import may_change_in_backward
 from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
 
@@ -649,7 +649,7 @@ def _stepped_in_backward(params: Iterable[Tensor]) -> bool:
     accumulates a leaf only after all its uses' nodes ran; the rule's node hands the gradient on
     before the forward's own nodes (on the detached stand-in, which shares the parameter's storage
     and version) run, and the flush replays the forward with the parameter's values."""
-    return any(p.is_leaf and p._backward_hooks and has_user_hooks(p) for p in params)
+    return any(p.is_leaf and p._backward_hooks and may_change_in_backward(p) for p in params)
 
 
 #: A lock per module: the rule's forward (and the flush's replay) runs a module with detached
