@@ -1012,6 +1012,10 @@ def test_weight_and_bias_reads_what_attribute_reads_read(build):
             assert read is want
 
 
+def _helped(helper, module, x):
+    return twobp.ops.linear.linear(module, x)
+
+
 class _NetWithItsRule(nn.Sequential):
     def rule(self, module, x):
         return twobp.ops.linear.linear(module, x)
@@ -1059,7 +1063,15 @@ def test_a_deepcopy_keeps_a_local_rule_and_a_saved_rule_is_found_by_name():
         def __call__(self, module, x):
             return twobp.ops.linear.linear(module, x)
 
-    for unpicklable in (functools.partial(lambda module, x: twobp.ops.linear.linear(module, x)), LocalRule()):
+    class LocalHelper(nn.Module):  # reached by a rule: pickle cannot write it either
+        pass
+
+    unpicklables = (
+        functools.partial(lambda module, x: twobp.ops.linear.linear(module, x)),
+        LocalRule(),
+        functools.partial(_helped, LocalHelper()),
+    )
+    for unpicklable in unpicklables:
         with twobp_autograd.registry.rules_restored_after():
             twobp.register(_SavedLinear, unpicklable)
             buffer = io.BytesIO()

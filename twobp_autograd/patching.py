@@ -292,19 +292,37 @@ def _found_by_name(module_name: str, qualname: str) -> Any:
 
 
 class _ProbePickler(pickle.Pickler):
-    """Pickles a rule with modules and tensors left out (a bound method of the model reaches it:
-    probing it whole, per patched module, would pickle the model once per module)."""
+    """Pickles a rule with the modules and tensors it reaches left out where pickle writes them
+    anyway (a module of an importable class, a tensor with no attributes of its own): a bound
+    method of the model reaches the model, and probing it whole per patched module pickled the
+    model once per module."""
 
     def persistent_id(self, obj: Any) -> Any:
-        return id(obj) if isinstance(obj, (nn.Module, torch.Tensor)) else None
+        if isinstance(obj, torch.Tensor) and type(obj) in _PLAIN_TENSORS and not obj.__dict__:
+            return id(obj)
+        if isinstance(obj, nn.Module) and _found_by_name(type(obj).__module__, type(obj).__qualname__) is type(obj):
+            return id(obj)
+        return None
+
+
+_PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
+
+#: Each probed rule's verdict, by identity (the rule kept with it): a model's patched modules
+#: share their rule, and a probe per module repeated the rule's own pickling that many times.
+_probed: dict[int, tuple[Any, bool]] = {}
 
 
 def _pickles_apart_from_modules(rule: Any) -> bool:
+    known = _probed.get(id(rule))
+    if known is not None and known[0] is rule:
+        return known[1]
     try:
         _ProbePickler(io.BytesIO()).dump(rule)
+        pickles = True
     except Exception:  # pickle's own errors, or AttributeError for a local object
-        return False
-    return True
+        pickles = False
+    _probed[id(rule)] = (rule, pickles)
+    return pickles
 
 
 class _RuleByName(tuple[str, str]):
