@@ -1012,6 +1012,11 @@ def test_weight_and_bias_reads_what_attribute_reads_read(build):
             assert read is want
 
 
+class _CallableRule:
+    def __call__(self, module, x):
+        return twobp.ops.linear.linear(module, x)
+
+
 def _helped(helper, module, x):
     return twobp.ops.linear.linear(module, x)
 
@@ -1071,6 +1076,14 @@ def test_a_deepcopy_keeps_a_local_rule_and_a_saved_rule_is_found_by_name():
         LocalRule(),
         functools.partial(_helped, LocalHelper()),
     )
+    later = _CallableRule()  # saved once as it pickles, then given what pickle cannot write
+    later.callback = None  # type: ignore[attr-defined]
+    with twobp_autograd.registry.rules_restored_after():
+        twobp.register(_SavedLinear, later)
+        changed = twobp.patch(nn.Sequential(_SavedLinear(3, 2)))
+        torch.save(changed, io.BytesIO())
+    later.callback = lambda: None  # type: ignore[attr-defined]
+    torch.save(changed, io.BytesIO())  # the rule is probed again, left out, found again where loaded
     for unpicklable in unpicklables:
         with twobp_autograd.registry.rules_restored_after():
             twobp.register(_SavedLinear, unpicklable)

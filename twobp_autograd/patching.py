@@ -307,22 +307,14 @@ class _ProbePickler(pickle.Pickler):
 
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
-#: Each probed rule's verdict, by identity (the rule kept with it): a model's patched modules
-#: share their rule, and a probe per module repeated the rule's own pickling that many times.
-_probed: dict[int, tuple[Any, bool]] = {}
-
-
 def _pickles_apart_from_modules(rule: Any) -> bool:
-    known = _probed.get(id(rule))
-    if known is not None and known[0] is rule:
-        return known[1]
+    """Probed at each save, not remembered: a rule changed since (an attribute pickle cannot
+    write) would fail the save, and remembering it would keep it, and what it reaches, alive."""
     try:
         _ProbePickler(io.BytesIO()).dump(rule)
-        pickles = True
     except Exception:  # pickle's own errors, or AttributeError for a local object
-        pickles = False
-    _probed[id(rule)] = (rule, pickles)
-    return pickles
+        return False
+    return True
 
 
 class _RuleByName(tuple[str, str]):
