@@ -307,6 +307,7 @@ class _ProbePickler(pickle.Pickler):
 
 _PLAIN_TENSORS = (torch.Tensor, nn.Parameter)
 
+
 def _pickles_apart_from_modules(rule: Any) -> bool:
     """Probed at each save, not remembered: a rule changed since (an attribute pickle cannot
     write) would fail the save, and remembering it would keep it, and what it reaches, alive."""
