@@ -528,6 +528,27 @@ class _LearnedQueries(nn.Module):
         return self.head(self.norm(queries) + mixed) + self.head(queries)
 
 
+def test_learned_queries_of_a_model_sharded_by_fully_shard_at_one_sample(one_rank_group):
+    """At one sample a patched layer saved a view of FSDP2's unsharded parameter, whose storage
+    FSDP2 frees after backward: the flush failed on unallocated data, where FSDP2 on the
+    unpatched model trains. Such a saved parameter is copied when backward queues the work."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    patched, reference = patched_and_reference(_LearnedQueries().double())
+    for model in (reference, twobp.unpatch(patched)):
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))
+    twobp.patch(patched)
+    for _ in range(2):
+        x = torch.randn(1, 5, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x).pow(2).mean().backward()
+    twobp.flush_weight_grads()
+    for (name, p), q in zip(patched.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.full_tensor(), q.grad.full_tensor(), rtol=1e-10, atol=1e-12, msg=name)
+
+
 class _LearnedBagWeights(nn.Module):
     """An EmbeddingBag whose per-sample weights are a parameter of their own."""
 

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 
+from . import fsdp_hooks
 from .flush import hooks_at_backward, may_change_in_backward
 from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads
 from .queue import WeightGradQueue, current_queue
@@ -239,14 +240,20 @@ class ParamDeferral(NamedTuple):
 
 
 def _kept_for_the_flush(saved: Tensor, params: tuple[Tensor | None, ...]) -> Tensor:
-    """A saved tensor as a job keeps it: detached; copied where it is (a view of) a leaf with
-    post-accumulate-grad hooks that may change it (not only read ``.grad``) other than the job's
-    own parameters. Such a leaf gets its
-    gradient later in this backward, and an optimizer-in-backward hook steps it in place then,
-    before the flush reads it (learned queries expanded to a micro-batch of one sample: the
-    expand is a view of the parameter, which plain's kernels read before the step)."""
+    """A saved tensor as a job keeps it: detached; copied where it is (a view of) a parameter,
+    other than the job's own, that will not keep its values until the flush: one with
+    post-accumulate-grad hooks that may change it (not only read ``.grad``), which gets its
+    gradient later in this backward and an optimizer-in-backward hook steps in place then; or
+    FSDP2's unsharded parameter, whose storage FSDP2 frees after backward (learned queries
+    expanded to a micro-batch of one sample: the expand is a view of the parameter, which
+    plain's kernels read in backward)."""
     base = saved if saved._base is None else saved._base
-    if base.is_leaf and may_change_in_backward(base) and not any(base is p for p in params):
+    if (
+        base.is_leaf
+        and base.requires_grad
+        and not any(base is p for p in params)
+        and (may_change_in_backward(base) or fsdp_hooks.sharded_params_of([base]))
+    ):
         return saved.detach().clone()
     return saved.detach()
 
