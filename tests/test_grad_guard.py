@@ -529,6 +529,8 @@ HAND_REDUCTIONS: dict[str, Callable[[nn.Module, Tensor], object]] = {
     "reduce_scatter-of-the-flat-buffer": lambda _, flat: torch.distributed.reduce_scatter(
         torch.empty_like(flat), [flat]
     ),
+    # Rank 0's gradients to every rank (went through: the flush then added each rank's own).
+    "broadcast-of-each-grad": lambda m, _: [torch.distributed.broadcast(p.grad, src=0) for p in m.parameters()],
 }
 
 

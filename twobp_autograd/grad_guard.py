@@ -335,6 +335,9 @@ _REDUCTIONS: dict[str, tuple[int, str]] = {
     "all_reduce_coalesced": (0, "tensors"),
     "reduce_scatter_single": (1, "input"),
     "reduce_scatter": (1, "input_list"),
+    # Not a reduction, but as wrong: a rank's partial gradient sent (or overwritten) before the
+    # flush, which then adds each rank's own weight gradients on top.
+    "broadcast": (0, "tensor"),
 }
 
 
