@@ -424,14 +424,17 @@ def may_change_in_backward(param: Tensor) -> bool:
     """Whether ``param`` has a post-accumulate-grad hook that may change it in place when its
     gradient arrives (an optimizer stepped in backward): any not marked as only reading ``.grad``
     (a hook marked ``takes_partial_gradients`` may still step)."""
-    hooks = param._post_accumulate_grad_hooks
-    return bool(hooks) and any(not getattr(hook, READS_ONLY_MARK, False) for hook in hooks.values())
+    return _has_hook_unmarked(param, READS_ONLY_MARK)
 
 
 def has_user_hooks(param: Tensor) -> bool:
     """Whether ``param`` has a post-accumulate-grad hook not marked as this package's own."""
+    return _has_hook_unmarked(param, OWN_HOOK_MARK)
+
+
+def _has_hook_unmarked(param: Tensor, mark: str) -> bool:
     hooks = param._post_accumulate_grad_hooks
-    return bool(hooks) and any(not _is_own(hook) for hook in hooks.values())
+    return bool(hooks) and any(not getattr(hook, mark, False) for hook in hooks.values())
 
 
 def hooks_at_backward(params: Sequence[Tensor | None]) -> tuple[tuple[tuple[int, Any], ...], ...] | None:

@@ -132,7 +132,8 @@ def has_queued_work(param: torch.Tensor | Iterable[torch.Tensor]) -> bool:
     what a post-accumulate-grad hook asks to tell its call during backward, before the deferred
     gradient exists, from its call at the flush. Several tensors (``model.parameters()``): for
     any of them."""
-    params = [param] if isinstance(param, torch.Tensor) else list(param) if isinstance(param, Iterable) else [param]
+    several = isinstance(param, Iterable) and not isinstance(param, torch.Tensor)
+    params = list(param) if several else [param]
     strays = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
     if strays:
         raise TypeError(f"twobp: has_queued_work takes a tensor or tensors (parameters), got {strays[:3]}")
