@@ -238,7 +238,7 @@ class GradientSynchroniser:
             # The buckets not launched yet are launched marked aborted: every rank then issues
             # each bucket of the step once (ranks launch different prefixes before a failure
             # where their unused parameters differ), and a peer whose step went on raises.
-            self._abort()
+            self.abort()
             raise
         finally:
             self._armed = False
@@ -283,7 +283,7 @@ class GradientSynchroniser:
     def _refuse_queued_work(self) -> None:
         queued = len(queued_among(self.params, wait=True))
         if queued:
-            self._abort()
+            self.abort()
             raise RuntimeError(
                 f"twobp: GradientSynchroniser: {queued} parameter(s) still have weight work queued when "
                 "their reduction would start, so their gradients would arrive later, unreduced. The "
@@ -308,7 +308,13 @@ class GradientSynchroniser:
                 stacklevel=3,
             )
 
-    def _abort(self) -> None:
+    def abort(self) -> None:
+        """Give up this rank's step: send the step's buckets not sent yet, marked given up, and
+        forget the step. Its peers' :meth:`finish` then raises :class:`ReductionFailed` instead of
+        pairing their reductions with this rank's next step (silently wrong means on every rank).
+        For a step that failed on this rank before its :meth:`finish` (or :meth:`synchronise`);
+        a failed ``flush`` or ``finish`` has already ended the step, and an abort after it would
+        give up the next one."""
         try:
             for b in range(self._next_bucket, len(self._buckets)):
                 self._launch(b, aborted=True)

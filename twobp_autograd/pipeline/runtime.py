@@ -67,8 +67,10 @@ _METRICS_TAG = 1 << 30
 
 class GradientSync(Protocol):
     """Plugs gradient synchronisation (e.g. data parallelism) into a step: the flushes after
-    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`, a
-    failed step calls :meth:`reset`. See :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
+    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`. A step
+    that fails before them calls ``abort()`` where the object has one (else :meth:`reset`); one
+    whose ``flush`` raised or whose ``finish`` was called, :meth:`reset`. See
+    :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
 
     def flush(
         self, queue: WeightGradQueue, tags: Sequence[Hashable] | None, params: Iterable[Tensor] | None = None
@@ -148,6 +150,7 @@ class _Step:
     sends: list[tuple[Any, Tensor, str]] = field(default_factory=list)  # posted, each tensor alive until sent
     posted: dict[Message, tuple[Any, Tensor]] = field(default_factory=dict)  # receives posted ahead: work, buffer
     next_posting: int = 0  # the first of the rank's postings (PipelineRuntime._postings) not yet posted
+    sync_ended: bool = False  # the gradient sync's flush raised or its finish was called: it ended the step
     losses: list[Tensor] = field(default_factory=list)
 
 
@@ -317,34 +320,17 @@ class PipelineRuntime:
         """Run the schedule once over the batch: ``inputs`` on the first rank, ``targets`` on
         the last (split on dim 0 into the micro-batches). Returns the gathered
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
-        m = self.num_micro_batches
-        if not torch.is_grad_enabled():
-            raise RuntimeError(
-                "twobp: PipelineRuntime.step() trains (forward and backward); under torch.no_grad() or "
-                "inference_mode there is no backward to run. Evaluate by running the stages' forwards "
-                "yourself."
-            )
-        self.apply_mode()
-        shape_key = self._agree_on_step_shape(inputs, targets)
-        step = _Step(
-            inputs=list(inputs.tensor_split(m)) if inputs is not None and self.first else [],
-            targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
-            shape_key=shape_key,
-            loss_divisors=[],
-            memory=MemoryProbe(
-                self.device, _Queues(s.queue for s in self.stages.values()), reset_rss=self.step_peak_rss
-            ),
-            timer=StepTimer(self.rank, self.device),
-        )
-        if self.last:
-            step.loss_divisors = self._loss_divisors(step)
+        try:
+            step = self._start_step(inputs, targets)
+        except BaseException:
+            self._give_up_sync(None)  # a refusal on this replica alone: its peers go on
+            raise
         try:
             self._run_schedule(step)
         except BaseException:
             for stage in self.stages.values():
                 stage.queue.clear()
-            if self.grad_sync is not None:
-                self.grad_sync.reset()
+            self._give_up_sync(step)
             raise
         finally:
             step.sends.clear()
@@ -366,6 +352,39 @@ class PipelineRuntime:
             peak_rss_scope=rss_scope,
         )
         return self.gather_report(metrics) if gather else metrics
+
+    def _start_step(self, inputs: Tensor | None, targets: Any) -> _Step:
+        m = self.num_micro_batches
+        if not torch.is_grad_enabled():
+            raise RuntimeError(
+                "twobp: PipelineRuntime.step() trains (forward and backward); under torch.no_grad() or "
+                "inference_mode there is no backward to run. Evaluate by running the stages' forwards "
+                "yourself."
+            )
+        self.apply_mode()
+        shape_key = self._agree_on_step_shape(inputs, targets)
+        step = _Step(
+            inputs=list(inputs.tensor_split(m)) if inputs is not None and self.first else [],
+            targets=_micro_batches_of(targets, m) if targets is not None and self.last else [],
+            shape_key=shape_key,
+            loss_divisors=[],
+            memory=MemoryProbe(
+                self.device, _Queues(s.queue for s in self.stages.values()), reset_rss=self.step_peak_rss
+            ),
+            timer=StepTimer(self.rank, self.device),
+        )
+        if self.last:
+            step.loss_divisors = self._loss_divisors(step)
+        return step
+
+    def _give_up_sync(self, step: _Step | None) -> None:
+        """After a failed step: a replica must not pair this step's reductions with its next
+        step's. Where the gradient sync can, the step is given up (its peers then raise), unless
+        the sync's own failed flush or its finish already ended it."""
+        if self.grad_sync is None:
+            return
+        abort = None if step is not None and step.sync_ended else getattr(self.grad_sync, "abort", None)
+        (abort or self.grad_sync.reset)()
 
     def gather_report(self, metrics: RankMetrics) -> StepReport | RankMetrics:
         """Every rank's metrics on rank 0 (a report: what ``step`` returns with ``gather``), each
@@ -405,6 +424,7 @@ class PipelineRuntime:
         for work, _, what in step.sends:
             self._wait(work, what, step.timer)
         if self.grad_sync is not None:
+            step.sync_ended = True
             try:
                 self.grad_sync.finish()
             except ReductionFailed as error:
@@ -420,11 +440,11 @@ class PipelineRuntime:
         elif kind.is_backward:
             self._backward(step, stage, action)
             if kind is ActionKind.BACKWARD and self.twobp:  # a patched stage queued B's weight work: run it now
-                self._flush(stage, action.micro_batches, position)
+                self._flush(step, stage, action.micro_batches, position)
         else:
-            self._flush(stage, action.micro_batches, position)
+            self._flush(step, stage, action.micro_batches, position)
 
-    def _flush(self, stage: _Stage, tags: Sequence[Hashable] | None, position: int) -> None:
+    def _flush(self, step: _Step, stage: _Stage, tags: Sequence[Hashable] | None, position: int) -> None:
         if self.grad_sync is None or position < stage.last_backward_position:
             stage.queue.flush(tags=tags)
             return
@@ -433,7 +453,11 @@ class PipelineRuntime:
         later = [s for s in self.stages.values() if position < s.last_backward_position]
         to_come = {id(p) for s in later for p in s.module.parameters()}
         final = [p for p in stage.module.parameters() if id(p) not in to_come]
-        self.grad_sync.flush(stage.queue, tags, final)
+        try:
+            self.grad_sync.flush(stage.queue, tags, final)
+        except BaseException:
+            step.sync_ended = True  # a failed flush ends the step (GradientSynchroniser aborts it)
+            raise
 
     @property
     def _num_stages(self) -> int:
