@@ -4138,3 +4138,31 @@ def test_a_recompute_module_with_a_buffer_made_under_inference_mode_trains_as_pl
     with pytest.warns(UserWarning, match="made under torch.inference_mode"):
         model(x).pow(2).sum().backward()
     torch.testing.assert_close(model.weight.grad, (2 * (x * model.weight + 0.5) * x).sum(0).detach())
+
+
+class _TableInReentrantBlock(nn.Module):
+    """A (T, D) table used inside a reentrant-checkpointed block and added to a patched layer's
+    output after it: at one sample the outer backward gives the table a view of that output
+    gradient as .grad, and the block's nested backward accumulates into it in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.positions = nn.Parameter(torch.randn(3, 4))
+
+    def block(self, x: Tensor) -> Tensor:
+        return torch.tanh(self.a(x + self.positions.unsqueeze(0)))
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=True)
+        return self.b(hidden) + self.positions.unsqueeze(0)
+
+
+def test_an_output_gradient_a_nested_backward_accumulates_into_is_copied_before():
+    patched, reference = patched_and_reference(_TableInReentrantBlock().double())
+    for _ in range(2):
+        x = torch.randn(1, 3, 4, dtype=torch.float64, requires_grad=True)
+        for model in (patched, reference):
+            model(x).pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)

@@ -268,6 +268,14 @@ class WeightGradQueue:
             if self.max_pending_bytes is not None:
                 self._count([job], +1)
             if task >= 0 and task not in self._running_backwards:
+                # A backward nested in one running on this thread (a reentrant checkpoint's) may
+                # accumulate into a .grad the outer one handed a queued output gradient: the
+                # outer's jobs own theirs now, before the nested backward's AccumulateGrad runs
+                # (a backward on a device's thread has no thread recorded: copied as if nested).
+                me = threading.get_ident()
+                for outer, thread in list(self._running_backwards.items()):
+                    if outer < task and thread in (me, None):
+                        self._own_grad_outputs_held_elsewhere(outer)
                 home = job.home  # the parameters' device, as the job read it just now (job.device reads it again)
                 if home is None:
                     home = job.device
