@@ -772,10 +772,11 @@ def test_every_rank_runs_the_next_step_after_one_ranks_synchronise_failed(tmp_pa
 def _pipeline_replica_failing_alone(rank: int) -> dict:
     """A 2 x 1 mesh (two replicas of a one-stage pipeline); replica 1 fails steps 0, 2 and 4 on
     its own (its loss, its targets refused before the schedule, a hook inside its synchroniser's
-    flush) and both go on; steps 1, 3 and 5 must be the mean of both replicas' batches."""
+    flush) and both go on, calling abort() as a plain synchroniser's user would (the runtime gave
+    the step up already); steps 1, 3 and 5 must be the mean of both replicas' batches."""
     mesh = dist.device_mesh.init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "pp"))
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).double()
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Linear(8, 3)).double()
     reference = copy.deepcopy(model)
     twobp.patch(model)
     sync = GradientSynchroniser(model, group=mesh.get_group("dp"), bucket_bytes=64, timeout=20.0)
@@ -790,7 +791,7 @@ def _pipeline_replica_failing_alone(rank: int) -> dict:
         if rank == 1 and step_now[0] == 4:
             raise ValueError("the hook failed")
 
-    model[2].bias.register_post_accumulate_grad_hook(hook)
+    model[3].bias.register_post_accumulate_grad_hook(hook)
     runtime = PipelineRuntime(
         model, schedule("gpipe", 1, m, True)[0], num_micro_batches=m, loss_fn=loss_fn, twobp=True,
         group=mesh.get_group("pp"), timeout=20.0, grad_sync=sync,
@@ -809,6 +810,7 @@ def _pipeline_replica_failing_alone(rank: int) -> dict:
             runtime.step(x, (y, y[:-1]) if rank == 1 and step == 2 else y, gather=False)
         except (ValueError, PipelineError) as error:
             failed.append(f"{step}: {type(error).__name__}")
+            sync.abort()  # does nothing: given up already
             continue
         reference.zero_grad(set_to_none=True)
         for replica in range(2):
@@ -828,3 +830,54 @@ def test_a_pipeline_replica_failing_alone_makes_its_peers_raise_and_the_next_ste
     assert results[1]["failed"] == ["0: ValueError", "2: ValueError", "4: ValueError"], results
     for result in results:
         assert len(result["off"]) == 3 and max(result["off"]) < 1e-12, results
+
+
+def _one_rank_gives_up_a_step(rank: int, where: str) -> dict:
+    """Rank 1 fails its first step (before its forward, or between a flush that sent every
+    bucket and finish) and gives it up, twice by mistake; the next step must be the mean."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Linear(6, 3)).double()
+    reference = copy.deepcopy(model)
+    twobp.patch(model)
+    sync = GradientSynchroniser(model, bucket_bytes=1, timeout=10.0)
+
+    def data(data_rank: int, step: int) -> Tensor:
+        return torch.randn(8, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(10 * step + data_rank))
+
+    failed = []
+    try:
+        if rank == 1 and where == "before-forward":
+            raise ValueError("the data failed")
+        model(data(rank, 0)).pow(2).mean().backward()
+        sync.flush()
+        if rank == 1:
+            raise ValueError("the step failed after its flush")
+        sync.finish()
+    except (ValueError, RuntimeError) as error:
+        failed.append(type(error).__name__)
+        sync.abort()
+        sync.abort()  # once more with nothing between: gives up nothing more
+    model.zero_grad()
+    model(data(rank, 1)).pow(2).mean().backward()
+    sync.synchronise()
+    for data_rank in range(2):
+        (reference(data(data_rank, 1)).pow(2).mean() / 2).backward()
+    pairs = zip(model.parameters(), reference.parameters(), strict=True)
+    return {"failed": failed, "off": [float((p.grad - q.grad).abs().max()) for p, q in pairs]}
+
+
+@pytest.mark.parametrize(
+    "where, peer_failed",
+    [("before-forward", ["ReductionFailed"]), ("after-every-bucket-was-sent", [])],
+    ids=["before-forward", "after-every-bucket-was-sent"],
+)
+def test_a_rank_that_gives_up_a_step_pairs_with_its_peers_next_step(tmp_path, where, peer_failed) -> None:
+    """Before its forward: its peer's forward had broadcast the BatchNorm buffers, which paired
+    with the first aborted bucket (gloo killed the peer). After every bucket was sent on the first
+    step: the peer then agreed on the bucket order, which paired with the next step's first
+    bucket. A second abort sent every bucket again, shifting every later step by one."""
+    scenario = functools.partial(_one_rank_gives_up_a_step, where=where)
+    results = run_scenario(scenario, 2, str(tmp_path))
+    assert [r["failed"] for r in results] == [peer_failed, ["ValueError"]], results
+    for result in results:
+        assert max(result["off"]) < 1e-12, result

@@ -162,9 +162,9 @@ class GradientSynchroniser:
             with torch.no_grad():
                 # As DDP: broadcast_buffers=False leaves rank-local buffers as they are.
                 broadcast_tensors([*module.parameters(), *(module.buffers() if broadcast_buffers else ())], group=group)
-        if broadcast_buffers and any(True for _ in module.buffers()):
-            broadcast = _weak_hook(self._broadcast_buffers)
-            self._hooks.extend(m.register_forward_pre_hook(broadcast) for m in _called_modules(module))
+        self._broadcasts_buffers = broadcast_buffers and any(True for _ in module.buffers())
+        training_forward = _weak_hook(self._training_forward)
+        self._hooks.extend(m.register_forward_pre_hook(training_forward) for m in _called_modules(module))
         weakref.finalize(self, _remove_handles, list(self._hooks))
         self.reset()
 
@@ -209,17 +209,19 @@ class GradientSynchroniser:
         before); one that raises after (:class:`~twobp_autograd.flush.PartlyDelivered`) has
         dropped its work and may have launched part of the reductions: discard the step
         (``zero_grad``). Either way this step's launched reductions are forgotten."""
+        self._given_up = False
         if queue is None:  # not `or`: an empty queue is falsy
             queue = self.queue if self.queue is not None else current_queue()
-        jobs = queue.take(tags)
-        delivered = {id(p) for job in jobs for p in job.params if p is not None}
-        # Work left for a later flush of this step keeps its parameters waiting: in this queue
-        # (schedules whose last backward is followed by several W actions), or in another (a rank
-        # holding several pipeline stages, each with its queue, flushed one after the other).
-        waiting = queues_with_work()
-        later = {id(p) for p in self.params if any(q.has_work_for([p]) for q in waiting)} if waiting else set()
-        may_be_final = None if params is None else {id(p) for p in params}
         try:
+            # A refusal here (a backward still running) gives the step up too (see below).
+            jobs = queue.take(tags)
+            delivered = {id(p) for job in jobs for p in job.params if p is not None}
+            # Work left for a later flush of this step keeps its parameters waiting: in this queue
+            # (schedules whose last backward is followed by several W actions), or in another (a rank
+            # holding several pipeline stages, each with its queue, flushed one after the other).
+            waiting = queues_with_work()
+            later = {id(p) for p in self.params if any(q.has_work_for([p]) for q in waiting)} if waiting else set()
+            may_be_final = None if params is None else {id(p) for p in params}
             # Inside running(): a refusal here (a sparse gradient) puts the taken work back.
             with queue.running(jobs):
                 for i, p in enumerate(self.params):  # finished by backward or an earlier flush, or unused
@@ -259,6 +261,7 @@ class GradientSynchroniser:
         every reduction and write the means into ``.grad``. Refused while work for one of the
         parameters is queued (its gradient would arrive after the reduction, unreduced)."""
         self._refuse_queued_work()
+        finished = False
         try:
             for b in range(self._next_bucket, len(self._buckets)):
                 self._launch(b)
@@ -277,8 +280,10 @@ class GradientSynchroniser:
                 self._agree_on_order()
             self._warn_of_unknown_gradients()
             self._unsynchronised = False
+            finished = True
         finally:
             self.reset()
+            self._given_up = not finished  # a failed finish gave the step up: an abort now would give up the next
 
     def _refuse_queued_work(self) -> None:
         queued = len(queued_among(self.params, wait=True))
@@ -314,12 +319,29 @@ class GradientSynchroniser:
         pairing their reductions with this rank's next step (silently wrong means on every rank).
         For a step that failed on this rank before its :meth:`finish` (or :meth:`synchronise`);
         a failed ``flush`` or ``finish`` has already ended the step, and an abort after it would
-        give up the next one."""
+        give up the next one. Called again before anything of a next step (its training forward,
+        a backward, a flush), it does nothing: :class:`~twobp_autograd.pipeline.PipelineRuntime`
+        gives its failed steps up itself."""
+        if self._given_up:
+            return
         try:
+            if self._buffers_due and any(m.training for m in _called_modules(self.module)):
+                # The step failed before its first training forward, whose buffer broadcast its
+                # peers made: make it here, else their broadcast pairs with a bucket's all-reduce.
+                self._broadcast_buffers()
+            all_sent = self._next_bucket == len(self._buckets) and bool(self._works)
             for b in range(self._next_bucket, len(self._buckets)):
                 self._launch(b, aborted=True)
+            if all_sent and not self._order_agreed:
+                # Every bucket had gone out unmarked: a peer whose step went on finishes it and
+                # then broadcasts the bucket order, unless another rank gave the step up too.
+                for work, _, _ in self._works:
+                    self._wait(work)
+                if not any(flat[-1].item() for _, _, flat in self._works):
+                    self._agree_on_order()
         finally:
             self.reset()
+            self._given_up = True
 
     def reset(self) -> None:
         """Forget this step's progress (after a failed step). Launched reductions are not
@@ -334,6 +356,7 @@ class GradientSynchroniser:
         # The next step's first training forward broadcasts the buffers on every rank: a rank
         # whose step failed before finish() would otherwise skip the broadcast its peers make.
         self._buffers_due = True
+        self._given_up = False  # by abort(), with nothing of a next step since
 
     def close(self) -> None:
         """Remove the hooks this synchroniser put on the parameters and the module."""
@@ -370,6 +393,7 @@ class GradientSynchroniser:
         # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
         # unarmed flush calls it before the gradient is final: only armed deliveries count.
         self._unsynchronised = True
+        self._given_up = False
         if self._armed and id(param) in self._final:
             i = self._index[id(param)]
             if not self._ready[i]:
@@ -478,9 +502,15 @@ class GradientSynchroniser:
 
     # -- buffers --------------------------------------------------------------------------
 
-    def _broadcast_buffers(self, module: nn.Module, args: object) -> None:
-        if self._buffers_due and module.training and torch.is_grad_enabled():
-            self._buffers_due = False
+    def _training_forward(self, module: nn.Module, args: object) -> None:
+        if module.training and torch.is_grad_enabled():
+            self._given_up = False  # a step after the one given up has begun
+            if self._buffers_due:
+                self._broadcast_buffers()
+
+    def _broadcast_buffers(self) -> None:
+        self._buffers_due = False
+        if self._broadcasts_buffers:
             with torch.no_grad():
                 broadcast_tensors(list(self.module.buffers()), group=self.group, wait=self._wait)
 

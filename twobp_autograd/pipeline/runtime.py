@@ -67,9 +67,9 @@ _METRICS_TAG = 1 << 30
 
 class GradientSync(Protocol):
     """Plugs gradient synchronisation (e.g. data parallelism) into a step: the flushes after
-    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`. A step
-    that fails before them calls ``abort()`` where the object has one (else :meth:`reset`); one
-    whose ``flush`` raised or whose ``finish`` was called, :meth:`reset`. See
+    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`. Each
+    step starts with :meth:`reset`. A step that fails before its ``flush`` raised or its
+    ``finish`` was called calls ``abort()`` where the object has one (else :meth:`reset`). See
     :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
 
     def flush(
@@ -320,6 +320,8 @@ class PipelineRuntime:
         """Run the schedule once over the batch: ``inputs`` on the first rank, ``targets`` on
         the last (split on dim 0 into the micro-batches). Returns the gathered
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
+        if self.grad_sync is not None:
+            self.grad_sync.reset()  # a new step: one given up before is behind it
         try:
             step = self._start_step(inputs, targets)
         except BaseException:
@@ -381,10 +383,12 @@ class PipelineRuntime:
         """After a failed step: a replica must not pair this step's reductions with its next
         step's. Where the gradient sync can, the step is given up (its peers then raise), unless
         the sync's own failed flush or its finish already ended it."""
-        if self.grad_sync is None:
-            return
-        abort = None if step is not None and step.sync_ended else getattr(self.grad_sync, "abort", None)
-        (abort or self.grad_sync.reset)()
+        abort = getattr(self.grad_sync, "abort", None)
+        if abort is None:  # a GradientSync of the user's own
+            if self.grad_sync is not None:
+                self.grad_sync.reset()
+        elif step is None or not step.sync_ended:
+            abort()
 
     def gather_report(self, metrics: RankMetrics) -> StepReport | RankMetrics:
         """Every rank's metrics on rank 0 (a report: what ``step`` returns with ``gather``), each
