@@ -321,7 +321,8 @@ class GradientSynchroniser:
         a failed ``flush`` or ``finish`` has already ended the step, and an abort after it would
         give up the next one. Called again before anything of a next step (its training forward,
         a backward, a flush), it does nothing: :class:`~twobp_autograd.pipeline.PipelineRuntime`
-        gives its failed steps up itself."""
+        gives its failed steps up itself. Buckets already sent stay sent: after a flush that
+        sent them all, the peers' step completes."""
         if self._given_up:
             return
         try:
