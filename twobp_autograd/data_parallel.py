@@ -163,8 +163,9 @@ class GradientSynchroniser:
                 # As DDP: broadcast_buffers=False leaves rank-local buffers as they are.
                 broadcast_tensors([*module.parameters(), *(module.buffers() if broadcast_buffers else ())], group=group)
         self._broadcasts_buffers = broadcast_buffers and any(True for _ in module.buffers())
-        training_forward = _weak_hook(self._training_forward)
-        self._hooks.extend(m.register_forward_pre_hook(training_forward) for m in _called_modules(module))
+        if self._broadcasts_buffers:
+            training_forward = _weak_hook(self._training_forward)
+            self._hooks.extend(m.register_forward_pre_hook(training_forward) for m in _called_modules(module))
         weakref.finalize(self, _remove_handles, list(self._hooks))
         self.reset()
 
@@ -209,7 +210,6 @@ class GradientSynchroniser:
         before); one that raises after (:class:`~twobp_autograd.flush.PartlyDelivered`) has
         dropped its work and may have launched part of the reductions: discard the step
         (``zero_grad``). Either way this step's launched reductions are forgotten."""
-        self._given_up = False
         if queue is None:  # not `or`: an empty queue is falsy
             queue = self.queue if self.queue is not None else current_queue()
         try:
@@ -261,7 +261,6 @@ class GradientSynchroniser:
         every reduction and write the means into ``.grad``. Refused while work for one of the
         parameters is queued (its gradient would arrive after the reduction, unreduced)."""
         self._refuse_queued_work()
-        finished = False
         try:
             for b in range(self._next_bucket, len(self._buckets)):
                 self._launch(b)
@@ -280,10 +279,8 @@ class GradientSynchroniser:
                 self._agree_on_order()
             self._warn_of_unknown_gradients()
             self._unsynchronised = False
-            finished = True
         finally:
             self.reset()
-            self._given_up = not finished  # a failed finish gave the step up: an abort now would give up the next
 
     def _refuse_queued_work(self) -> None:
         queued = len(queued_among(self.params, wait=True))
@@ -319,12 +316,9 @@ class GradientSynchroniser:
         pairing their reductions with this rank's next step (silently wrong means on every rank).
         For a step that failed on this rank before its :meth:`finish` (or :meth:`synchronise`);
         a failed ``flush`` or ``finish`` has already ended the step, and an abort after it would
-        give up the next one. Called again before anything of a next step (its training forward,
-        a backward, a flush), it does nothing: :class:`~twobp_autograd.pipeline.PipelineRuntime`
-        gives its failed steps up itself. Buckets already sent stay sent: after a flush that
-        sent them all, the peers' step completes."""
-        if self._given_up:
-            return
+        give up the next one; :class:`~twobp_autograd.pipeline.PipelineRuntime` gives its failed
+        steps up itself. Buckets already sent stay sent: after a flush that sent them all, the
+        peers' step completes."""
         try:
             if self._buffers_due and any(m.training for m in _called_modules(self.module)):
                 # The step failed before its first training forward, whose buffer broadcast its
@@ -342,7 +336,6 @@ class GradientSynchroniser:
                     self._agree_on_order()
         finally:
             self.reset()
-            self._given_up = True
 
     def reset(self) -> None:
         """Forget this step's progress (after a failed step). Launched reductions are not
@@ -357,7 +350,6 @@ class GradientSynchroniser:
         # The next step's first training forward broadcasts the buffers on every rank: a rank
         # whose step failed before finish() would otherwise skip the broadcast its peers make.
         self._buffers_due = True
-        self._given_up = False  # by abort(), with nothing of a next step since
 
     def close(self) -> None:
         """Remove the hooks this synchroniser put on the parameters and the module."""
@@ -394,7 +386,6 @@ class GradientSynchroniser:
         # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
         # unarmed flush calls it before the gradient is final: only armed deliveries count.
         self._unsynchronised = True
-        self._given_up = False
         if self._armed and id(param) in self._final:
             i = self._index[id(param)]
             if not self._ready[i]:
@@ -504,10 +495,8 @@ class GradientSynchroniser:
     # -- buffers --------------------------------------------------------------------------
 
     def _training_forward(self, module: nn.Module, args: object) -> None:
-        if module.training and torch.is_grad_enabled():
-            self._given_up = False  # a step after the one given up has begun
-            if self._buffers_due:
-                self._broadcast_buffers()
+        if module.training and torch.is_grad_enabled() and self._buffers_due:
+            self._broadcast_buffers()
 
     def _broadcast_buffers(self) -> None:
         self._buffers_due = False

@@ -67,9 +67,9 @@ _METRICS_TAG = 1 << 30
 
 class GradientSync(Protocol):
     """Plugs gradient synchronisation (e.g. data parallelism) into a step: the flushes after
-    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`. Each
-    step starts with :meth:`reset`. A step that fails before its ``flush`` raised or its
-    ``finish`` was called calls ``abort()`` where the object has one (else :meth:`reset`). See
+    the step's last backward go through :meth:`flush`, the step ends with :meth:`finish`. A step
+    that fails before its ``flush`` raised or its ``finish`` was called calls ``abort()`` where
+    the object has one (else :meth:`reset`). See
     :class:`twobp_autograd.data_parallel.GradientSynchroniser`."""
 
     def flush(
@@ -320,8 +320,6 @@ class PipelineRuntime:
         """Run the schedule once over the batch: ``inputs`` on the first rank, ``targets`` on
         the last (split on dim 0 into the micro-batches). Returns the gathered
         :class:`StepReport` on rank 0 (with ``gather``), else this rank's metrics."""
-        if self.grad_sync is not None:
-            self.grad_sync.reset()  # a new step: one given up before is behind it
         try:
             step = self._start_step(inputs, targets)
         except BaseException:
