@@ -4166,3 +4166,70 @@ def test_an_output_gradient_a_nested_backward_accumulates_into_is_copied_before(
             model(x).pow(3).sum().backward()
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+class _TwoHeads(nn.Module):
+    """Every patched op family whose output can get no gradient at all: heads side by side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 3)
+        self.conv = nn.Conv1d(3, 3, 1)
+        self.norm = nn.LayerNorm(3)
+        self.batch_norm = nn.BatchNorm1d(3)
+        self.embedding = nn.Embedding(5, 3)
+
+    def forward(self, x: Tensor) -> tuple[Tensor, ...]:
+        ids = torch.arange(x.shape[0]) % 5
+        conv = self.conv(x.unsqueeze(-1)).squeeze(-1)
+        return self.linear(x), conv, self.norm(x), self.batch_norm(x), self.embedding(ids)
+
+
+class _FirstOnly(torch.autograd.Function):
+    """Gives its other inputs no gradient, as many custom Functions do."""
+
+    @staticmethod
+    def forward(ctx, first: Tensor, *others: Tensor) -> Tensor:
+        ctx.others = len(others)
+        return first * 2
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor | None, ...]:
+        return (grad * 2, *(None,) * ctx.others)
+
+
+@pytest.mark.parametrize("how", ["full-backward-hook", "function-returning-none"])
+def test_a_layer_whose_output_gets_no_gradient_leaves_its_grads_none(how: str) -> None:
+    """The Functions materialised a missing output gradient as zeros and queued zero weight
+    gradients: .grad zeros where plain leaves None, and AdamW's weight decay then moved the
+    parameters plain leaves alone (5e-3 after one step)."""
+    model = _TwoHeads().double()
+    if how == "full-backward-hook":
+        model.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    patched, reference = patched_and_reference(model)
+    for _ in range(2):
+        x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+        for net in (patched, reference):
+            outputs = net(x)
+            (outputs[0] if how == "full-backward-hook" else _FirstOnly.apply(*outputs)).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert reference.conv.weight.grad is None  # the case: plain leaves the other heads untouched
+    assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.parametrize("kwargs", [dict(kdim=3, vdim=5), dict(add_bias_kv=True)], ids=["kdim-vdim", "bias-kv"])
+def test_zero_grad_before_the_flush_leaves_attention_parameters_backward_never_reached_none(kwargs: dict) -> None:
+    """A loss on the attention weights alone never reaches v: dropping the queued work gave its
+    parameters zeros where plain leaves None (the attention kernel was not asked which ones it
+    fills)."""
+    patched, reference = patched_and_reference(nn.MultiheadAttention(4, 2, **kwargs).double())
+    q = torch.randn(3, 2, 4, dtype=torch.float64)
+    k = torch.randn(3, 2, kwargs.get("kdim", 4), dtype=torch.float64)
+    v = torch.randn(3, 2, kwargs.get("vdim", 4), dtype=torch.float64)
+    for net in (patched, reference):
+        _, weights = net(q, k, v)
+        weights.pow(2).sum().backward()
+        net.zero_grad(set_to_none=False)
+    twobp.flush_weight_grads()
+    assert any(p.grad is None for p in reference.parameters())
+    assert_grads_match(patched, reference, torch.float64)

@@ -38,7 +38,7 @@ from torch.autograd import forward_ad
 
 from . import fsdp_hooks
 from .flush import hooks_at_backward, may_change_in_backward
-from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads
+from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads, leaves_some_grads_none
 from .queue import WeightGradQueue, current_queue
 from .warn_once import warn_once
 
@@ -337,7 +337,48 @@ def sees_post_hooks(function: type[torch.autograd.Function]) -> type[torch.autog
         return register(node, hook)
 
     node_type.register_hook = register_hook
+    _skips_unreached(function)
     return function
+
+
+def _skips_unreached(function: type[torch.autograd.Function]) -> None:
+    """A patched op's node reached with no output gradient at all (an upstream node with several
+    inputs returned None for this one: a module's full backward hook whose other output the loss
+    uses, a custom Function that gives one input no gradient) returns none: plain autograd leaves
+    the parameters' .grad None there, where materialised zeros would queue zero gradients."""
+    forward, backward = function.forward, function.backward
+
+    jvp = function.__dict__.get("jvp")
+
+    def forward_unmaterialised(ctx: Any, *args: Any) -> Any:
+        ctx.set_materialize_grads(False)  # also leaves a jvp's missing tangents None: see jvp
+        if jvp is not None and forward_ad._current_level >= 0:  # under forward-mode AD only
+            ctx.twobp_input_meta = [
+                (a.shape, a.dtype, a.device) if isinstance(a, Tensor) and a.is_floating_point() else None
+                for a in args
+            ]
+        return forward(ctx, *args)
+
+    if jvp is not None:
+        original_jvp = jvp.__func__ if isinstance(jvp, staticmethod) else jvp
+
+        def jvp_materialised(ctx: Any, *tangents: Any) -> Any:
+            tangents = tuple(
+                torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if t is None and meta is not None else t
+                for t, meta in zip(tangents, ctx.twobp_input_meta, strict=True)
+            )
+            return original_jvp(ctx, *tangents)
+
+        function.jvp = staticmethod(jvp_materialised)  # type: ignore[method-assign]
+
+    def backward_unless_unreached(ctx: Any, *grad_outputs: Any) -> Any:
+        for grad in grad_outputs:  # a loop: all() over a generator costs a call per backward
+            if grad is not None:
+                return backward(ctx, *grad_outputs)
+        return (None,) * len(ctx.needs_input_grad)
+
+    function.forward = staticmethod(forward_unmaterialised)  # type: ignore[method-assign]
+    function.backward = staticmethod(backward_unless_unreached)  # type: ignore[method-assign]
 
 
 @sees_post_hooks
@@ -601,6 +642,10 @@ def defer_weight_grads(
             )
     deferral = ParamDeferral.at_forward(params)
     group = kernel_group(kernel) if group is None else group
+    if saves_reached and len(outs) > 1:
+        # Such a kernel leaves a parameter only unreached outputs use None: dropping its job
+        # (zero_grad(set_to_none=False)) must run it to tell which ones plain gave a .grad.
+        leaves_some_grads_none(kernel)  # type: ignore[arg-type]
     try:
         hash(group)  # the flush groups jobs by it
     except TypeError:
