@@ -378,19 +378,21 @@ def _skips_unreached(function: type[torch.autograd.Function]) -> None:
         return (None,) * len(ctx.needs_input_grad)
 
     function.forward = staticmethod(forward_unmaterialised)  # type: ignore[method-assign]
-    function.backward = staticmethod(backward_unless_unreached)  # type: ignore[method-assign]
+    if not function.__dict__.get("handles_unreached", False):
+        function.backward = staticmethod(backward_unless_unreached)  # type: ignore[method-assign]
 
 
 @sees_post_hooks
 class _WeightGradTap(torch.autograd.Function):
+    handles_unreached = True  # see backward
+
     @staticmethod
     def forward(ctx: Any, spec: _TapSpec, saved: Sequence[Tensor], *outputs_then_params: Tensor) -> Any:
         outputs = outputs_then_params[: spec.num_outputs]
         ctx.spec = spec
         ctx.mark_dirty(*outputs)  # re-parent the op's outputs onto this node: no copy, no view
         ctx.save_for_backward(*saved)  # saved-tensor hooks and version checks apply as usual
-        if len(outputs) > 1:  # a backward may reach only some: see backward
-            ctx.set_materialize_grads(False)
+        if len(outputs) > 1 or spec.saves_reached:  # a backward may reach only some: see backward
             ctx.output_meta = [(t.shape, t.dtype, t.device) for t in outputs]
         return outputs if len(outputs) > 1 else outputs[0]
 
@@ -419,6 +421,8 @@ class _WeightGradTap(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grad_outputs: Tensor | None) -> tuple[Tensor | None, ...]:
         spec: _TapSpec = ctx.spec
+        if not spec.saves_reached and all(g is None for g in grad_outputs):
+            return (None,) * len(ctx.needs_input_grad)  # nothing reached it: nothing to queue
         deferral, saved = spec.deferral, _saved_for_weight_grads(ctx)
         if _has_none(grad_outputs) and not spec.saves_reached:
             # An output this backward does not reach: its kernel takes zeros for it, so unless
@@ -622,11 +626,12 @@ def defer_weight_grads(
     their kernels compute the same. A tensor the kernel needs goes in ``saved`` (its in-place
     changes before the flush are refused there), not in a partial, which nothing checks.
 
-    ``saves_reached`` (with several outputs): the kernel's last saved tensor is then a bool
-    ``(rows, outputs)`` (rows: ``saved[0]``'s dim 0, or the first output's where nothing is saved;
-    at least one) saying which outputs each micro-batch's backward reached (the others' output
-    gradients are zeros), so that a parameter no backward reached through them can stay None, as
-    in plain autograd."""
+    ``saves_reached``: the kernel's last saved tensor is then a bool ``(rows, outputs)`` (rows:
+    ``saved[0]``'s dim 0, or the first output's where nothing is saved; at least one) saying which
+    outputs each micro-batch's backward reached (the others' output gradients are zeros), so that
+    a parameter no backward reached through them can stay None, as in plain autograd. A backward
+    that gives none of the outputs a gradient (None: an upstream node's) then still queues the work,
+    with none reached: a kernel that replays the op can hand that None on as plain does."""
     if isinstance(params, Tensor) or isinstance(saved, Tensor):
         raise TypeError(
             "twobp: defer_weight_grads takes params and saved as sequences of tensors, e.g. "
@@ -642,9 +647,9 @@ def defer_weight_grads(
             )
     deferral = ParamDeferral.at_forward(params)
     group = kernel_group(kernel) if group is None else group
-    if saves_reached and len(outs) > 1:
-        # Such a kernel leaves a parameter only unreached outputs use None: dropping its job
-        # (zero_grad(set_to_none=False)) must run it to tell which ones plain gave a .grad.
+    if saves_reached:
+        # Such a kernel may leave a parameter None (only unreached outputs use it): dropping its
+        # job (zero_grad(set_to_none=False)) must run it to tell which ones plain gave a .grad.
         leaves_some_grads_none(kernel)  # type: ignore[arg-type]
     try:
         hash(group)  # the flush groups jobs by it
@@ -654,7 +659,7 @@ def defer_weight_grads(
             "takes hashable arguments only (a tuple, not a list or dict), or pass group="
         ) from None
     # tuple.__new__: a NamedTuple's own __new__ is a Python frame (see ParamDeferral.at_forward)
-    spec = tuple.__new__(_TapSpec, (kernel, group, concatenate, len(outs), deferral, saves_reached and len(outs) > 1))
+    spec = tuple.__new__(_TapSpec, (kernel, group, concatenate, len(outs), deferral, saves_reached))
     _refuse_undetached_params(outs, deferral.params)
     # The leaf parameters are inputs of the tap so that its node has an edge to each one's
     # gradient accumulator: that is what the engine is asked about in backward. (The others,

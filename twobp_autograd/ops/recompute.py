@@ -107,14 +107,15 @@ def recompute_weight_grad(
     *,
     module: nn.Module,
     state: _ForwardState,
-    reached_saved: bool = False,
 ) -> list[Tensor | None]:
     """The parameters replayed are those the forward computed with (``state.params``: under
     ``torch.func.functional_call`` other tensors than the module's own, which it holds again by
-    the flush). With several outputs the last saved tensor says which outputs each backward
-    reached: one no backward reached is left out, so a parameter only it reaches stays None."""
+    the flush). The last saved tensor says which outputs each backward reached: with several,
+    one no backward reached is left out, so a parameter only it reaches stays None; a single
+    output no backward gave a gradient is replayed with none, as plain autograd runs the module's
+    graph (its nodes give None, a custom Function's materialises zeros)."""
     with _lock_of(module):  # the replay puts stand-ins in the module's place, as the forward does
-        return _replayed_weight_grad(saved, grad_outputs, needs, module, state, reached_saved)
+        return _replayed_weight_grad(saved, grad_outputs, needs, module, state)
 
 
 def _replayed_weight_grad(
@@ -123,11 +124,10 @@ def _replayed_weight_grad(
     needs: Sequence[bool],
     module: nn.Module,
     state: _ForwardState,
-    reached_saved: bool,
 ) -> list[Tensor | None]:
     state.check_unchanged(module)
     params = state.params.items()
-    inputs, reached = (saved[:-1], saved[-1].any(0).tolist()) if reached_saved else (saved, None)
+    inputs, reached = saved[:-1], saved[-1].any(0).tolist()
     with torch.enable_grad(), state.as_its_forward_ran(module):
         # The values the forward computed with (``state.values``): a parameter whose storage was
         # swapped since (``p.data = t``: prune.remove, vector_to_parameters, model.half()) is
@@ -138,11 +138,13 @@ def _replayed_weight_grad(
         }
         replayed = {**state.attributes, **leaves, **state.buffers()}
         outputs = _as_tensors(_plain_forward(module, [t.detach() for t in inputs], replayed))
+        if reached == [False] and outputs[0].requires_grad:  # given None: see recompute_weight_grad
+            outputs, reached = (_GivesNoGradient.apply(outputs[0]),), [True]
         # Outputs the parameters do not reach (a router's integer indices) have no gradient.
         differentiable = [
             (o, g)
             for i, (o, g) in enumerate(zip(outputs, grad_outputs, strict=False))
-            if o.requires_grad and (reached is None or reached[i])
+            if o.requires_grad and reached[i]
         ]
         wanted = [leaves[n] for (n, _), need in zip(params, needs, strict=True) if need]
         if not differentiable:
@@ -164,6 +166,19 @@ def _replayed_weight_grad(
                     "step's work: optimizer.zero_grad() (or twobp.discard_weight_grads() for the queued work)."
                 ) from error
     return [next(grads) if need else None for need in needs]
+
+
+class _GivesNoGradient(torch.autograd.Function):
+    """The identity, whose backward hands on no gradient (None, as an upstream node gave the
+    module's output in the backward replayed)."""
+
+    @staticmethod
+    def forward(ctx: Any, output: Tensor) -> Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> None:
+        return None
 
 
 def _owner(module: nn.Module, name: str) -> nn.Module | None:
@@ -920,8 +935,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         _scalars_it_changes[module] = _scalars_it_changes.get(module, frozenset()) | changed
     _leaves_inputs.add(module)
     outputs = _as_tensors(output)
-    several = len(outputs) > 1
-    kernel = functools.partial(recompute_weight_grad, module=module, state=state, reached_saved=several)
+    kernel = functools.partial(recompute_weight_grad, module=module, state=state)
     leaves_some_grads_none(kernel)
     joinable = verdicts.get(alike, False) and _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
@@ -934,7 +948,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         kernel,
         concatenate=None if joinable else False,
         group=group,
-        saves_reached=several,
+        saves_reached=True,
     )
     return _shaped_as(output, tapped)
 
