@@ -4249,32 +4249,41 @@ class _ScaledPassThrough(torch.autograd.Function):
 
 
 class _ScaleRows(nn.Module):
-    def __init__(self, through_a_function: bool) -> None:
+    def __init__(self, through_a_function: bool, with_indices: bool) -> None:
         super().__init__()
         self.scale = nn.Parameter(torch.randn(3))
-        self.through_a_function = through_a_function
+        self.through_a_function, self.with_indices = through_a_function, with_indices
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         scaled = x * self.scale
-        return _ScaledPassThrough.apply(scaled) if self.through_a_function else scaled
+        scaled = _ScaledPassThrough.apply(scaled) if self.through_a_function else scaled
+        return (scaled, (x > 0).long()) if self.with_indices else scaled  # a router's weights and indices
 
 
 class _BesideALinear(nn.Module):
-    def __init__(self, through_a_function: bool) -> None:
+    def __init__(self, through_a_function: bool, with_indices: bool) -> None:
         super().__init__()
-        self.linear, self.scaled = nn.Linear(3, 3), _ScaleRows(through_a_function)
+        self.linear, self.scaled = nn.Linear(3, 3), _ScaleRows(through_a_function, with_indices)
 
     def forward(self, x: Tensor) -> Tensor:
-        return _FirstOnly.apply(self.linear(x), self.scaled(x))
+        scaled = self.scaled(x)
+        return _FirstOnly.apply(self.linear(x), scaled[0] if isinstance(scaled, tuple) else scaled)
 
 
-@pytest.mark.parametrize("through_a_function", [False, True], ids=["plain-ops", "custom-function-inside"])
-def test_a_recompute_module_whose_output_gets_no_gradient_replays_as_plain_runs_it(through_a_function: bool) -> None:
+@pytest.mark.parametrize(
+    "through_a_function, with_indices",
+    [(False, False), (True, False), (True, True)],
+    ids=["plain-ops", "custom-function-inside", "custom-function-inside-beside-integer-indices"],
+)
+def test_a_recompute_module_whose_output_gets_no_gradient_replays_as_plain_runs_it(
+    through_a_function: bool, with_indices: bool
+) -> None:
     """Plain runs the module's graph with no gradient: its own nodes give None, but a custom
     Function inside materialises zeros, and its parameter gets a zero .grad (AdamW's weight decay
-    then moves it). The recompute rule queued nothing there (None, 1.2e-3 off after one step)."""
+    then moves it). The recompute rule queued nothing there (None, 1.2e-3 off after one step);
+    then missed it beside integer outputs, which never carry a gradient."""
     twobp.register(_ScaleRows, twobp.ops.recompute)
-    patched, reference = patched_and_reference(_BesideALinear(through_a_function).double())
+    patched, reference = patched_and_reference(_BesideALinear(through_a_function, with_indices).double())
     for _ in range(2):
         x = torch.randn(4, 3, dtype=torch.float64)
         for net in (patched, reference):

@@ -138,8 +138,12 @@ def _replayed_weight_grad(
         }
         replayed = {**state.attributes, **leaves, **state.buffers()}
         outputs = _as_tensors(_plain_forward(module, [t.detach() for t in inputs], replayed))
-        if reached == [False] and outputs[0].requires_grad:  # given None: see recompute_weight_grad
-            outputs, reached = (_GivesNoGradient.apply(outputs[0]),), [True]
+        differentiable_at = [i for i, o in enumerate(outputs) if o.requires_grad]
+        if len(differentiable_at) == 1 and not any(reached):  # given None: see recompute_weight_grad
+            # (integer outputs beside it never carry a gradient: it is the only one reached)
+            i = differentiable_at[0]
+            outputs = (*outputs[:i], _GivesNoGradient.apply(outputs[i]), *outputs[i + 1 :])
+            reached = [j == i for j in range(len(outputs))]
         # Outputs the parameters do not reach (a router's integer indices) have no gradient.
         differentiable = [
             (o, g)
