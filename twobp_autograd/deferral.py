@@ -432,24 +432,13 @@ class _WeightGradTap(torch.autograd.Function):
         given = _zeros_where_none(ctx, grad_outputs)
         if spec.saves_reached:
             rows_of = saved[0] if saved else given[0]  # a kernel that needs only the output gradients saves none
-            reached = (
-                torch.tensor([g is not None for g in grad_outputs], device=rows_of.device)
-                if _has_none(grad_outputs)
-                else _all_reached(rows_of.device, len(grad_outputs))
-            )
+            reached = torch.tensor([g is not None for g in grad_outputs], device=rows_of.device)
             # At least one row: a micro-batch of no rows (a batch of 0, a query of length 0)
             # still reached its outputs, and plain autograd gives its parameters zeros, not None.
             rows = rows_of.shape[0] if rows_of.dim() else 1
             saved = (*saved, reached.expand(max(rows, 1), len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
         return (None, None, *grad_outputs, *param_grads)
-
-
-@functools.cache
-def _all_reached(device: torch.device, outputs: int) -> Tensor:
-    """A tap's reached mask where every output got a gradient, made once (a new one per
-    backward cost a recompute module about 5% of a small step)."""
-    return torch.ones(outputs, dtype=torch.bool, device=device)
 
 
 def _saved_for_weight_grads(ctx: Any) -> tuple[Tensor, ...]:
