@@ -3,7 +3,7 @@ the same process, interleaved (A B A B, the order rotating every round), medians
 ratios.
 
 - **Per layer** (tiny Linear, Conv2d, LayerNorm, MultiheadAttention, BatchNorm2d, RMSNorm,
-  Embedding: the regime where the
+  Embedding, and a module of a user's own under the recompute rule: the regime where the
   Python around each op is what costs): patched forward / plain forward, and patched forward +
   backward + flush / plain forward + backward. Targets: <= 1.6 and <= 1.8.
 - **Per stage** (a few middle blocks of the sweep's models): F on/off (patched forward / plain
@@ -68,6 +68,20 @@ STAGE_MODELS = ("resnet152", "transformer", "mlp", "llama", "bert")
 LayerCall = Callable[[nn.Module, Tensor], Tensor]
 
 
+class _ScaleShift(nn.Module):
+    """A module of a user's own, ``x * scale + shift``: the generic recompute rule defers it."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.scale, self.shift = nn.Parameter(torch.ones(features)), nn.Parameter(torch.zeros(features))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.scale + self.shift
+
+
+twobp.register(_ScaleShift, twobp.ops.recompute)
+
+
 def _layer_cases(device: torch.device) -> dict[str, tuple[nn.Module, LayerCall, Tensor]]:
     """name -> (module, call, input): each layer at a size where per-call overhead dominates."""
 
@@ -88,6 +102,7 @@ def _layer_cases(device: torch.device) -> dict[str, tuple[nn.Module, LayerCall, 
         "BatchNorm2d(4), 2x4x8x8": (nn.BatchNorm2d(4), direct, torch.randn(2, 4, 8, 8)),
         "RMSNorm(32), 8 rows": (nn.RMSNorm(32), direct, torch.randn(8, 32)),
         "Embedding(100, 32), 8 tokens": (nn.Embedding(100, 32), direct, torch.randint(0, 100, (8,))),
+        "ScaleShift(32) (recompute rule), 8 rows": (_ScaleShift(32), direct, torch.randn(8, 32)),
     }
     return {name: (module.to(device), call, x.to(device)) for name, (module, call, x) in cases.items()}
 

@@ -31,7 +31,7 @@ def test_tiny_per_call_run_writes_every_layer_and_stage(per_call, tmp_path) -> N
     ]  # fmt: skip
     assert per_call.main(argv) == 0
     document = json.loads(out.read_text())
-    assert len(document["layers"]) == 7 and set(document["stages"]) == set(per_call.STAGE_MODELS)
+    assert len(document["layers"]) == 8 and set(document["stages"]) == set(per_call.STAGE_MODELS)
     for row in document["layers"].values():
         assert all(math.isfinite(row[k]) and row[k] > 0 for k in ("forward_ratio", "step_ratio"))
     for row in document["stages"].values():
