@@ -6,6 +6,7 @@ vmapped backward, the recompute rule)."""
 import contextlib
 import copy
 import functools
+import random
 import sys
 import threading
 import warnings
@@ -1433,6 +1434,54 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_random_num
     assert patched[1].weight.grad is not None and patched[0].weight.grad is None
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference)
+
+
+class LayerDrop(nn.Module):
+    """Skips its layer at random by a draw from Python's ``random``, as fairseq's LayerDrop does."""
+
+    draw: Callable[[], float] = staticmethod(random.random)
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+        self.gate = nn.Parameter(torch.randn(features))
+
+    def forward(self, x):
+        if self.training and self.draw() < 0.5:
+            return x * self.gate
+        return torch.tanh(self.linear(x)) * self.gate
+
+
+class NumpyLayerDrop(LayerDrop):
+    """Hugging Face's wav2vec2 draws its LayerDrop with ``np.random.uniform``."""
+
+    draw = staticmethod(np.random.uniform)
+
+
+@pytest.mark.parametrize("kind", [LayerDrop, NumpyLayerDrop], ids=["python", "numpy"])
+def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_from_a_host_generator(kind):
+    """Only torch's generators were watched: the first call's trials drew too (its output was not
+    plain's) and the flush's replay drew again and took other branches (the gate's gradient 23.5
+    off over four micro-batches). Such a call runs again on plain autograd from the generator's
+    state at the call, which ends where one plain forward leaves it."""
+    twobp.register(kind, twobp.ops.recompute)
+    patched, reference = patched_and_reference(kind(4).double())
+    for micro_batch in range(4):
+        x = torch.randn(3, 4, dtype=torch.float64)
+        outputs, states = [], []
+        for model in (patched, reference):
+            random.seed(micro_batch)
+            np.random.seed(micro_batch)
+            warned = micro_batch == 0 and model is patched
+            expected = f"{kind.__name__}.*random draws"
+            with pytest.warns(UserWarning, match=expected) if warned else contextlib.nullcontext():
+                outputs.append(model(x))
+            states.append((random.random(), np.random.uniform()))
+            outputs[-1].pow(2).sum().backward()
+        torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+        assert states[0] == states[1], "the generators end where one plain forward leaves them"
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
 
 
 class WarmupScale(nn.Module):

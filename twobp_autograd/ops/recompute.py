@@ -16,7 +16,8 @@ refused with an error rather than replayed with other values. A forward that cha
 buffers (a counter, a running statistic) cannot be replayed either: it keeps plain autograd, as
 one drawing random numbers does (its buffers are copied before each call to make that possible).
 Plain Python attributes the forward reads are not seen, nor draws from a ``torch.Generator``
-of the module's own (only the default generators are watched).
+of the module's own (only the default generators are watched: torch's on every call, Python's
+``random`` and NumPy's global one on the calls that run trials, a module's first ones).
 
 Its outputs are a tensor, or a tuple or list of them, returned in that container; a call that
 returns anything else, or returns its own input, parameter or buffer (or a view of one, or two
@@ -30,6 +31,7 @@ import enum
 import functools
 import itertools
 import numbers
+import random
 import sys
 import threading
 import weakref
@@ -714,15 +716,50 @@ def _running_the_rule() -> Iterator[None]:
                 _rule_threads[me] -= 1
 
 
-def _rewind_random_state(cpu_state: Tensor, devices: list[int], device_states: list[Tensor]) -> bool:
-    """The default generators back to ``cpu_state`` and ``device_states``, where no other thread
-    runs the rule (see :data:`_rule_threads`); whether they went back."""
+def _rewind_random_state(
+    cpu_state: Tensor, devices: list[int], device_states: list[Tensor], host: _HostRandomState | None
+) -> bool:
+    """The default generators back to ``cpu_state`` and ``device_states`` (and ``host``'s, where
+    taken), where no other thread runs the rule (see :data:`_rule_threads`); whether they went back."""
     with _rule_threads_lock:
         if len(_rule_threads) != 1:
             return False
         torch.set_rng_state(cpu_state)
         set_device_states(devices, device_states)
+        if host is not None:
+            host.restore()
         return True
+
+
+class _HostRandomState:
+    """The states of Python's ``random`` and NumPy's global generator (where NumPy is loaded)
+    when taken: a forward that draws from them (fairseq's LayerDrop, ``np.random.uniform``) takes
+    another branch at the flush's replay."""
+
+    __slots__ = ("python", "numpy")
+
+    def __init__(self) -> None:
+        self.python = random.getstate()
+        numpy = sys.modules.get("numpy")
+        self.numpy = None if numpy is None else numpy.random.get_state()
+
+    def restore(self) -> None:
+        random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+
+    def moved(self) -> bool:
+        """Whether either generator drew since (NumPy loaded since counts as drawn)."""
+        if random.getstate() != self.python:
+            return True
+        numpy = sys.modules.get("numpy")
+        if numpy is None:
+            return False
+        if self.numpy is None:
+            return True
+        # ("MT19937", key, pos, has_gauss, cached_gaussian): the key is an array.
+        name, key, *rest = numpy.random.get_state()
+        return name != self.numpy[0] or not numpy.array_equal(key, self.numpy[1]) or rest != list(self.numpy[2:])
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
@@ -791,6 +828,10 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # Copies only where trials will run (a module's first calls), which must be rewound; later
     # calls see a change in place by its version (a cache held in an attribute is not copied).
     attribute_values = state.attribute_values() if trials else {}
+    # Python's and NumPy's generators too (LayerDrop written as `random.random() < p`), only
+    # where trials run: a copy of theirs costs a tenth of a small module's forward. A forward that
+    # draws from them draws on its first calls as on the later ones.
+    host_random = _HostRandomState() if trials else None
     param_values = [p.detach().clone() for p in params.values()] if trials else []
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
     # substitutes) keep their graph and are differentiated at once, as plain autograd does.
@@ -801,7 +842,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     def rewind() -> bool:
         """Random state, buffers and parameters' contents back to where this call found them;
         whether the random state went back (not while another thread runs the rule)."""
-        rewound = _rewind_random_state(cpu_state, devices, device_states)
+        rewound = _rewind_random_state(cpu_state, devices, device_states, host_random)
         state.restore(module, values)
         state.restore_attributes(attribute_values)
         state.restore_parameters(param_values)
@@ -886,7 +927,9 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             "refused (its input is changed already); the module keeps plain autograd from its next "
             "call on. Exclude it from patch() (exclude=[...]) to train it as before."
         )
-    random = _random_numbers_drawn(cpu_state, device_states, tensors)
+    drew = _random_numbers_drawn(cpu_state, device_states, tensors) or (
+        host_random is not None and host_random.moved()
+    )
     if not attribute_values and state.attributes_changed_in_place():
         _unreplayable[module] = _STATEFUL_ATTRIBUTES
         raise RuntimeError(
@@ -908,7 +951,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         )
     why = (
         _CHANGES_PARAMETERS if parameters_changed
-        else _RANDOM if random
+        else _RANDOM if drew
         else _STATEFUL if state.changed_by_forward(module, values)
         else _STATEFUL_ATTRIBUTES if state.attributes_changed(module, attribute_values)
         else _unfit_outputs(
