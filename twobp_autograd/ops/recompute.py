@@ -1081,34 +1081,74 @@ def _treats_rows_apart(
     module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any = None
 ) -> bool | None:
     """Whether the forward treats the rows of dim 0 apart, as the flush's joined replay assumes
-    (shapes alone cannot tell: a time-major RNN's steps look like a batch). Run without a graph on
-    the inputs (``short``: that run's output, if made already) and on the inputs between two rows
-    of other values: every output must come back as the first run's between two rows (a
-    recurrence carries the row before into the batch, a hidden state of (layers, N, H) does not
-    grow, batch statistics move)."""
+    (shapes alone cannot tell: a time-major RNN's steps look like a batch): at the parameters'
+    values (:func:`_apart_around`, then :func:`_split_trial` for a batch of two rows or more),
+    and at other values (:func:`_other_values`): a gate initialised at zero (ReZero, LayerScale's
+    1e-5) hid a time-major attention's mixing at the first call, and the verdict outlives it."""
     if not any(t.is_floating_point() for t in inputs):
         return _split_trial(module, inputs, substitutes, short)
+    if short is None:
+        try:
+            with torch.no_grad():
+                short = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
+        except Exception:  # raised on its own inputs outside grad mode: never joined
+            return False
+    apart = _apart_around(module, inputs, substitutes, short)
+    if apart and inputs[0].shape[0] > 1:
+        apart = _split_trial(module, inputs, substitutes, short)
+    if not apart:
+        return apart
+    return _apart_around(module, inputs, _other_values(substitutes), None, finite=True)
+
+
+def _apart_around(
+    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any, *, finite: bool = False
+) -> bool | None:
+    """Run without a graph on the inputs (``short``: that run's output, if made already) and on
+    the inputs with a row of other values before and two after: every output must come back as
+    the first run's between them (a recurrence carries the row before into the batch, a hidden
+    state of (layers, N, H) does not grow, batch statistics move). Rows put around evenly hid a
+    mix symmetric about the middle (``x.flip(0)``, the centre frame). ``finite``: a NaN output
+    (which hides any mix) gives no rows-apart verdict."""
     with torch.no_grad():
         try:
             if short is None:
                 short = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
-            # Rows of other values before and after the batch: a duplicate row cannot move a max,
-            # nor the mean of one row, nor a causal mix of one step, but another row moves them.
-            around = [torch.cat([_other_row(t, 0), t, _other_row(t, 1)]) for t in inputs]
+            # Rows of other values: a duplicate row cannot move a max, nor the mean of one row,
+            # nor a causal mix of one step, but another row moves them.
+            around = [torch.cat([_other_row(t, 0), t, _other_row(t, 1), _other_row(t, 2)]) for t in inputs]
             long = _plain_forward(module, around, substitutes)
-        except Exception:  # a forward that takes no other batch size: never joined
+        except Exception:  # a forward that takes no other batch size (or values): never joined
             return False
     if _unfit_outputs(short, ()) == _NOT_TENSORS or _unfit_outputs(long, ()) == _NOT_TENSORS:
         return False  # such a call keeps plain autograd anyway
     shorter, longer = _as_tensors(short), _as_tensors(long)
     if _without_data([*inputs, *shorter, *longer]):
         return None  # meta or fake tensors (a shape estimate): no values to compare
+    if finite and any(t.is_floating_point() and bool(t.isnan().any()) for t in (*shorter, *longer)):
+        return False
     return len(shorter) == len(longer) and all(
         s.dim() > 0
-        and extended.shape == (s.shape[0] + 2, *s.shape[1:])
-        and _close(extended[1:-1], s)
+        and extended.shape == (s.shape[0] + 3, *s.shape[1:])
+        and _close(extended[1:-2], s)
         for s, extended in zip(shorter, longer, strict=True)
     )
+
+
+def _other_values(substitutes: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The parameters' stand-ins moved to other values, drawn from a generator of this rule's own
+    (the default ones stay where the forward found them): each entry by up to its tensor's largest
+    magnitude, and at least 0.1, so a zero or tiny gate opens."""
+    moved = {}
+    for name, p in substitutes.items():
+        if not (p.is_floating_point() or p.is_complex()) or _without_data([p]):
+            moved[name] = p
+            continue
+        generator = torch.Generator(device=p.device).manual_seed(0)
+        noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+        with torch.no_grad():
+            moved[name] = p + noise * p.abs().amax().clamp(min=0.1) if p.numel() else p
+    return moved
 
 
 def _split_trial(
@@ -1152,11 +1192,18 @@ def _without_data(tensors: Sequence[Tensor]) -> bool:
 
 
 def _other_row(t: Tensor, which: int) -> Tensor:
-    """A row of ``t``'s shape whose values differ from its rows' (an index row: one of them)."""
+    """A row of ``t``'s shape whose values differ from its rows' and from the other such rows'
+    (an index row: a copy of one of them)."""
+    from_last, scale, shift = _OTHER_ROWS[which]
+    row = t[-1:] if from_last else t[:1]
     if not t.is_floating_point():
-        return t[-1:] if which == 0 else t[:1]
-    row = t[:1] if which == 0 else t[-1:]
-    return row * (2.0 if which == 0 else -1.5) + (1.0 if which == 0 else 0.5)
+        return row
+    return row * scale + shift
+
+
+#: Each row put around a batch by a first call's trial: (made from the batch's last row, not its
+#: first), a scale, a shift.
+_OTHER_ROWS = ((False, 2.0, 1.0), (True, -1.5, 0.5), (False, -0.5, -2.0))
 
 
 def _close(a: Tensor, b: Tensor) -> bool:
