@@ -4232,6 +4232,35 @@ def test_a_recompute_forward_initialising_under_a_flag_it_cannot_put_back_is_ref
             model(torch.randn(8, 4, dtype=torch.float64))
 
 
+class _ProjectsThenNormalises(nn.Module):
+    """Hugging Face Levit's attention projections: a Linear, then a BatchNorm1d over its tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(12, 20, bias=False)
+        self.batch_norm = nn.BatchNorm1d(20)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.linear(x)
+        return self.batch_norm(h.flatten(0, 1)).reshape_as(h)
+
+
+def test_a_recompute_forward_changing_its_buffers_on_a_strided_input_keeps_plain_autograd():
+    """The trial and the run again on plain autograd compute the inner Linear apart (a strided
+    3-D input as it is, and as 2-D rows): the running mean they leave differed by 4e-18, taken
+    for an initialisation the run again skipped, and the call was refused."""
+    twobp.register(_ProjectsThenNormalises, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_ProjectsThenNormalises().double())
+    with pytest.warns(UserWarning, match="_ProjectsThenNormalises.*changes the module's buffers"):
+        for _ in range(2):
+            x = torch.randn(2, 12, 9, dtype=torch.float64).transpose(1, 2)  # conv features as tokens
+            for model in (patched, reference):
+                model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+    torch.testing.assert_close(patched.batch_norm.running_mean, reference.batch_norm.running_mean)
+
+
 class _HooksItsTrunkAndBuildsAHead(nn.Module):
     def __init__(self) -> None:
         super().__init__()
