@@ -1484,6 +1484,56 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_from_a_hos
     assert_grads_match(patched, reference, torch.float64)
 
 
+def test_recompute_rule_watches_numpy_under_another_bit_generator():
+    """NumPy's global generator set to PCG64 (``np.random.set_bit_generator``) reports its state as
+    a dict, not the Mersenne Twister's tuple: every module's first call failed reading it."""
+    twobp.register(NumpyLayerDrop, twobp.ops.recompute)
+    patched, reference = patched_and_reference(NumpyLayerDrop(4).double())
+    bit_generator = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(0))
+    try:
+        for micro_batch in range(3):
+            x = torch.randn(3, 4, dtype=torch.float64)
+            draws = []
+            for model in (patched, reference):
+                np.random.seed(micro_batch)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # taken for random, warned
+                    model(x).pow(2).sum().backward()
+                draws.append(np.random.uniform())
+            assert draws[0] == draws[1]
+    finally:
+        np.random.set_bit_generator(bit_generator)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
+def test_recompute_rule_leaves_python_random_alone_while_another_thread_is_alive():
+    """The trials' draws were undone by setting Python's generator back, under a thread drawing from
+    it at the same time (data augmentation): that thread drew the same numbers again (55% repeats)."""
+    twobp.register(Scale, twobp.ops.recompute)
+    drawn: list[float] = []
+    stop = threading.Event()
+
+    def augment() -> None:
+        while not stop.is_set():
+            drawn.append(random.random())
+
+    thread = threading.Thread(target=augment)
+    thread.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # may be taken for random: the thread draws meanwhile
+            for _ in range(30):
+                twobp.patch(Scale())(torch.randn(3, 4)).sum().backward()
+    finally:
+        stop.set()
+        thread.join()
+    twobp.flush_weight_grads()
+    assert len(drawn) > 100
+    assert len(set(drawn)) == len(drawn), "no number drawn twice"
+
+
 class WarmupScale(nn.Module):
     """Per sample, but its forward counts its calls in a buffer (a warm-up factor)."""
 
@@ -1980,55 +2030,83 @@ def test_recompute_rule_trial_sees_mixing_a_duplicate_row_cannot_show(make, shap
 class ScaledPositions(nn.Module):
     """Positions scaled by the batch's longest sequence: rows mixed through an index side input."""
 
-    def __init__(self) -> None:
+    def __init__(self, position: float | None = None) -> None:
         super().__init__()
-        self.weight, self.position = nn.Parameter(torch.randn(4)), nn.Parameter(torch.randn(4))
+        self.weight = nn.Parameter(torch.randn(4))
+        self.position = nn.Parameter(torch.randn(4) if position is None else torch.full((4,), position))
 
     def forward(self, x, lengths):
         positions = torch.arange(x.shape[1], dtype=x.dtype)[:, None] / lengths.max()
         return torch.tanh(x * self.weight + positions * self.position)
 
 
-def test_recompute_rule_trial_sees_mixing_through_an_index_side_input():
+@pytest.mark.parametrize(
+    ("position", "lengths"),
+    [
+        (None, [[[3], [2], [4]], [[6], [5], [2]]]),
+        (0.0, [[[3], [2], [4]], [[6], [5], [2]]]),
+        (None, [[[3]], [[5]], [[2]], [[6]]]),
+    ],
+    ids=["three-rows", "closed-position-weight", "one-row"],
+)
+def test_recompute_rule_trial_sees_mixing_through_an_index_side_input(position, lengths):
     """Beside a float input, an index input got copies of its rows around the batch, which move
-    no max: joined, the positions were scaled by all micro-batches' longest (1.64 off)."""
+    no max: joined, the positions were scaled by all micro-batches' longest (1.64 off). Behind a
+    parameter at zero the halves at the parameters' values showed nothing either (0.35 off), and a
+    batch of one row has no halves: it was joined on the rows around alone (0.40 off)."""
     twobp.register(ScaledPositions, twobp.ops.recompute)
-    patched, reference = patched_and_reference(ScaledPositions().double())
+    patched, reference = patched_and_reference(ScaledPositions(position).double())
     queue = twobp.WeightGradQueue("concat")
-    for lengths in ([[3], [2], [4]], [[6], [5], [2]]):
-        x = torch.randn(3, 6, 4, dtype=torch.float64)
-        for model in (patched, reference):
-            with twobp.use_queue(queue):
-                model(x, torch.tensor(lengths)).pow(2).sum().backward()
-    queue.flush()
-    assert_grads_match(patched, reference, torch.float64)
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (patched, reference)]
+    for _ in range(2):
+        for micro_batch in lengths:
+            x = torch.randn(len(micro_batch), 6, 4, dtype=torch.float64)
+            for model in (patched, reference):
+                with twobp.use_queue(queue):
+                    model(x, torch.tensor(micro_batch)).pow(2).sum().backward()
+        queue.flush()
+        assert_grads_match(patched, reference, torch.float64)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 class GatedAttention(nn.Module):
     """A residual attention behind a learned gate (ReZero: zeros; LayerScale: 1e-5), time-major as
-    nn.MultiheadAttention is by default."""
+    nn.MultiheadAttention is by default; over token ids where ``tokens``; the gate as the difference
+    of two parameters alike where ``difference``."""
 
-    def __init__(self, gate: float) -> None:
+    def __init__(self, gate: float, tokens: bool = False, difference: bool = False) -> None:
         super().__init__()
+        self.embedding = nn.Embedding(20, 8) if tokens else None
         self.attention = nn.MultiheadAttention(8, 2)
         self.gate = nn.Parameter(torch.full((8,), gate))
+        self.closing = nn.Parameter(torch.full((8,), gate)) if difference else None
 
     def forward(self, x):
-        return x + self.gate * self.attention(x, x, x, need_weights=False)[0]
+        h = x if self.embedding is None else self.embedding(x)
+        gate = self.gate if self.closing is None else self.gate - self.closing
+        return h + gate * self.attention(h, h, h, need_weights=False)[0]
 
 
-@pytest.mark.parametrize("gate", [0.0, 1e-5], ids=["zero-gate", "layer-scale"])
-def test_recompute_rule_trial_sees_mixing_its_parameters_hide(gate):
+@pytest.mark.parametrize(
+    ("gate", "tokens", "difference"),
+    [(0.0, False, False), (1e-5, False, False), (0.0, True, False), (0.0, False, True)],
+    ids=["zero-gate", "layer-scale", "zero-gate-over-token-ids", "gate-as-a-difference"],
+)
+def test_recompute_rule_trial_sees_mixing_its_parameters_hide(gate, tokens, difference):
     """The row trial ran at the parameters' values: behind a closed gate the steps' mixing did not
     show, and the verdict outlived the optimizer's opening it (every attention gradient about 50%
-    off at the second step)."""
+    off at the second step). Over token ids only the halves were tried, at the parameters' values
+    (0.37 off at once); two parameters alike moved alike kept a gate made of their difference
+    closed (0.21 off)."""
     twobp.register(GatedAttention, twobp.ops.recompute)
-    patched, reference = patched_and_reference(GatedAttention(gate).double())
+    patched, reference = patched_and_reference(GatedAttention(gate, tokens, difference).double())
     queue = twobp.WeightGradQueue("concat")
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (patched, reference)]
     for micro_batches in (2, 2):
         for _ in range(micro_batches):
-            x = torch.randn(5, 2, 8, dtype=torch.float64)
+            x = torch.randint(0, 20, (5, 2)) if tokens else torch.randn(5, 2, 8, dtype=torch.float64)
             for model in (patched, reference):
                 with twobp.use_queue(queue):
                     model(x).pow(2).sum().backward()
@@ -2037,6 +2115,68 @@ def test_recompute_rule_trial_sees_mixing_its_parameters_hide(gate):
         for optimizer in optimizers:
             optimizer.step()
             optimizer.zero_grad()
+
+
+class _Constrained(nn.Module):
+    """Row-wise, with parameters that must stay in a range: a variance under a square root, a scale
+    under a log, a frozen mask of -inf entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.variance = nn.Parameter(torch.rand(4) + 0.5)
+        self.scale = nn.Parameter(torch.rand(4) + 0.5)
+        self.mask = nn.Parameter(torch.tensor([0.0, float("-inf"), 0.0, 0.0]), requires_grad=False)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if bool((self.variance <= 0).any()):
+            raise ValueError("the variance must be positive")
+        h = x / torch.sqrt(self.variance + 1e-5) * torch.log(self.scale + 1)
+        return h.masked_fill(self.mask.isinf(), 0.0)
+
+
+def test_recompute_rule_trial_at_other_values_keeps_parameters_in_range():
+    """The trial at other values moved parameters by a symmetric draw: a variance went negative (a
+    NaN, or the forward's own error), and such row-wise modules were replayed once per micro-batch
+    instead of once joined."""
+    twobp.register(_Constrained, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_Constrained().double())
+    queue = twobp.WeightGradQueue("concat")
+    for _ in range(3):
+        x = torch.randn(4, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            with twobp.use_queue(queue):
+                model(x).pow(2).sum().backward()
+    calls = patched.calls
+    queue.flush()
+    assert_grads_match(patched, reference, torch.float64)
+    assert patched.calls - calls == 1, "one joined replay"
+
+
+class _FrozenFloat8Base(nn.Module):
+    """A frozen float8 base weight and a trained low-rank adapter beside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Parameter((torch.randn(8, 8) * 0.3).to(torch.float8_e4m3fn), requires_grad=False)
+        self.down = nn.Parameter(torch.randn(2, 8) * 0.1)
+        self.up = nn.Parameter(torch.randn(8, 2) * 0.1)
+
+    def forward(self, x):
+        return x @ self.base.to(x.dtype).T + (x @ self.down.T) @ self.up.T
+
+
+def test_recompute_rule_trial_at_other_values_leaves_a_parameter_it_cannot_draw_for():
+    """No normal draws exist for float8: every call failed drawing the base weight's other values."""
+    twobp.register(_FrozenFloat8Base, twobp.ops.recompute)
+    patched, reference = patched_and_reference(_FrozenFloat8Base())
+    for _ in range(2):
+        x = torch.randn(3, 8)
+        for model in (patched, reference):
+            model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
 
 
 class SparseProjection(nn.Module):
@@ -4259,6 +4399,34 @@ def test_a_recompute_forward_changing_its_buffers_on_a_strided_input_keeps_plain
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
     torch.testing.assert_close(patched.batch_norm.running_mean, reference.batch_norm.running_mean)
+
+
+def test_a_recompute_forward_updating_a_small_buffer_entry_under_a_flag_it_cannot_put_back_is_refused():
+    """The check that a call run again on plain autograd changed the buffers as the trial did is up
+    to rounding; its tolerance was a share of the buffer's largest entry (1e-4), so an update of
+    small entries beside a large one passed as rounding, and the module went on un-updated."""
+
+    class CentredByACadenceInADict(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(4, dtype=torch.float64))
+            self.register_buffer("running_mean", torch.tensor([1000.0, 0.0, 0.0, 0.0], dtype=torch.float64))
+            self.status = {"step": 0}
+
+        def forward(self, x: Tensor) -> Tensor:
+            if self.status["step"] % 2 == 0:
+                with torch.no_grad():
+                    self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+            self.status["step"] += 1
+            return (x - self.running_mean) * self.weight
+
+    twobp.register(CentredByACadenceInADict, twobp.ops.recompute)
+    model = twobp.patch(CentredByACadenceInADict())
+    x = torch.randn(8, 4, dtype=torch.float64) + torch.tensor([1000.0, 0.5, 0.5, 0.5], dtype=torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(RuntimeError, match="twobp: CentredByACadenceInADict's first call changed its"):
+            model(x)
 
 
 class _HooksItsTrunkAndBuildsAHead(nn.Module):

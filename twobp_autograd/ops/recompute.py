@@ -740,26 +740,36 @@ class _HostRandomState:
 
     def __init__(self) -> None:
         self.python = random.getstate()
-        numpy = sys.modules.get("numpy")
-        self.numpy = None if numpy is None else numpy.random.get_state()
+        self.numpy = _numpy_random_state()
 
     def restore(self) -> None:
+        """Back where taken, unless another thread is alive: it may draw from them meanwhile (an
+        augmentation thread), and would draw those numbers again."""
+        if threading.active_count() > 1:
+            return
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
 
     def moved(self) -> bool:
         """Whether either generator drew since (NumPy loaded since counts as drawn)."""
-        if random.getstate() != self.python:
-            return True
-        numpy = sys.modules.get("numpy")
-        if numpy is None:
-            return False
-        if self.numpy is None:
-            return True
-        # ("MT19937", key, pos, has_gauss, cached_gaussian): the key is an array.
-        name, key, *rest = numpy.random.get_state()
-        return name != self.numpy[0] or not numpy.array_equal(key, self.numpy[1]) or rest != list(self.numpy[2:])
+        return random.getstate() != self.python or not _same_state(_numpy_random_state(), self.numpy)
+
+
+def _numpy_random_state() -> dict[str, Any] | None:
+    """NumPy's global generator's state (any bit generator), or None where NumPy is not loaded."""
+    numpy = sys.modules.get("numpy")
+    return None if numpy is None else numpy.random.get_state(legacy=False)
+
+
+def _same_state(a: object, b: object) -> bool:
+    """Equal states: nested dicts of numbers and arrays (a Mersenne Twister's key)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None and isinstance(a, numpy.ndarray):
+        return isinstance(b, numpy.ndarray) and numpy.array_equal(a, b)
+    return type(a) is type(b) and a == b
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
@@ -1010,12 +1020,21 @@ def _state_of(module: nn.Module, substitutes: Mapping[str, Tensor]) -> dict[str,
 def _same_values(a: Tensor, b: Tensor) -> bool:
     """Equal up to the rounding of other kernels: the trial runs a submodule on what the module
     hands it, the run again on plain autograd may take another path (a patched Linear computes a
-    strided 3-D input as 2-D rows: a BatchNorm's running mean after it 4e-18 off in fp64)."""
+    strided 3-D input as 2-D rows: a BatchNorm's running mean after it 4e-18 off in fp64). Each
+    entry within the square root of its dtype's resolution of the tensor's largest (1.5e-8 in fp64,
+    3.5e-4 in fp32; 1e-2 in 16 bits), so a small entry's change beside a large one still shows."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     if a.layout != torch.strided or a.is_meta:  # no values to compare: their versions tell
         return True
-    return _close(a, b)
+    if not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    if not b.numel():
+        return True
+    rtol = 1e-2 if torch.finfo(a.dtype).bits <= 16 else torch.finfo(a.dtype).eps ** 0.5
+    magnitude = b.abs()
+    largest = float(magnitude.where(magnitude.isfinite(), 0).amax())
+    return bool(torch.isclose(a, b, rtol=rtol, atol=rtol * largest, equal_nan=True).all())
 
 
 def _check_made_again(module: nn.Module, after_trial: Mapping[str, Tensor]) -> None:
@@ -1092,52 +1111,63 @@ def _treats_rows_apart(
     module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any = None
 ) -> bool | None:
     """Whether the forward treats the rows of dim 0 apart, as the flush's joined replay assumes
-    (shapes alone cannot tell: a time-major RNN's steps look like a batch): at the parameters'
-    values (:func:`_apart_around`, then :func:`_split_trial` for a batch of two rows or more),
-    and at other values (:func:`_other_values`): a gate initialised at zero (ReZero, LayerScale's
-    1e-5) hid a time-major attention's mixing at the first call, and the verdict outlives it."""
-    if not any(t.is_floating_point() for t in inputs):
-        return _split_trial(module, inputs, substitutes, short)
+    (shapes alone cannot tell: a time-major RNN's steps look like a batch): by :func:`_apart_at`
+    at the parameters' values and at other values (:func:`_other_values`: a gate initialised at
+    zero, ReZero, or at LayerScale's 1e-5, hid a time-major attention's mixing at the first call,
+    and the verdict outlived the optimizer's opening it). None (no verdict yet) for a batch of one
+    row with an index input: rows put around it are copies, and it has no halves."""
+    if inputs[0].shape[0] < 2 and not all(t.is_floating_point() for t in inputs):
+        return None
+    apart = _apart_at(module, inputs, substitutes, short)
+    if not apart:
+        return apart
+    return _apart_at(module, inputs, _other_values(substitutes), None, finite=True)
+
+
+def _apart_at(
+    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any, *, finite: bool = False
+) -> bool | None:
+    """The forward without a graph on the inputs (``short``: that run's output, if made already)
+    must give its outputs again with rows of other values around the batch (float inputs:
+    :func:`_apart_around`) and on the batch's halves run apart (two rows or more:
+    :func:`_split_trial`). ``finite``: a NaN in its outputs (which would hide any mix) gives no
+    rows-apart verdict."""
     if short is None:
         try:
             with torch.no_grad():
                 short = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
-        except Exception:  # raised on its own inputs outside grad mode: never joined
+        except Exception:  # it takes no such call (or values): never joined
             return False
-    apart = _apart_around(module, inputs, substitutes, short)
+    if _unfit_outputs(short, ()) == _NOT_TENSORS:
+        return False  # such a call keeps plain autograd anyway
+    if _without_data([*inputs, *_as_tensors(short)]):
+        return None  # meta or fake tensors (a shape estimate): no values to compare
+    if finite and any(t.is_floating_point() and bool(t.isnan().any()) for t in _as_tensors(short)):
+        return False
+    apart: bool | None = True
+    if any(t.is_floating_point() for t in inputs):
+        apart = _apart_around(module, inputs, substitutes, short)
     if apart and inputs[0].shape[0] > 1:
         apart = _split_trial(module, inputs, substitutes, short)
-    if not apart:
-        return apart
-    return _apart_around(module, inputs, _other_values(substitutes), None, finite=True)
+    return apart
 
 
-def _apart_around(
-    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any, *, finite: bool = False
-) -> bool | None:
-    """Run without a graph on the inputs (``short``: that run's output, if made already) and on
-    the inputs with a row of other values before and two after: every output must come back as
-    the first run's between them (a recurrence carries the row before into the batch, a hidden
-    state of (layers, N, H) does not grow, batch statistics move). Rows put around evenly hid a
-    mix symmetric about the middle (``x.flip(0)``, the centre frame). ``finite``: a NaN output
-    (which hides any mix) gives no rows-apart verdict."""
+def _apart_around(module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], short: Any) -> bool:
+    """The inputs with a row of other values before and two after: every output must come back as
+    ``short`` (the inputs' own) between them (a recurrence carries the row before into the batch, a
+    hidden state of (layers, N, H) does not grow, batch statistics move). Rows put around evenly
+    hid a mix symmetric about the middle (``x.flip(0)``, the centre frame)."""
     with torch.no_grad():
         try:
-            if short is None:
-                short = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
             # Rows of other values: a duplicate row cannot move a max, nor the mean of one row,
             # nor a causal mix of one step, but another row moves them.
             around = [torch.cat([_other_row(t, 0), t, _other_row(t, 1), _other_row(t, 2)]) for t in inputs]
             long = _plain_forward(module, around, substitutes)
-        except Exception:  # a forward that takes no other batch size (or values): never joined
+        except Exception:  # a forward that takes no other batch size: never joined
             return False
-    if _unfit_outputs(short, ()) == _NOT_TENSORS or _unfit_outputs(long, ()) == _NOT_TENSORS:
-        return False  # such a call keeps plain autograd anyway
-    shorter, longer = _as_tensors(short), _as_tensors(long)
-    if _without_data([*inputs, *shorter, *longer]):
-        return None  # meta or fake tensors (a shape estimate): no values to compare
-    if finite and any(t.is_floating_point() and bool(t.isnan().any()) for t in (*shorter, *longer)):
+    if _unfit_outputs(long, ()) == _NOT_TENSORS:
         return False
+    shorter, longer = _as_tensors(short), _as_tensors(long)
     return len(shorter) == len(longer) and all(
         s.dim() > 0
         and extended.shape == (s.shape[0] + 3, *s.shape[1:])
@@ -1148,42 +1178,48 @@ def _apart_around(
 
 def _other_values(substitutes: dict[str, Tensor]) -> dict[str, Tensor]:
     """The parameters' stand-ins moved to other values, drawn from a generator of this rule's own
-    (the default ones stay where the forward found them): each entry by up to its tensor's largest
-    magnitude, and at least 0.1, so a zero or tiny gate opens."""
+    (the default ones stay where the forward found them, and two tensors alike are moved apart):
+    each entry away from zero, keeping its sign (a variance under a square root, a scale under a
+    log stay valid), by up to a few times its tensor's largest finite magnitude and at least 0.1,
+    so that a zero or tiny gate opens. A tensor that cannot be drawn for (a frozen float8 weight,
+    a sparse one) stays as it is."""
+    generators: dict[torch.device, torch.Generator] = {}
     moved = {}
     for name, p in substitutes.items():
-        if not (p.is_floating_point() or p.is_complex()) or _without_data([p]):
-            moved[name] = p
+        moved[name] = p
+        if not (p.is_floating_point() or p.is_complex()) or not p.numel() or _without_data([p]):
             continue
-        generator = torch.Generator(device=p.device).manual_seed(0)
-        noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
-        with torch.no_grad():
-            moved[name] = p + noise * p.abs().amax().clamp(min=0.1) if p.numel() else p
+        generator = generators.get(p.device)
+        if generator is None:
+            generator = generators[p.device] = torch.Generator(device=p.device).manual_seed(0)
+        try:
+            with torch.no_grad():
+                noise = torch.randn(p.shape, generator=generator, dtype=p.dtype, device=p.device)
+                magnitude = p.abs()
+                scale = magnitude.where(magnitude.isfinite(), 0).amax().clamp(min=0.1)
+                moved[name] = p + torch.where(p == 0, noise, noise.abs() * p.sgn()) * scale
+        except (RuntimeError, NotImplementedError):
+            continue
     return moved
 
 
 def _split_trial(
-    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], whole: Any = None
-) -> bool | None:
-    """Index inputs alone have no rows of other values to put around the batch (a copy of a row
-    moves no max, nor the mean of one row): the batch's halves run apart must give the whole
-    batch's outputs (``whole``, if made already). None (no verdict yet) for a batch of one."""
+    module: nn.Module, inputs: Sequence[Tensor], substitutes: dict[str, Tensor], whole: Any
+) -> bool:
+    """The batch's halves run apart must give the whole batch's outputs (``whole``): a copy of a
+    row put around the batch moves no max, nor the mean of one row (index inputs have no rows of
+    other values), and rows put around at both ends cannot see a mix with the row a fixed way
+    along the batch. Two rows or more."""
     n = inputs[0].shape[0]
-    if n < 2:
-        return None
     k = n // 2
     with torch.no_grad():
         try:
-            if whole is None:
-                whole = _plain_forward(module, [t.detach().clone() for t in inputs], substitutes)
             first = _plain_forward(module, [t[:k] for t in inputs], substitutes)
             second = _plain_forward(module, [t[k:] for t in inputs], substitutes)
         except Exception:
             return False
-    if any(_unfit_outputs(o, ()) == _NOT_TENSORS for o in (whole, first, second)):
+    if any(_unfit_outputs(o, ()) == _NOT_TENSORS for o in (first, second)):
         return False
-    if _without_data([*inputs, *_as_tensors(whole), *_as_tensors(first), *_as_tensors(second)]):
-        return None
     parts = zip(_as_tensors(whole), _as_tensors(first), _as_tensors(second), strict=False)
     return len({len(_as_tensors(o)) for o in (whole, first, second)}) == 1 and all(
         w.dim() > 0
