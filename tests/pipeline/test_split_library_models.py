@@ -452,6 +452,30 @@ def test_ties_on_a_data_parallel_mesh_are_summed_within_each_replica(tmp_path) -
         assert result["sums"] == [result["expected"]] * 3, (rank, result)
 
 
+def _check_a_tie_no_use_reached(rank: int) -> dict:
+    """Two stages holding a tie: this step neither rank's use of it got a gradient, the next step
+    only the first rank's did."""
+    pipeline = split_model(tiny_llama(), WORLD)
+    tied = TiedGradients(pipeline)
+    (tie,) = pipeline.ties
+    tied.all_reduce()
+    unreached = tie.parameter.grad is None
+    if rank == 0:
+        tie.parameter.grad = torch.ones_like(tie.parameter)
+    tied.all_reduce()
+    return {"unreached": unreached, "one_reached": tie.parameter.grad.unique().tolist()}
+
+
+def test_a_tie_no_use_reached_keeps_no_gradient_as_in_plain(tmp_path) -> None:
+    """A tie in a branch no sample took this step (or frozen for the step): the sum wrote zeros
+    into its .grad where plain leaves None, and an optimizer with momentum or weight decay moved
+    it."""
+    store, results = str(tmp_path / "store"), str(tmp_path / "result")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _check_a_tie_no_use_reached, store, results), 120.0, ": it hung")
+    for rank, result in enumerate(read_results(results, WORLD)):
+        assert result == {"unreached": True, "one_reached": [1.0]}, (rank, result)
+
+
 def test_tied_gradients_refuse_a_placement_of_another_cut() -> None:
     pipeline = split_model(tiny_llama(), 4)
     with pytest.raises(ValueError, match="twobp: a placement of 2 stages for a pipeline of 4"):

@@ -52,8 +52,10 @@ class TiedGradients:
     :class:`PipelineModel` that rank split; stage ``i`` runs on rank ``placement[i]`` of
     ``group`` (by default rank ``i``: one stage per rank; see
     :func:`~twobp_autograd.pipeline.schedules.placement`). Call :meth:`all_reduce` once per
-    optimizer step, after the last weight-gradient flush of every step it accumulates: a second
-    call on gradients already summed would add the other ranks' parts again.
+    optimizer step, after the last weight-gradient flush of every step it accumulates, on
+    gradients zeroed (or set to None) after the last step: it sums each rank's whole ``.grad``, so a
+    second call on gradients already summed, or a gradient kept across optimizer steps, would add
+    the other ranks' earlier parts again. A tie no holder's use gave a gradient keeps ``.grad`` None.
     """
 
     def __init__(
@@ -84,6 +86,12 @@ class TiedGradients:
     def all_reduce(self) -> None:
         for parameter, group in self.reductions:
             if not parameter.requires_grad:  # frozen (on every rank alike): plain autograd leaves it None
+                continue
+            # Whether any holder's use got a gradient: where none did (a branch no sample took, a
+            # tie frozen for the step), plain autograd leaves .grad None, and an optimizer skips it.
+            reached = torch.tensor([parameter.grad is not None], dtype=torch.int32, device=parameter.device)
+            dist.all_reduce(reached, group=group)
+            if not reached.item():
                 continue
             if parameter.grad is None:  # this rank's use of it got no gradient; the sum still needs it
                 parameter.grad = torch.zeros_like(parameter)
