@@ -2056,14 +2056,20 @@ def test_recompute_rule_trial_sees_mixing_through_an_index_side_input(position, 
     batch of one row has no halves: it was joined on the rows around alone (0.40 off)."""
     twobp.register(ScaledPositions, twobp.ops.recompute)
     patched, reference = patched_and_reference(ScaledPositions(position).double())
+    steps = [[(torch.randn(len(rows), 6, 4, dtype=torch.float64), torch.tensor(rows)) for rows in lengths]] * 2
+    _joined_steps_match(patched, reference, steps)
+
+
+def _joined_steps_match(patched: nn.Module, reference: nn.Module, steps: list[list[tuple[Tensor, ...]]]) -> None:
+    """Each step's micro-batches (the calls' arguments) through both models, the patched one's
+    work joined wherever the rule lets it (``concat``), flushed, compared in float64 and stepped."""
     queue = twobp.WeightGradQueue("concat")
     optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (patched, reference)]
-    for _ in range(2):
-        for micro_batch in lengths:
-            x = torch.randn(len(micro_batch), 6, 4, dtype=torch.float64)
+    for micro_batches in steps:
+        for arguments in micro_batches:
             for model in (patched, reference):
                 with twobp.use_queue(queue):
-                    model(x, torch.tensor(micro_batch)).pow(2).sum().backward()
+                    model(*arguments).pow(2).sum().backward()
         queue.flush()
         assert_grads_match(patched, reference, torch.float64)
         for optimizer in optimizers:
@@ -2102,19 +2108,11 @@ def test_recompute_rule_trial_sees_mixing_its_parameters_hide(gate, tokens, diff
     closed (0.21 off)."""
     twobp.register(GatedAttention, twobp.ops.recompute)
     patched, reference = patched_and_reference(GatedAttention(gate, tokens, difference).double())
-    queue = twobp.WeightGradQueue("concat")
-    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (patched, reference)]
-    for micro_batches in (2, 2):
-        for _ in range(micro_batches):
-            x = torch.randint(0, 20, (5, 2)) if tokens else torch.randn(5, 2, 8, dtype=torch.float64)
-            for model in (patched, reference):
-                with twobp.use_queue(queue):
-                    model(x).pow(2).sum().backward()
-        queue.flush()
-        assert_grads_match(patched, reference, torch.float64)
-        for optimizer in optimizers:
-            optimizer.step()
-            optimizer.zero_grad()
+
+    def micro_batch() -> tuple[Tensor]:
+        return (torch.randint(0, 20, (5, 2)) if tokens else torch.randn(5, 2, 8, dtype=torch.float64),)
+
+    _joined_steps_match(patched, reference, [[micro_batch(), micro_batch()] for _ in range(2)])
 
 
 class _Constrained(nn.Module):
