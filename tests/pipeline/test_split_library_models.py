@@ -476,6 +476,39 @@ def test_a_tie_no_use_reached_keeps_no_gradient_as_in_plain(tmp_path) -> None:
         assert result == {"unreached": True, "one_reached": [1.0]}, (rank, result)
 
 
+def _check_a_tie_held_alike(rank: int) -> dict:
+    """A tie frozen through one holder's stage only, then one holder's gradient sparse (a sparse
+    embedding's) beside the other's dense one."""
+    pipeline = split_model(tiny_llama(), WORLD)
+    tied = TiedGradients(pipeline)
+    (tie,) = pipeline.ties
+    tie.parameter.requires_grad_(rank != 0)
+    tie.parameter.grad = torch.ones_like(tie.parameter)
+    try:
+        tied.all_reduce()
+        refused = ""
+    except RuntimeError as error:
+        refused = str(error)
+    tie.parameter.requires_grad_(True)
+    rows = torch.tensor([[0, 1]])
+    one = torch.ones(2, tie.parameter.shape[1])
+    tie.parameter.grad = torch.sparse_coo_tensor(rows, one, tie.parameter.shape) if rank == 0 else None
+    tied.all_reduce()
+    grad = tie.parameter.grad
+    return {"refused": refused, "sparse_summed": (grad.layout == torch.strided, grad[:3, 0].tolist())}
+
+
+def test_a_tie_must_be_held_alike_and_sums_a_sparse_part(tmp_path) -> None:
+    """A tie frozen on one holder only: that holder skipped the sum alone, and the others' sums
+    paired with its next tie's (a wrong sum, then a hang). A sparse part summed with a dense one
+    hung in gloo."""
+    store, results = str(tmp_path / "store"), str(tmp_path / "result")
+    run_ranks(gloo_rank_main, WORLD, (WORLD, _check_a_tie_held_alike, store, results), 120.0, ": it hung")
+    for rank, result in enumerate(read_results(results, WORLD)):
+        assert "twobp: a tied parameter requires grad on some of the ranks" in result["refused"], (rank, result)
+        assert result["sparse_summed"] == (True, [1.0, 1.0, 0.0]), (rank, result)
+
+
 def test_tied_gradients_refuse_a_placement_of_another_cut() -> None:
     pipeline = split_model(tiny_llama(), 4)
     with pytest.raises(ValueError, match="twobp: a placement of 2 stages for a pipeline of 4"):

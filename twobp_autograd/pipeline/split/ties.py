@@ -85,16 +85,27 @@ class TiedGradients:
 
     def all_reduce(self) -> None:
         for parameter, group in self.reductions:
-            if not parameter.requires_grad:  # frozen (on every rank alike): plain autograd leaves it None
-                continue
-            # Whether any holder's use got a gradient: where none did (a branch no sample took, a
-            # tie frozen for the step), plain autograd leaves .grad None, and an optimizer skips it.
-            reached = torch.tensor([parameter.grad is not None], dtype=torch.int32, device=parameter.device)
-            dist.all_reduce(reached, group=group)
-            if not reached.item():
+            # The holders agree first on whether the tie trains (one frozen it through its own
+            # stage's requires_grad_(False): plain freezes the one parameter for every use, and a
+            # holder skipping the sum alone paired the others' sums with its next tie's) and on
+            # whether any use got a gradient: where none did (a branch no sample took, a tie
+            # frozen for the step), plain autograd leaves .grad None, and an optimizer skips it.
+            flags = [parameter.requires_grad, parameter.grad is not None]
+            agreed = torch.tensor(flags, dtype=torch.int32, device=parameter.device)
+            dist.all_reduce(agreed, group=group)
+            training, reached = agreed.tolist()
+            if training not in (0, dist.get_world_size(group)):
+                raise RuntimeError(
+                    "twobp: a tied parameter requires grad on some of the ranks that hold it and not on "
+                    "others (frozen through one stage only?); plain autograd has one parameter for every "
+                    "use: freeze or unfreeze it on every rank alike."
+                )
+            if not training or not reached:
                 continue
             if parameter.grad is None:  # this rank's use of it got no gradient; the sum still needs it
                 parameter.grad = torch.zeros_like(parameter)
+            elif parameter.grad.is_sparse:  # a sparse embedding's: plain sums it with the dense uses'
+                parameter.grad = parameter.grad.to_dense()
             dist.all_reduce(parameter.grad, group=group)
 
 
