@@ -1508,32 +1508,6 @@ def test_recompute_rule_watches_numpy_under_another_bit_generator():
     assert_grads_match(patched, reference, torch.float64)
 
 
-def test_recompute_rule_leaves_python_random_alone_while_another_thread_is_alive():
-    """The trials' draws were undone by setting Python's generator back, under a thread drawing from
-    it at the same time (data augmentation): that thread drew the same numbers again (55% repeats)."""
-    twobp.register(Scale, twobp.ops.recompute)
-    drawn: list[float] = []
-    stop = threading.Event()
-
-    def augment() -> None:
-        while not stop.is_set():
-            drawn.append(random.random())
-
-    thread = threading.Thread(target=augment)
-    thread.start()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # may be taken for random: the thread draws meanwhile
-            for _ in range(30):
-                twobp.patch(Scale())(torch.randn(3, 4)).sum().backward()
-    finally:
-        stop.set()
-        thread.join()
-    twobp.flush_weight_grads()
-    assert len(drawn) > 100
-    assert len(set(drawn)) == len(drawn), "no number drawn twice"
-
-
 class WarmupScale(nn.Module):
     """Per sample, but its forward counts its calls in a buffer (a warm-up factor)."""
 

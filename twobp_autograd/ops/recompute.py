@@ -743,10 +743,6 @@ class _HostRandomState:
         self.numpy = _numpy_random_state()
 
     def restore(self) -> None:
-        """Back where taken, unless another thread is alive: it may draw from them meanwhile (an
-        augmentation thread), and would draw those numbers again."""
-        if threading.active_count() > 1:
-            return
         random.setstate(self.python)
         if self.numpy is not None:
             sys.modules["numpy"].random.set_state(self.numpy)
