@@ -1415,7 +1415,7 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_random_num
     """The flush re-runs the forward later, on joined micro-batches: it cannot draw the same
     dropout mask. Such a call runs again on plain autograd from the same random state (same
     output, same generator state after it), and the module stays on plain autograd after."""
-    twobp.register(DropoutScale, twobp.ops.recompute)
+    twobp.register(DropoutScale, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), DropoutScale(6), nn.Linear(6, 2)))
     for step in range(3):
         x = torch.randn(4, 6)
@@ -1754,7 +1754,7 @@ def test_recompute_rule_replays_a_forward_in_the_autocast_it_ran_in(strategy, au
     """Forward under bf16 autocast, backward outside (the usual recipe): the flush replayed the
     block outside autocast and failed on a bf16 input meeting an fp32 weight ("mat1 and mat2 must
     have the same dtype"); calls with and without autocast were joined into one replay."""
-    twobp.register(TanhOfLinear, twobp.ops.recompute)
+    twobp.register(TanhOfLinear, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(8, 8), TanhOfLinear(), nn.Linear(8, 2)))
     queue = twobp.WeightGradQueue(strategy)
     for call in range(3):
@@ -1771,7 +1771,7 @@ def test_recompute_rule_replays_a_forward_in_the_autocast_it_ran_in(strategy, au
 def test_recompute_rule_keeps_plain_autograd_for_a_module_whose_submodules_have_backward_hooks():
     """A full backward hook on a child fired again at the flush, on the replay's joined gradient
     (or once more per micro-batch), after its calls in backward."""
-    twobp.register(TanhOfLinear, twobp.ops.recompute)
+    twobp.register(TanhOfLinear, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(8, 8), TanhOfLinear()))
     xs = [torch.randn(4, 8) for _ in range(3)]
     for model in (patched, reference):
@@ -1825,7 +1825,7 @@ class WithAnAuxiliaryLoss(Scale):
 def test_recompute_rule_joins_no_call_with_an_output_without_a_batch_dim():
     """An auxiliary loss of shape (1,) beside the batched output: its gradients were joined
     into (2,) against the replay's (1,), and the flush failed with PyTorch's size error."""
-    twobp.register(WithAnAuxiliaryLoss, twobp.ops.recompute)
+    twobp.register(WithAnAuxiliaryLoss, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(WithAnAuxiliaryLoss())
     queue = twobp.WeightGradQueue("concat")
     for _ in range(2):
@@ -1857,7 +1857,7 @@ def test_recompute_rule_joins_calls_only_where_their_rows_are_apart(layers, step
     flush joined micro-batches' steps into one sequence and replayed it (0.48 to 0.90 off,
     silently), or failed on the joined initial state. A rule module whose rows are apart still
     joins: one replay for all micro-batches."""
-    twobp.register((nn.GRU, CountsCalls), twobp.ops.recompute)
+    twobp.register((nn.GRU, CountsCalls), twobp.ops.recompute_rowwise)
     model = nn.ModuleList([nn.GRU(4, 4, num_layers=layers), CountsCalls()]).double()
     patched, reference = patched_and_reference(model)
     queue = twobp.WeightGradQueue("concat")
@@ -1988,7 +1988,7 @@ def test_recompute_rule_trial_sees_mixing_a_duplicate_row_cannot_show(make, shap
     output holding -inf (a masked class) made the comparison's tolerance infinite (0.79, 0.78
     and 0.13 off, relative). One row put on each side hid a mix symmetric about the middle
     (mirror steps, the centre frame: 7.0 and 13.6 off)."""
-    twobp.register(make, twobp.ops.recompute)
+    twobp.register(make, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(make().double())
     queue = twobp.WeightGradQueue("concat")
     for shape in shapes:
@@ -2028,7 +2028,7 @@ def test_recompute_rule_trial_sees_mixing_through_an_index_side_input(position, 
     no max: joined, the positions were scaled by all micro-batches' longest (1.64 off). Behind a
     parameter at zero the halves at the parameters' values showed nothing either (0.35 off), and a
     batch of one row has no halves: it was joined on the rows around alone (0.40 off)."""
-    twobp.register(ScaledPositions, twobp.ops.recompute)
+    twobp.register(ScaledPositions, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(ScaledPositions(position).double())
     steps = [[(torch.randn(len(rows), 6, 4, dtype=torch.float64), torch.tensor(rows)) for rows in lengths]] * 2
     _joined_steps_match(patched, reference, steps)
@@ -2080,13 +2080,78 @@ def test_recompute_rule_trial_sees_mixing_its_parameters_hide(gate, tokens, diff
     off at the second step). Over token ids only the halves were tried, at the parameters' values
     (0.37 off at once); two parameters alike moved alike kept a gate made of their difference
     closed (0.21 off)."""
-    twobp.register(GatedAttention, twobp.ops.recompute)
+    twobp.register(GatedAttention, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(GatedAttention(gate, tokens, difference).double())
 
     def micro_batch() -> tuple[Tensor]:
         return (torch.randint(0, 20, (5, 2)) if tokens else torch.randn(5, 2, 8, dtype=torch.float64),)
 
     _joined_steps_match(patched, reference, [[micro_batch(), micro_batch()] for _ in range(2)])
+
+
+class _MixesInGradientOnly(nn.Module):
+    """Rows mixed in the gradient alone: the forward's values are row-wise (``m - m.detach()`` is
+    zero), so no trial of values can see it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        y = self.linear(x)
+        mean = y.mean(0, keepdim=True)
+        return y + (mean - mean.detach())
+
+
+class _ShutGate(_MixesInGradientOnly):
+    """A batch statistic behind a gate a very negative logit shuts (its mix 6e-6 of the output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit = nn.Parameter(torch.tensor(-12.0))
+
+    def forward(self, x):
+        self.forwards += 1
+        y = self.linear(x)
+        return y + torch.sigmoid(self.logit) * y.mean(0, keepdim=True)
+
+
+class _RowsApart(_MixesInGradientOnly):
+    def forward(self, x):
+        self.forwards += 1
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize(
+    "make", [_MixesInGradientOnly, _ShutGate, _RowsApart], ids=["gradient-only", "shut-gate", "rows-apart"]
+)
+def test_recompute_rule_replays_each_call_on_its_own(make):
+    """The plain rule joins nothing: a mix no trial can see (in the gradient alone, 12.9% off
+    joined; behind a shut gate, 4.5% off once opened) is replayed right, and so is a module whose
+    rows are apart, once per call (recompute_rowwise joins those)."""
+    twobp.register(make, twobp.ops.recompute)
+    patched, reference = patched_and_reference(make().double())
+    queue = twobp.WeightGradQueue("concat")
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in (patched, reference)]
+    for logit in (-12.0, 0.0):  # the optimizer opening the gate, as it may
+        for model in (patched, reference):
+            if isinstance(model, _ShutGate):
+                with torch.no_grad():
+                    model.logit.fill_(logit)
+        for _ in range(3):
+            x = torch.randn(3, 4, dtype=torch.float64)
+            for model in (patched, reference):
+                with twobp.use_queue(queue):
+                    model(x).pow(2).sum().backward()
+        forwards = patched.forwards
+        queue.flush()
+        assert patched.forwards - forwards == 3, "each call replayed on its own"
+        assert_grads_match(patched, reference, torch.float64)
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
 
 
 class _Constrained(nn.Module):
@@ -2112,7 +2177,7 @@ def test_recompute_rule_trial_at_other_values_keeps_parameters_in_range():
     """The trial at other values moved parameters by a symmetric draw: a variance went negative (a
     NaN, or the forward's own error), and such row-wise modules were replayed once per micro-batch
     instead of once joined."""
-    twobp.register(_Constrained, twobp.ops.recompute)
+    twobp.register(_Constrained, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_Constrained().double())
     queue = twobp.WeightGradQueue("concat")
     for _ in range(3):
@@ -2322,7 +2387,7 @@ def test_the_recompute_rule_joins_only_calls_whose_inputs_hold_a_batch_on_dim_0(
     """Joined on dim 0, a (1,) temperature broadcast over the features instead of the rows (9.4
     off with two features) or the flush failed with PyTorch's shape error. Such calls replay one
     micro-batch at a time."""
-    twobp.register(ScaledByATemperature, twobp.ops.recompute)
+    twobp.register(ScaledByATemperature, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(ScaledByATemperature())
     queue = twobp.WeightGradQueue("concat")
     for _ in range(3):
@@ -3181,7 +3246,7 @@ def test_recompute_rule_keeps_a_bf16_batch_statistic_over_many_rows_apart():
     """Over 512 rows the trial's two extra rows move a bf16 batch mean by 1-3%: a tolerance of a
     few bf16 ulps (3.1%) took such a module for one whose rows are apart, and its micro-batches
     were replayed joined, with the joined batch's statistics (15.5 off)."""
-    twobp.register(_BatchStandardize, twobp.ops.recompute)
+    twobp.register(_BatchStandardize, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_BatchStandardize().bfloat16())
     queue = twobp.WeightGradQueue("concat")
     for i in range(2):
@@ -3210,7 +3275,7 @@ def test_recompute_rule_replays_the_python_values_its_forward_read(strategy, num
     """A temperature set per micro-batch (from a NumPy schedule too) and annealed after the last
     backward: the flush replayed with the value it found (1.5 off), and joined calls that read
     other values."""
-    twobp.register(_TemperedByAnAttribute, twobp.ops.recompute)
+    twobp.register(_TemperedByAnAttribute, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(
         nn.Sequential(nn.Linear(6, 6), _TemperedByAnAttribute(), nn.Linear(6, 2)).double()
     )
@@ -3243,7 +3308,7 @@ class _BlockWithABatchNormChild(nn.Module):
 def test_recompute_rule_tries_rows_apart_again_for_other_training_flags():
     """First called with its batch-statistic child in eval (rows apart), then trained: its
     calls were joined and standardized over all micro-batches (3.15 off)."""
-    twobp.register(_BlockWithABatchNormChild, twobp.ops.recompute)
+    twobp.register(_BlockWithABatchNormChild, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(
         nn.Sequential(nn.Linear(6, 6), _BlockWithABatchNormChild(), nn.Linear(6, 2)).double()
     )
@@ -3822,7 +3887,7 @@ def test_a_recompute_modules_calls_unlike_its_first_are_tried_again_before_they_
     """Whether the flush may join a module's calls on dim 0 was decided on its first calls and kept
     per training flags only: calls after a flag a schedule sets, or with inputs of another rank,
     were joined under the first calls' verdict (the weight's gradient 124% and 135% off)."""
-    twobp.register(_Centring, twobp.ops.recompute)
+    twobp.register(_Centring, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_Centring().double())
     queue = twobp.WeightGradQueue("concat")  # join whatever may be joined
     first = torch.randn(3, 5, dtype=torch.float64)
@@ -3897,7 +3962,7 @@ def test_a_recompute_module_reading_a_value_set_at_every_call_runs_its_trials_a_
     sets may change it), for at most 8 values: a value a schedule sets at every call ran the
     forward three times per call, and kept a verdict per value. Past them calls are not joined
     (calls that saw other values are not joined anyway)."""
-    twobp.register(_Annealed, twobp.ops.recompute)
+    twobp.register(_Annealed, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_Annealed())
     calls, tried = 12, 0
     for step in range(calls):
@@ -4003,7 +4068,7 @@ def test_a_recompute_forward_counting_its_calls_is_tried_once_and_joined():
     """The join verdict is kept per public value the forward reads, but a counter the forward
     itself changes is no setting: it made a verdict, and two trial forwards, per call, and past
     8 verdicts the calls were no longer joined."""
-    twobp.register(_Counting, twobp.ops.recompute)
+    twobp.register(_Counting, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_Counting().double())
     queue = twobp.WeightGradQueue("concat")
     tried = 0
@@ -4048,7 +4113,7 @@ def test_a_recompute_modules_calls_after_a_tensor_it_reads_changed_are_tried_aga
     """The join verdict was kept per training flags, public scalars and input ranks: a mode kept in
     a buffer (as README advises for state) or a tensor attribute switched to centring over the
     batch, and the later calls were joined under the row-wise verdict (25% and 46% off)."""
-    twobp.register(_CentringByTensor, twobp.ops.recompute)
+    twobp.register(_CentringByTensor, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_CentringByTensor(held_as))
     queue = twobp.WeightGradQueue("concat")
     first, later = torch.randn(3, 5, dtype=torch.float64), [torch.randn(n, 5, dtype=torch.float64) for n in (2, 3)]
@@ -4074,7 +4139,7 @@ def test_a_recompute_modules_mode_tensor_assigned_anew_each_step_is_never_judged
     """Keyed by id() or data pointer and version, a mode tensor assigned anew each step (version 0)
     took the key of one freed steps before: a centring step was judged by a row-wise step's verdict
     and joined (148% and 160% off)."""
-    twobp.register(_CentringByTensor, twobp.ops.recompute)
+    twobp.register(_CentringByTensor, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(_CentringByTensor(held_as))
     queue = twobp.WeightGradQueue("concat")
     for mode in [0, 0, 1, 0, 1, 1, 0, 1, 0, 0, 1, 1, 0, 1, 0, 1]:
@@ -4103,7 +4168,7 @@ class _ReturnsItsTable(nn.Module):
 def test_a_recompute_forward_returning_a_tensor_it_holds_trains_as_plain():
     """The deferral re-parents its outputs in place: the held table joined the first call's graph,
     and the second micro-batch's backward went through it a second time (autograd's error)."""
-    twobp.register(_ReturnsItsTable, twobp.ops.recompute)
+    twobp.register(_ReturnsItsTable, twobp.ops.recompute_rowwise)
     patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), _ReturnsItsTable()).double())
     with pytest.warns(UserWarning, match="outputs that are its inputs, parameters or buffers"):
         for _ in range(2):

@@ -67,8 +67,9 @@ def register(
     its weight gradients.
 
     As a decorator, ``@register(MyNorm)`` on ``def forward(module, *args, **kwargs)``; or
-    directly, ``register(MyNorm, twobp_autograd.ops.recompute)`` for a module whose forward
-    treats the samples of a batch independently (see :func:`twobp_autograd.ops.recompute`).
+    directly, ``register(MyGate, twobp_autograd.ops.recompute)`` to replay a module's forward at
+    the flush (``recompute_rowwise`` for one whose forward treats the samples of a batch
+    independently; see :mod:`twobp_autograd.ops.recompute`).
     A type registered again takes the new rule for modules patched from then on (modules
     already patched keep theirs until :func:`twobp_autograd.unpatch`).
     """
@@ -193,8 +194,9 @@ def unregistered_why(module_type: type, *, suggest: bool = True) -> str:
         return (
             f"{why}; it derives from {base.__name__} with a forward of its own: register a rule for it "
             f"(twobp.register({module_type.__name__}, twobp_autograd.ops.recompute) re-runs its forward at the "
-            "flush, for a module that treats each sample of a batch on its own and is called with positional "
-            "tensors only: calls with keyword arguments keep plain autograd)"
+            "flush, for a module called with positional tensors only: calls with keyword arguments keep plain "
+            "autograd; twobp_autograd.ops.recompute_rowwise joins the replays of one that treats each sample of "
+            "a batch on its own)"
         )
     rule = _rules[base].forward
     return (

@@ -17,7 +17,7 @@ from . import (  # noqa: F401
 )
 from .hf_conv1d import computes_like_hf_conv1d, hf_conv1d
 from .llama_rms_norm import computes_like_llama_rms_norm, llama_rms_norm
-from .recompute import recompute
+from .recompute import recompute, recompute_rowwise
 
 
 def _from_hugging_face(judge: Callable[[type], bool]) -> Callable[[type], bool]:
@@ -31,4 +31,11 @@ def _from_hugging_face(judge: Callable[[type], bool]) -> Callable[[type], bool]:
 suggest_rule(_from_hugging_face(computes_like_hf_conv1d), "twobp_autograd.ops.hf_conv1d")
 suggest_rule(_from_hugging_face(computes_like_llama_rms_norm), "twobp_autograd.ops.llama_rms_norm")
 
-__all__ = ["recompute", "llama_rms_norm", "computes_like_llama_rms_norm", "hf_conv1d", "computes_like_hf_conv1d"]
+__all__ = [
+    "recompute",
+    "recompute_rowwise",
+    "llama_rms_norm",
+    "computes_like_llama_rms_norm",
+    "hf_conv1d",
+    "computes_like_hf_conv1d",
+]

@@ -1,13 +1,13 @@
-"""A generic rule for any module whose forward treats the samples of a batch independently
-(norms like Hugging Face's ``LlamaRMSNorm``, scalings, small MLP blocks): the forward runs with
-the parameters detached, and the flush re-runs it once on all queued micro-batches
-concatenated, with the parameters as leaves, to take their vector-Jacobian product.
+"""A generic rule for a module of one's own (a scaling, a gate, a small block): the forward runs
+with the parameters detached, and the flush re-runs it on the queued call's inputs, with the
+parameters as leaves, to take their vector-Jacobian product. It costs one extra forward of the
+module per call (:func:`recompute`), or per flush for a module whose forward treats the samples
+of a batch independently (:func:`recompute_rowwise`: norms like Hugging Face's ``T5LayerNorm``,
+per-sample MLPs), whose micro-batches the replay joins.
 
-It costs one extra forward of the module per flush, and is wrong for modules that mix samples
-(BatchNorm in training): register an exact rule for those. A forward that draws random numbers
-(dropout) cannot be replayed at the flush, which runs later and on joined micro-batches: such a
-call is run again on plain autograd from the same random state (so its output is plain's), and
-the module keeps plain autograd from then on, with one warning.
+A forward that draws random numbers (dropout) cannot be replayed at the flush, which runs later:
+such a call is run again on plain autograd from the same random state (so its output is plain's),
+and the module keeps plain autograd from then on, with one warning.
 
 The replay must see what the forward saw: the training flags of the module and its submodules
 are put back as they were for it (an ``eval()`` before the flush changes nothing), its buffers
@@ -56,7 +56,7 @@ from ..flush import may_change_in_backward
 from ..job import leaves_some_grads_none
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
 
-__all__ = ["recompute"]
+__all__ = ["recompute", "recompute_rowwise"]
 
 
 def _plain_forward(module: nn.Module, inputs: Sequence[Tensor], params: dict[str, Tensor]) -> Any:
@@ -769,18 +769,31 @@ def _same_state(a: object, b: object) -> bool:
 
 
 def recompute(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
-    """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs with
-    the batch on dim 0. Other calls keep plain autograd (with one warning per module type).
-    One thread at a time runs a module under this rule (see :data:`_locks`)."""
+    """Deferred forward for ``register(MyModule, recompute)``: positional tensor inputs. Other
+    calls keep plain autograd (with one warning per module type). The flush replays each call on
+    its own, so a forward may mix the rows of its inputs (a time-major attention, a statistic
+    over the batch); for one that treats them apart, :func:`recompute_rowwise` joins them. One
+    thread at a time runs a module under this rule (see :data:`_locks`)."""
     with _lock_of(module), _running_the_rule():
-        return _deferred_forward(module, inputs, kwargs)
+        return _deferred_forward(module, inputs, kwargs, rowwise=False)
+
+
+def recompute_rowwise(module: nn.Module, *inputs: Any, **kwargs: Any) -> Any:
+    """:func:`recompute` for a module whose forward treats the rows of dim 0 apart, each sample
+    on its own (a per-token norm, a per-sample MLP): where joining pays (off the CPU, or the
+    ``concat`` strategy) the flush replays its micro-batches joined on dim 0, one forward and
+    backward for all. Its first calls try the claim (:func:`_treats_rows_apart`) and a call found
+    mixing rows is replayed on its own, but a trial cannot see every mix: register a module with
+    this rule only where its rows are apart by construction."""
+    with _lock_of(module), _running_the_rule():
+        return _deferred_forward(module, inputs, kwargs, rowwise=True)
 
 
 # The patched call takes the lock before it asks whether the module's parameters require grad.
-recompute.runs_alone = _lock_of  # type: ignore[attr-defined]
+recompute.runs_alone = recompute_rowwise.runs_alone = _lock_of  # type: ignore[attr-defined]
 
 
-def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, rowwise: bool) -> Any:
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
         reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
@@ -829,7 +842,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # Past a few verdicts no new one is sought (a temperature set at every call would make a
     # verdict, and two trial forwards, per call): such calls are not joined (calls that saw other
     # values are not joined anyway, state.key()).
-    judged = alike in verdicts or len(verdicts) >= _MAX_VERDICTS
+    judged = not rowwise or alike in verdicts or len(verdicts) >= _MAX_VERDICTS
     trials = module not in _leaves_inputs or not judged
     # Copies only where trials will run (a module's first calls), which must be rewound; later
     # calls see a change in place by its version (a cache held in an attribute is not copied).
@@ -990,7 +1003,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     outputs = _as_tensors(output)
     kernel = functools.partial(recompute_weight_grad, module=module, state=state)
     leaves_some_grads_none(kernel)
-    joinable = verdicts.get(alike, False) and _batched_alike([*inputs, *outputs])
+    joinable = rowwise and verdicts.get(alike, False) and _batched_alike([*inputs, *outputs])
     # Grouped per module and state (the flush groups per parameter tensors too): the partial
     # holds tensors, which must not be compared as a group key.
     group = (recompute_weight_grad, module, state.key(), joinable)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ... import register
-from ...ops import computes_like_llama_rms_norm, llama_rms_norm, recompute
+from ...ops import computes_like_llama_rms_norm, llama_rms_norm, recompute_rowwise
 from ...registry import rule_for
 
 __all__ = ["Family", "LossFn", "LossItems", "LibraryModel", "family_of", "blocks_of", "loss_fn_of", "defer_norms"]
@@ -107,8 +107,9 @@ def defer_norms(model: nn.Module) -> list[type]:
     Qwen2, Mistral, Gemma, ... name theirs so, T5 its RMS norm ``T5LayerNorm``, torchvision
     ConvNeXt's ``LayerNorm2d``; a layer or RMS norm treats each sample on its own). By
     :func:`twobp_autograd.ops.llama_rms_norm` where a class computes as Llama's does, else with its
-    forward re-run at the flush (:func:`twobp_autograd.ops.recompute`). The registration is
-    global, like any ``twobp.register``. Returns the classes registered."""
+    forward re-run at the flush, its micro-batches joined
+    (:func:`twobp_autograd.ops.recompute_rowwise`). The registration is global, like any
+    ``twobp.register``. Returns the classes registered."""
     try:
         found = family_of(model).norm_types()
     except TypeError:  # a model this package cannot split has norms all the same
@@ -119,7 +120,7 @@ def defer_norms(model: nn.Module) -> list[type]:
         if named_so and kind not in found and rule_for(module) is None:
             found.append(kind)
     for norm in found:
-        register(norm, llama_rms_norm if computes_like_llama_rms_norm(norm) else recompute)
+        register(norm, llama_rms_norm if computes_like_llama_rms_norm(norm) else recompute_rowwise)
     return found
 
 
