@@ -404,6 +404,33 @@ def test_a_replaced_synchroniser_still_held_is_named_in_the_refusal(one_rank_gro
     synchroniser.close()
 
 
+@pytest.mark.parametrize("reader", ["clip_grad_norm_", "clip_grad_value_", "unscale_"])
+def test_gradients_read_before_synchronise_are_refused_with_nothing_queued(one_rank_group: None, reader) -> None:
+    """Clipping (DDP's order: backward, clip, step) or a scaler's unscale_ before synchronise() was
+    refused only while weight work was queued: with a capped queue, or nothing deferred, each rank
+    clipped by its own norm (0.65 and 8.9 where the mean's is 4.5) or found its own infs, and the
+    synchroniser averaged what they left."""
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)))
+    synchroniser = GradientSynchroniser(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    queue = twobp.WeightGradQueue(max_pending_bytes=0)  # flushed as it fills
+    scaler = torch.amp.GradScaler("cpu")
+    with twobp.use_queue(queue):
+        scaler.scale(model(torch.randn(5, 3)).pow(2).sum()).backward()
+    assert not twobp.has_queued_work(model[0].weight)
+    read = {
+        "clip_grad_norm_": lambda: nn.utils.clip_grad_norm_(model.parameters(), 0.1),
+        "clip_grad_value_": lambda: nn.utils.clip_grad_value_(model.parameters(), 0.1),
+        "unscale_": lambda: scaler.unscale_(optimizer),
+    }[reader]
+    with pytest.raises(RuntimeError, match="over parameters of a GradientSynchroniser whose gradients a backward"):
+        read()
+    synchroniser.synchronise(queue)
+    read()
+    optimizer.step()
+    synchroniser.close()
+
+
 def test_the_step_check_tells_disjoint_synchronisers_zeroed_gradients_and_hooks_apart(one_rank_group: None) -> None:
     """Two synchronisers over disjoint halves are no replaced one (closing one would leave its half
     unaveraged); gradients zeroed since the backward make a step that changes nothing (plain and
@@ -416,6 +443,10 @@ def test_the_step_check_tells_disjoint_synchronisers_zeroed_gradients_and_hooks_
     with pytest.raises(RuntimeError, match=r"twobp: optimizer.step\(\) over parameters") as refused:
         optimizer.step()
     assert "close()" not in str(refused.value)
+    optimizer.zero_grad(set_to_none=False)  # zeros on every rank alike: the step was refused
+    optimizer.step()
+    model(torch.randn(5, 3)).pow(2).sum().backward()
+    first.synchronise()
     optimizer.zero_grad()  # set_to_none: nothing to step on
     optimizer.step()
     first.close()
@@ -597,6 +628,30 @@ def test_a_gradient_in_its_grad_dtype_reaches_the_rank_that_made_none(tmp_path, 
     scenario = functools.partial(_grad_dtype_used_on_one_rank, bucket_bytes=bucket_bytes)
     for result in run_scenario(scenario, 2, str(tmp_path)):
         assert result == dict.fromkeys(["0.weight", "0.bias", "1.weight", "1.bias"], torch.float64), result
+
+
+def _synchronised_under_inference_mode(rank: int) -> dict:
+    """A layer only rank 0 uses; the synchronise() under inference_mode, then a step and a second
+    backward accumulating without zeroing, as plain allows."""
+    torch.manual_seed(0)
+    model = twobp.patch(nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 2)]))
+    synchroniser = GradientSynchroniser(model, timeout=10.0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        h = model[0](torch.randn(3, 4))
+        (model[1](h) if rank == 0 or step == 1 else h).sum().backward()
+        with torch.inference_mode():
+            synchroniser.synchronise()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return {name: p.grad.is_inference() for name, p in model.named_parameters()}
+
+
+def test_a_gradient_written_back_under_inference_mode_is_no_inference_tensor(tmp_path) -> None:
+    """The rank without a gradient of its own got the mean in a .grad made under the caller's
+    inference_mode: an inference tensor, which the next zero_grad(set_to_none=False) refused."""
+    for result in run_scenario(_synchronised_under_inference_mode, 2, str(tmp_path)):
+        assert result == dict.fromkeys(["0.weight", "0.bias", "1.weight", "1.bias"], False), result
 
 
 def _replicas_training_other_parameters(rank: int) -> dict:

@@ -50,7 +50,7 @@ from torch.distributed.tensor import DTensor
 
 from . import fsdp_hooks
 from .flush import OWN_HOOK_MARK, READS_ONLY_MARK, accumulated_dtype, check_count, reads_grad_only, run_jobs
-from .grad_guard import install_grad_guards, step_checks
+from .grad_guard import install_grad_guards, read_checks, step_checks
 from .queue import WeightGradQueue, current_queue, queued_among, queues_with_work, takes_partial_gradients
 
 __all__ = ["GradientSynchroniser", "ReductionFailed", "broadcast_tensors"]
@@ -445,7 +445,9 @@ class GradientSynchroniser:
     def _write_back(self, bucket: _Bucket, flat: Tensor) -> None:
         offset = 0
         used = flat[bucket.numel : -1].tolist()
-        with torch.no_grad():
+        # Outside inference_mode (a synchronise() called under it): a .grad made there would be an
+        # inference tensor, which the next zero_grad(set_to_none=False) or accumulation refuses.
+        with torch.inference_mode(False), torch.no_grad():
             for i, anyone in zip(bucket.params, used, strict=True):
                 p = self.params[i]
                 mean = flat[offset : offset + p.numel()].view(p.shape)
@@ -515,23 +517,26 @@ def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer) -> None:
     weight work was left queued (a capped queue flushed it early, a parameter with a tensor hook,
     a flush_weight_grads() of the caller's): the replicas drifted apart silently. Run by the
     optimizer step guard (:data:`.grad_guard.step_checks`), after a closure's call where the
-    step has one. A step over gradients all None (zeroed since the backward) changes nothing."""
-    if not any(sync._unsynchronised for sync in list(_live)):
-        return
-    params = {id(p): p for group in optimizer.param_groups for p in group["params"]}
-    covering = [sync for sync in list(_live) if not params.keys().isdisjoint(sync._index)]
-    stale = [
-        sync for sync in covering
-        if sync._unsynchronised and any(params[i].grad is not None for i in sync._index if i in params)
-    ]  # fmt: skip
-    if not stale:
-        return
-    if torch._C._current_graph_task_id() >= 0:  # from a hook: optimizer-in-backward
+    step has one."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if _stale_synchronisers(params) and torch._C._current_graph_task_id() >= 0:  # optimizer-in-backward
         raise RuntimeError(
             "twobp: optimizer.step() in a post-accumulate-grad hook (optimizer-in-backward) over "
             "parameters of a GradientSynchroniser: the hook runs before the synchroniser has written "
             "the mean over ranks. The two do not combine: step after sync.synchronise() instead."
         )
+    _refuse_unsynchronised(params, "optimizer.step()")
+
+
+def _refuse_unsynchronised(params: list[Any], what: str) -> None:
+    """Refuse ``what`` (a step, clipping, a scaler's unscale_) over gradients a backward changed
+    since the synchroniser's last synchronise(): each rank's own (clipped by its own norm, a
+    scaler's inf found on one rank only, which then stepped on the other's inf mean). Gradients
+    all None or zero (zeroed since the backward) are alike on every rank, as in DDP."""
+    stale = _stale_synchronisers(params)
+    if not stale:
+        return
+    covering = [sync for sync in list(_live) if any(id(p) in sync._index for p in params)]
     # Synchronisers sharing a parameter: one replaced but still held (disjoint ones are legitimate).
     shared = [a for a in covering if any(b is not a and not a._index.keys().isdisjoint(b._index) for b in covering)]
     replaced = (
@@ -541,15 +546,35 @@ def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer) -> None:
         else ""
     )
     raise RuntimeError(
-        "twobp: optimizer.step() over parameters of a GradientSynchroniser whose gradients a "
+        f"twobp: {what} over parameters of a GradientSynchroniser whose gradients a "
         "backward changed since its last synchronise(): they are this rank's own, not the "
         "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
-        "step's last backward and before optimizer.step() (with step(closure): inside the "
+        f"step's last backward and before {what} (with step(closure): inside the "
         f"closure, after its backward){replaced}."
     )
 
 
+def _stale_synchronisers(params: list[Any]) -> list[GradientSynchroniser]:
+    """The synchronisers a backward changed since their last synchronise() that hold a gradient
+    other than zeros for one of ``params``."""
+    if not any(sync._unsynchronised for sync in list(_live)):
+        return []
+    by_id = {id(p): p for p in params}
+    return [
+        sync for sync in list(_live)
+        if sync._unsynchronised and any(_holds_gradient(by_id[i]) for i in sync._index if i in by_id)
+    ]  # fmt: skip
+
+
+def _holds_gradient(param: Tensor) -> bool:
+    grad = param.grad
+    if grad is None:
+        return False
+    return grad.layout != torch.strided or grad.is_meta or bool(grad.any())  # no values to read: held
+
+
 step_checks.append(_refuse_unsynchronised_step)
+read_checks.append(_refuse_unsynchronised)
 
 
 def _called_modules(module: nn.Module) -> list[nn.Module]:

@@ -46,7 +46,14 @@ from .flush import accumulated_dtype, forget_deliveries, has_user_hooks, summed_
 from .queue import WeightGradQueue, current_queue, dropped_without_grad, queues_with_work
 from .warn_once import warn_once
 
-__all__ = ["install_grad_guards", "stand_in_finders", "step_checks", "refuse_if_queued", "has_queued_work"]
+__all__ = [
+    "install_grad_guards",
+    "stand_in_finders",
+    "step_checks",
+    "read_checks",
+    "refuse_if_queued",
+    "has_queued_work",
+]
 
 #: ``finder(params) -> tensors`` that queued work names in place of some of ``params``
 #: (twobp_autograd.fsdp: the unsharded stand-ins of FSDP2-sharded parameters).
@@ -56,6 +63,11 @@ stand_in_finders: list[Callable[[list[torch.Tensor]], list[torch.Tensor]]] = []
 #: step, or after each call of its closure), raising to refuse it
 #: (twobp_autograd.data_parallel: a synchroniser's gradients not yet averaged).
 step_checks: list[Callable[[torch.optim.Optimizer], None]] = []
+
+#: ``check(parameters, what)``, run before gradient clipping and a scaler's ``unscale_`` or
+#: ``step`` read the parameters' gradients, raising to refuse it (twobp_autograd.data_parallel:
+#: a rank's own gradients, not yet averaged, clipped by its own norm).
+read_checks: list[Callable[[list[Any], str], None]] = []
 
 _installed = False
 
@@ -321,7 +333,10 @@ def _refusing_while_queued(clip: Callable[..., Any], name: str, wait: bool = Tru
     @functools.wraps(clip)
     def checked(parameters: Any, *args: Any, **kwargs: Any) -> Any:
         listed = _as_list(parameters)
-        refuse_if_queued(listed, f"gradient clipping ({name})", wait=wait)
+        what = f"gradient clipping ({name})"
+        refuse_if_queued(listed, what, wait=wait)
+        for check in read_checks:
+            check(listed, what)
         return clip(_like(parameters, listed), *args, **kwargs)
 
     return checked
@@ -472,7 +487,10 @@ def _refusing_queued_work(original: Callable[..., Any], what: str) -> Callable[.
     @functools.wraps(original)
     def refusing(self: Any, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if self.is_enabled():
-            refuse_if_queued(_optimizer_params(optimizer), what)
+            params = list(_optimizer_params(optimizer))
+            refuse_if_queued(params, what)
+            for check in read_checks:
+                check(params, what)
         return original(self, optimizer, *args, **kwargs)
 
     return refusing
