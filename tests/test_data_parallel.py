@@ -443,10 +443,6 @@ def test_the_step_check_tells_disjoint_synchronisers_zeroed_gradients_and_hooks_
     with pytest.raises(RuntimeError, match=r"twobp: optimizer.step\(\) over parameters") as refused:
         optimizer.step()
     assert "close()" not in str(refused.value)
-    optimizer.zero_grad(set_to_none=False)  # zeros on every rank alike: the step was refused
-    optimizer.step()
-    model(torch.randn(5, 3)).pow(2).sum().backward()
-    first.synchronise()
     optimizer.zero_grad()  # set_to_none: nothing to step on
     optimizer.step()
     first.close()
@@ -467,6 +463,34 @@ def test_the_step_check_tells_disjoint_synchronisers_zeroed_gradients_and_hooks_
         handle.remove()
     synchroniser.close()
     model.zero_grad()
+
+
+class _Shift(nn.Module):
+    """A parameter no rule defers: its gradient accumulates, and its hooks run, in backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Parameter(torch.zeros(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.shift
+
+
+def test_a_step_in_backward_hooked_before_the_synchroniser_is_refused(one_rank_group: None) -> None:
+    """The optimizer-in-backward hook registered before the synchroniser: the synchroniser moves
+    its own hook after the user's, so from the second step on the user's step ran before anything
+    marked the gradients unsynchronised, on each rank's own gradient (replicas 0.6 apart)."""
+    model = twobp.patch(nn.Sequential(nn.Linear(3, 4), _Shift()))
+    shift = model[1].shift
+    optimizer = torch.optim.SGD([shift], lr=0.1)
+    shift.register_post_accumulate_grad_hook(lambda p: optimizer.step())
+    synchroniser = GradientSynchroniser(model)
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="optimizer-in-backward.*do not combine"):
+            model(torch.randn(5, 3)).pow(2).sum().backward()
+        twobp.discard_weight_grads()
+        model.zero_grad()
+    synchroniser.close()
 
 
 @pytest.mark.parametrize("bucket_bytes", [4, 100_000], ids=["bucket-per-parameter", "one-bucket"])

@@ -1484,6 +1484,44 @@ def test_recompute_rule_keeps_plain_autograd_for_a_forward_that_draws_from_a_hos
     assert_grads_match(patched, reference, torch.float64)
 
 
+class ScheduledLayerDrop(nn.Module):
+    """LayerDrop whose rate a schedule raises from zero: no draw on the first calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.gate = nn.Parameter(torch.randn(4))
+        self.rate = 0.0
+
+    def forward(self, x):
+        if self.rate > 0 and random.random() < self.rate:
+            return x * self.gate
+        return torch.tanh(self.linear(x)) * self.gate
+
+
+@pytest.mark.parametrize("rule", ["recompute", "recompute_rowwise"])
+def test_recompute_rule_watches_host_generators_when_a_schedule_starts_drawing(rule):
+    """The host generators are watched on the calls that run trials; the plain rule, which seeks no
+    rows-apart verdict, ran none after the first call, so a rate raised later went unseen: the
+    replay drew again and took the other branch (a dropped layer's weights got gradients)."""
+    kind = ScheduledLayerDrop
+    twobp.register(kind, getattr(twobp.ops, rule))
+    patched, reference = patched_and_reference(kind().double())
+    for step in range(6):
+        rate = 0.0 if step < 2 else 0.5
+        x = torch.randn(3, 4, dtype=torch.float64)
+        for model in (patched, reference):
+            model.rate = rate
+            random.seed(step)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # taken for random once it draws, warned
+                model(x).pow(2).sum().backward()
+        twobp.flush_weight_grads()
+        assert_grads_match(patched, reference, torch.float64)
+        patched.zero_grad()
+        reference.zero_grad()
+
+
 def test_recompute_rule_watches_numpy_under_another_bit_generator():
     """NumPy's global generator set to PCG64 (``np.random.set_bit_generator``) reports its state as
     a dict, not the Mersenne Twister's tuple: every module's first call failed reading it."""

@@ -519,7 +519,9 @@ def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer step guard (:data:`.grad_guard.step_checks`), after a closure's call where the
     step has one."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if _stale_synchronisers(params) and torch._C._current_graph_task_id() >= 0:  # optimizer-in-backward
+    # Inside a backward (a post-accumulate-grad hook: optimizer-in-backward) whatever the flag says:
+    # a hook registered before the synchroniser's runs before that hook marks the step unsynchronised.
+    if torch._C._current_graph_task_id() >= 0 and any(id(p) in sync._index for sync in list(_live) for p in params):
         raise RuntimeError(
             "twobp: optimizer.step() in a post-accumulate-grad hook (optimizer-in-backward) over "
             "parameters of a GradientSynchroniser: the hook runs before the synchroniser has written "
@@ -532,7 +534,9 @@ def _refuse_unsynchronised(params: list[Any], what: str) -> None:
     """Refuse ``what`` (a step, clipping, a scaler's unscale_) over gradients a backward changed
     since the synchroniser's last synchronise(): each rank's own (clipped by its own norm, a
     scaler's inf found on one rank only, which then stepped on the other's inf mean). Gradients
-    all None or zero (zeroed since the backward) are alike on every rank, as in DDP."""
+    all None (set to None since the backward) are alike on every rank, as in DDP; zeros are not
+    told from a rank's own gradient that happens to be zero (a head only another rank's batch
+    used): asked of values, one rank stepped alone where the other was refused."""
     stale = _stale_synchronisers(params)
     if not stale:
         return
@@ -556,21 +560,14 @@ def _refuse_unsynchronised(params: list[Any], what: str) -> None:
 
 def _stale_synchronisers(params: list[Any]) -> list[GradientSynchroniser]:
     """The synchronisers a backward changed since their last synchronise() that hold a gradient
-    other than zeros for one of ``params``."""
+    for one of ``params``."""
     if not any(sync._unsynchronised for sync in list(_live)):
         return []
     by_id = {id(p): p for p in params}
     return [
         sync for sync in list(_live)
-        if sync._unsynchronised and any(_holds_gradient(by_id[i]) for i in sync._index if i in by_id)
+        if sync._unsynchronised and any(by_id[i].grad is not None for i in sync._index if i in by_id)
     ]  # fmt: skip
-
-
-def _holds_gradient(param: Tensor) -> bool:
-    grad = param.grad
-    if grad is None:
-        return False
-    return grad.layout != torch.strided or grad.is_meta or bool(grad.any())  # no values to read: held
 
 
 step_checks.append(_refuse_unsynchronised_step)

@@ -796,7 +796,7 @@ recompute.runs_alone = recompute_rowwise.runs_alone = _lock_of  # type: ignore[a
 def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[str, Any], *, rowwise: bool) -> Any:
     params = dict(module.named_parameters())
     if kwargs or not inputs or not all(isinstance(t, Tensor) and t.dim() > 0 for t in inputs):
-        reason: str | None = "keyword, non-tensor or 0-d arguments (recompute needs positional batched tensors)"
+        reason: str | None = "keyword, non-tensor or 0-d arguments (recompute replays positional tensors only)"
     elif any(t.is_inference() for t in inputs):
         reason = "inputs made under torch.inference_mode (no version counter to check the replay's input by)"
     else:
@@ -842,7 +842,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # Past a few verdicts no new one is sought (a temperature set at every call would make a
     # verdict, and two trial forwards, per call): such calls are not joined (calls that saw other
     # values are not joined anyway, state.key()).
-    judged = not rowwise or alike in verdicts or len(verdicts) >= _MAX_VERDICTS
+    judged = alike in verdicts or len(verdicts) >= _MAX_VERDICTS
     trials = module not in _leaves_inputs or not judged
     # Copies only where trials will run (a module's first calls), which must be rewound; later
     # calls see a change in place by its version (a cache held in an attribute is not copied).
@@ -920,7 +920,11 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
-    if not judged and _batched_alike(inputs) and inputs[0].shape[0] > 0:
+    if not judged and not rowwise:
+        # No rows-apart verdict to seek; the key still marks the calls whose trials watch the host's
+        # generators (a LayerDrop whose switch a schedule turns on after the first calls).
+        verdicts[alike] = False
+    elif not judged and _batched_alike(inputs) and inputs[0].shape[0] > 0:
         with _outside_selective_checkpointing():
             verdict = _treats_rows_apart(module, inputs, substitutes, trial_output)
         if verdict is not None:  # None: no verdict from this call (replayed on its own)
