@@ -490,6 +490,15 @@ def test_a_step_in_backward_hooked_before_the_synchroniser_is_refused(one_rank_g
             model(torch.randn(5, 3)).pow(2).sum().backward()
         twobp.discard_weight_grads()
         model.zero_grad()
+
+    # A step on synchronised gradients from the hook of another backward (of a parameter outside
+    # the model) runs, as in plain: refusing every step inside a backward refused it.
+    outside = nn.Parameter(torch.ones(2))
+    outside.register_post_accumulate_grad_hook(lambda p: optimizer.step())
+    shift.grad = torch.ones(4)
+    synchroniser.synchronise()
+    outside.sum().backward()
+    assert torch.equal(shift, torch.full((4,), -0.1)), "stepped once, on the mean"
     synchroniser.close()
 
 

@@ -157,6 +157,17 @@ class GradientSynchroniser:
         # never collected, keeping the whole model alive after the caller dropped it.
         on_accumulated = _weak_hook(self._on_accumulated)
         self._hooks = [p.register_post_accumulate_grad_hook(on_accumulated) for p in self.params]
+        # The step is marked unsynchronised by a hook run before every other (the one above is moved
+        # after the user's, see _hook_last): a user's hook stepping an optimizer (optimizer-in-
+        # backward) must find it marked, registered before this synchroniser or after.
+        mark = _weak_hook(self._mark_unsynchronised)
+        for p in self.params:
+            handle = p.register_post_accumulate_grad_hook(mark)
+            # First by re-inserting the others after it: autograd calls them in the dict's own
+            # order, which OrderedDict.move_to_end does not change.
+            hooks = p._post_accumulate_grad_hooks
+            hooks.update([(key, hooks.pop(key)) for key in list(hooks) if key != handle.id])
+            self._hooks.append(handle)
         self._check_same_parameters(broadcast_buffers and sync_initial_state)
         if sync_initial_state:
             with torch.no_grad():
@@ -382,6 +393,11 @@ class GradientSynchroniser:
 
     @reads_grad_only
     @takes_partial_gradients
+    def _mark_unsynchronised(self, param: Tensor) -> None:
+        self._unsynchronised = True
+
+    @reads_grad_only
+    @takes_partial_gradients
     def _on_accumulated(self, param: Tensor) -> None:
         # Backward-p1 also calls this (with no gradient) for a deferred parameter, and an
         # unarmed flush calls it before the gradient is final: only armed deliveries count.
@@ -519,9 +535,7 @@ def _refuse_unsynchronised_step(optimizer: torch.optim.Optimizer) -> None:
     optimizer step guard (:data:`.grad_guard.step_checks`), after a closure's call where the
     step has one."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    # Inside a backward (a post-accumulate-grad hook: optimizer-in-backward) whatever the flag says:
-    # a hook registered before the synchroniser's runs before that hook marks the step unsynchronised.
-    if torch._C._current_graph_task_id() >= 0 and any(id(p) in sync._index for sync in list(_live) for p in params):
+    if _stale_synchronisers(params) and torch._C._current_graph_task_id() >= 0:  # optimizer-in-backward
         raise RuntimeError(
             "twobp: optimizer.step() in a post-accumulate-grad hook (optimizer-in-backward) over "
             "parameters of a GradientSynchroniser: the hook runs before the synchroniser has written "
