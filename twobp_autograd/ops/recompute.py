@@ -17,7 +17,8 @@ buffers (a counter, a running statistic) cannot be replayed either: it keeps pla
 one drawing random numbers does (its buffers are copied before each call to make that possible).
 Plain Python attributes the forward reads are not seen, nor draws from a ``torch.Generator``
 of the module's own (only the default generators are watched: torch's on every call, Python's
-``random`` and NumPy's global one on the calls that run trials, a module's first ones).
+``random`` and NumPy's global one on the calls that run trials: a module's first ones, and the
+first in each new mix of modes).
 
 Its outputs are a tensor, or a tuple or list of them, returned in that container; a call that
 returns anything else, or returns its own input, parameter or buffer (or a view of one, or two
@@ -848,8 +849,8 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # calls see a change in place by its version (a cache held in an attribute is not copied).
     attribute_values = state.attribute_values() if trials else {}
     # Python's and NumPy's generators too (LayerDrop written as `random.random() < p`), only
-    # where trials run: a copy of theirs costs a tenth of a small module's forward. A forward that
-    # draws from them draws on its first calls as on the later ones.
+    # where trials run (a module's first calls, and the first in each new mix of modes): a copy of
+    # theirs costs a tenth of a small module's forward.
     host_random = _HostRandomState() if trials else None
     param_values = [p.detach().clone() for p in params.values()] if trials else []
     # Leaves detached, so their gradients wait for the flush; others (functional_call's computed
