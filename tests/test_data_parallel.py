@@ -423,8 +423,10 @@ def test_gradients_read_before_synchronise_are_refused_with_nothing_queued(one_r
         "clip_grad_value_": lambda: nn.utils.clip_grad_value_(model.parameters(), 0.1),
         "unscale_": lambda: scaler.unscale_(optimizer),
     }[reader]
-    with pytest.raises(RuntimeError, match="over parameters of a GradientSynchroniser whose gradients a backward"):
+    refusal = "over parameters of a GradientSynchroniser whose gradients a backward"
+    with pytest.raises(RuntimeError, match=refusal) as refused:
         read()
+    assert "closure" not in str(refused.value)  # a step's advice: clipping has no closure
     synchroniser.synchronise(queue)
     read()
     optimizer.step()

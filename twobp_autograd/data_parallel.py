@@ -563,12 +563,13 @@ def _refuse_unsynchronised(params: list[Any], what: str) -> None:
         if shared
         else ""
     )
+    # A closure's backward runs inside the step: only there does synchronise() go into it.
+    closure = " (with step(closure): inside the closure, after its backward)" if what == "optimizer.step()" else ""
     raise RuntimeError(
         f"twobp: {what} over parameters of a GradientSynchroniser whose gradients a "
         "backward changed since its last synchronise(): they are this rank's own, not the "
         "mean over ranks. Call sync.synchronise() (or sync.flush() and sync.finish()) after the "
-        f"step's last backward and before {what} (with step(closure): inside the "
-        f"closure, after its backward){replaced}."
+        f"step's last backward and before {what}{closure}{replaced}."
     )
 
 
