@@ -275,6 +275,27 @@ def test_deepcopy_and_save_load_keep_the_patch():
         assert clone[0].weight.grad is not None and model[0].weight.grad is None
 
 
+def test_a_whole_patched_model_loads_with_weights_only_once_its_classes_are_allowed():
+    """torch.load's default, weights_only=True, loads a whole model whose classes are allow-listed:
+    a patched one needs only DeferredForwardCall beside them (a rule was pickled as an instance of a
+    class of this package's, which needed allow-listing too)."""
+    from twobp_autograd.patching import DeferredForwardCall
+
+    model, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)))
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    with torch.serialization.safe_globals([nn.Sequential, nn.Linear, nn.LayerNorm, DeferredForwardCall]):
+        loaded = torch.load(buffer)
+    assert loaded[0].forward.deferred is model[0].forward.deferred
+    x = torch.randn(2, 4)
+    loaded(x).pow(2).sum().backward()
+    assert_no_grads(loaded)
+    twobp.flush_weight_grads()
+    reference(x).pow(2).sum().backward()
+    assert_grads_match(loaded, reference)
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "eval", "frozen"])
 def test_paths_without_weight_gradients_queue_nothing(mode):
     patched, reference = patched_and_reference(mlp())

@@ -114,7 +114,9 @@ class DeferredForwardCall:
             # one with no name to find (a lambda, a function defined inside another) as None. Either
             # way a rule not found is the one registered there for the module's class.
             named = _found_by_name(rule.__module__, rule.__qualname__) is rule
-            state["deferred"] = _RuleByName((rule.__module__, rule.__qualname__)) if named else None
+            # A tuple of strings: a whole patched model then loads with weights_only=True, only
+            # this class allow-listed beside the model's.
+            state["deferred"] = (rule.__module__, rule.__qualname__) if named else None
         elif not _pickles_apart_from_modules(rule):
             state["deferred"] = None  # a partial of a lambda, an instance of a local class: found again
         return state
@@ -143,8 +145,9 @@ class DeferredForwardCall:
         state = dict(state)
         module = state.pop("module")
         self.__dict__.update(state)
-        if isinstance(self.deferred, _RuleByName):
-            self.deferred = self.deferred.found()
+        if isinstance(self.deferred, tuple):  # a rule's name: no rule is a tuple
+            found = _found_by_name(*self.deferred)
+            self.deferred = found if callable(found) else None
         if self.deferred is None:
             self.deferred = _rule_found_again(module)
         self.runs_alone = getattr(self.deferred, "runs_alone", None)
@@ -318,12 +321,8 @@ def _pickles_apart_from_modules(rule: Any) -> bool:
     return True
 
 
-class _RuleByName(tuple[str, str]):
-    """A rule function pickled as its module and qualified name (see ``__getstate__``)."""
-
-    def found(self) -> Any:
-        found = _found_by_name(*self)
-        return found if callable(found) else None
+#: What models saved by earlier versions name their rules' names with.
+_RuleByName = tuple
 
 
 def _rule_found_again(module: nn.Module | None) -> Any:
