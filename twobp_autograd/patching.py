@@ -322,7 +322,7 @@ def _pickles_apart_from_modules(rule: Any) -> bool:
 
 
 #: What models saved by earlier versions name their rules' names with.
-_RuleByName = tuple
+_RuleByName: type = tuple
 
 
 def _rule_found_again(module: nn.Module | None) -> Any:
