@@ -42,6 +42,13 @@ class Setting:
         return x
 
 
+def _without_weight(module: nn.Module) -> nn.Module:
+    """A norm whose weight was set to None, its bias kept: F.layer_norm, F.group_norm and
+    F.batch_norm take that, and the rules crashed on it (they found the dtype on the weight)."""
+    module.weight = None
+    return module
+
+
 def _sizes(*rest: int, batches: Sequence[int] = (4, 6, 3)) -> tuple[tuple[int, ...], ...]:
     return tuple((b, *rest) for b in batches)
 
@@ -57,6 +64,7 @@ BATCH_NORM = [
     Setting("bn2d-momentum-eps", lambda: nn.BatchNorm2d(3, eps=1e-2, momentum=0.3), _sizes(3, 4, 5)),
     Setting("bn2d-no-running-stats", lambda: nn.BatchNorm2d(3, track_running_stats=False), _sizes(3, 4, 5)),
     Setting("bn1d-no-bias", lambda: nn.BatchNorm1d(4, bias=False), _sizes(4, 5)),
+    Setting("bn2d-no-weight", lambda: _without_weight(nn.BatchNorm2d(3)), _sizes(3, 4, 5)),
 ]
 
 LAYER_NORM = [
@@ -66,6 +74,8 @@ LAYER_NORM = [
     Setting("ln-unbatched", lambda: nn.LayerNorm((3, 4)), ((3, 4),) * 3),
     Setting("ln-no-bias", lambda: nn.LayerNorm(8, bias=False), _sizes(3, 8)),
     Setting("ln-eps", lambda: nn.LayerNorm(8, eps=1e-2), _sizes(3, 8)),
+    Setting("ln-no-weight", lambda: _without_weight(nn.LayerNorm(8)), _sizes(3, 8)),
+    Setting("ln-2d-input-no-weight", lambda: _without_weight(nn.LayerNorm(8)), _sizes(8)),
 ]
 
 GROUP_NORM = [
@@ -76,6 +86,7 @@ GROUP_NORM = [
     Setting("gn-2d-input", lambda: nn.GroupNorm(2, 6), _sizes(6)),
     Setting("gn-3d-input", lambda: nn.GroupNorm(2, 6), _sizes(6, 5)),
     Setting("gn-no-bias", lambda: nn.GroupNorm(3, 6, bias=False), _sizes(6, 3, 3)),
+    Setting("gn-no-weight", lambda: _without_weight(nn.GroupNorm(3, 6)), _sizes(6, 3, 3)),
 ]
 
 INSTANCE_NORM = [
@@ -96,6 +107,7 @@ INSTANCE_NORM = [
     ),
     Setting("in2d-eps", lambda: nn.InstanceNorm2d(3, affine=True, eps=1e-2), _sizes(3, 4, 5)),
     Setting("in2d-no-bias", lambda: nn.InstanceNorm2d(3, affine=True, bias=False), _sizes(3, 4, 5)),
+    Setting("in2d-no-weight", lambda: _without_weight(nn.InstanceNorm2d(3, affine=True)), _sizes(3, 4, 5)),
 ]
 
 RMS_NORM = [

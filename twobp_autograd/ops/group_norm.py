@@ -19,7 +19,7 @@ from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
+from .precision import affine_dtype, norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
 
 __all__ = ["group_norm", "group_norm_weight_grad"]
 
@@ -90,7 +90,9 @@ def group_norm(module: nn.GroupNorm, input: Tensor) -> Tensor:
         groups,
         module.eps,
     )
-    kernel, group = configured_kernel(group_norm_weight_grad, num_groups=groups, weight_dtype=weight.dtype)  # type: ignore[union-attr]
+    kernel, group = configured_kernel(
+        group_norm_weight_grad, num_groups=groups, weight_dtype=affine_dtype(weight, bias)
+    )
     # The input saved as given (the kernel lays it out), as plain saves it: changed in place
     # before backward, it makes backward raise as plain's does. The statistics detached:
     # differentiable graph outputs under torch.compile with dynamic shapes, they made inductor's

@@ -22,7 +22,7 @@ from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
 from .group_norm import group_norm_weight_grad
-from .precision import accumulation_dtype
+from .precision import accumulation_dtype, affine_dtype
 
 __all__ = ["instance_norm", "instance_norm_weight_grad"]
 
@@ -105,7 +105,7 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
     kernel, group = configured_kernel(
         instance_norm_weight_grad,
         eps=module.eps,
-        weight_dtype=next(p for p in params if p is not None).dtype,
+        weight_dtype=affine_dtype(*params),
     )
     # The input saved as given (plain's batch_norm saves a view of it, unless it had to copy it
     # contiguous): changed in place before backward, it makes backward raise as plain's does.

@@ -27,7 +27,7 @@ from ..job import WeightGradKernel
 from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .precision import norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
+from .precision import affine_dtype, norm_operands_summed_in_fp32, summed_over_row_chunks, unit_weight
 
 __all__ = ["layer_norm", "layer_norm_weight_grad"]
 
@@ -136,7 +136,9 @@ def _layer_norm_kernel(
     shape: tuple[int, ...], weight: Tensor | None, bias: Tensor | None
 ) -> tuple[WeightGradKernel, Hashable]:
     """The weight kernel (and its group) for parameters of these dtypes (autocast's, if it cast them)."""
-    assert weight is not None  # a LayerNorm without weight has no parameter to defer
     return configured_kernel(
-        layer_norm_weight_grad, normalized_shape=shape, weight_dtype=weight.dtype, has_bias=bias is not None
+        layer_norm_weight_grad,
+        normalized_shape=shape,
+        weight_dtype=affine_dtype(weight, bias),
+        has_bias=bias is not None,
     )

@@ -17,7 +17,13 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["accumulation_dtype", "norm_operands_summed_in_fp32", "summed_over_row_chunks", "unit_weight"]
+__all__ = [
+    "accumulation_dtype",
+    "affine_dtype",
+    "norm_operands_summed_in_fp32",
+    "summed_over_row_chunks",
+    "unit_weight",
+]
 
 _REDUCED = (torch.bfloat16, torch.float16)
 
@@ -38,6 +44,16 @@ def norm_operands_summed_in_fp32(
     if first.is_cuda or accumulation_dtype(first.dtype) == first.dtype:
         return tensors, weight_dtype
     return [t.float() for t in tensors], torch.promote_types(weight_dtype, torch.float32)
+
+
+def affine_dtype(weight: Tensor | None, bias: Tensor | None) -> torch.dtype:
+    """The dtype of a norm's affine parameters (autocast's, where it cast them): the weight's, or
+    the bias's where the weight was set to None (``norm.weight = None`` keeps the bias; F.layer_norm
+    and F.group_norm take that)."""
+    param = weight if weight is not None else bias
+    if param is None:
+        raise ValueError("twobp: a norm with neither weight nor bias has no gradient to defer")
+    return param.dtype
 
 
 def unit_weight(like: Tensor, shape: int | tuple[int, ...], dtype: torch.dtype) -> Tensor:
