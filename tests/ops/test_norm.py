@@ -321,3 +321,45 @@ def test_rms_norm_on_cuda_is_one_node_with_plains_input_gradient(lossy: bool, in
     assert_no_grads(patched)
     twobp.flush_weight_grads()
     assert_grads_match(patched, reference, torch.float64)
+
+
+def _instance_norm_grads(patched: bool, x: torch.Tensor, output_grad: torch.Tensor) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    module = nn.InstanceNorm2d(x.shape[1], affine=True).to(x.dtype)
+    with torch.no_grad():
+        module.weight.normal_()
+        module.bias.normal_()
+    if patched:
+        twobp.patch(module)
+    module(x).backward(output_grad)
+    twobp.flush_weight_grads()
+    return [module.weight.grad, module.bias.grad]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("spread", [0.0, 1e-3], ids=["constant", "small-spread"])
+def test_instance_norm_weight_grad_is_plains_on_channels_of_small_spread(dtype: torch.dtype, spread: float) -> None:
+    """A channel of small spread around a large mean (a blank frame): the weight kernel was group
+    norm's, which sums dy * x and dy apart and subtracts: a constant channel's weight gradient,
+    exactly 0 in plain, came out as 2.5e-2 of noise in fp32 (4e-9 in fp64); 110x the fp32
+    tolerance with a spread of 1e-3. Batch norm's own derivative sums as plain does: equal."""
+    x = (2.1 + spread * torch.randn(3, 4, 32, 32)).to(dtype)
+    output_grad = torch.randn(3, 4, 32, 32, dtype=dtype)
+    ours, plain = _instance_norm_grads(True, x, output_grad), _instance_norm_grads(False, x, output_grad)
+    for got, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grad_layout", ["channels-last", "contiguous"])
+def test_instance_norm_of_one_sample_under_a_channels_last_gradient_is_plains(grad_layout: str) -> None:
+    """One sample whose output gradient comes channels_last: instance_norm's view hands batch norm's
+    backward a gradient whose size-1 batch dim has an odd stride. The flush ran group norm's kernel
+    on that gradient laid out afresh and was 11.6 off plain (and fp64) where the gradient came
+    channels_last from the loss; it now runs the derivative plain runs, on the same tensors."""
+    x = torch.randn(1, 3, 5, 6, dtype=torch.float64)
+    output_grad = torch.randn(1, 3, 5, 6, dtype=torch.float64)
+    if grad_layout == "channels-last":
+        output_grad = output_grad.to(memory_format=torch.channels_last)
+    ours, plain = _instance_norm_grads(True, x, output_grad), _instance_norm_grads(False, x, output_grad)
+    for got, expected in zip(ours, plain, strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)

@@ -1,11 +1,14 @@
 """nn.InstanceNorm1d/2d/3d with ``affine=True``: the forward runs the ops ``torch.instance_norm``
 runs (``batch_norm`` over the samples' channels as one sample's), with the parameters detached,
 so the output, the input gradient and the running statistics (``track_running_stats=True``) are
-PyTorch's own. Instance norm is group norm with one group per channel, so the weight kernel is
-GroupNorm's; the per-(sample, channel) statistics are recomputed at the flush from the saved
-input (batch_norm keeps them to itself), off the backward's critical path (under the user's
-saved-tensor hooks they are saved, as plain saves its own). Each sample is normalised on its
-own: queued micro-batches concatenate on the batch dimension.
+PyTorch's own. The weight kernel is batch norm's own derivative on that view too, summed over
+the samples as the repeated weight's gradient is: it sums dy * (x - mean), where group norm's
+sums dy * x and dy apart and loses a channel of small spread around a large mean to
+cancellation (a constant channel's weight gradient, 0 in plain, came out as noise times
+1/sqrt(eps)). The per-(sample, channel) statistics are recomputed at the flush from the saved
+input by the forward's own kernel (batch_norm keeps them to itself), off the backward's critical
+path (under the user's saved-tensor hooks they are saved, as plain saves its own). Each sample
+is normalised on its own: queued micro-batches concatenate on the batch dimension.
 """
 
 from __future__ import annotations
@@ -21,8 +24,7 @@ from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register, weight_and_bias
 from .autocast import as_autocast_casts
 from .fallback import plain_forward, unsupported_tensors
-from .group_norm import group_norm_weight_grad
-from .precision import accumulation_dtype, affine_dtype
+from .precision import accumulation_dtype, affine_dtype, unit_weight
 
 __all__ = ["instance_norm", "instance_norm_weight_grad"]
 
@@ -36,24 +38,30 @@ def instance_norm_weight_grad(
     weight_dtype: torch.dtype,
 ) -> list[Tensor | None]:
     input, *statistics = saved  # (N, C, *), as the forward normalised it; (N, C) mean and 1/std
-    mean, rstd = statistics or _statistics(input, eps)
+    batch, channels = input.shape[:2]
+    as_one_sample = _as_one_sample(input)
+    mean, invstd = [t.reshape(-1) for t in statistics] if statistics else _statistics(as_one_sample, eps)
     # batch_norm's output gradient, (1, N * C, *) per micro-batch (joined: (k, N * C, *)).
-    grad = grad_outputs[0].reshape(input.shape)
-    return group_norm_weight_grad(
-        (input, mean, rstd),
-        (grad,),
-        needs,
-        num_groups=input.shape[1],
-        weight_dtype=weight_dtype,
+    grad = grad_outputs[0].reshape(as_one_sample.shape)
+    weight = unit_weight(as_one_sample, batch * channels, weight_dtype)  # its values are not read
+    _, *per_sample = torch.ops.aten.native_batch_norm_backward(
+        grad, as_one_sample, weight, None, None, mean, invstd, True, eps, [False, *needs]
     )
+    accumulate = accumulation_dtype(weight_dtype)
+    return [None if g is None else g.view(batch, channels).sum(0, dtype=accumulate) for g in per_sample]
 
 
-def _statistics(input: Tensor, eps: float) -> list[Tensor]:
-    """Each (sample, channel)'s mean and 1/std, in fp32 for bf16/fp16 inputs, as the native
-    kernels compute them."""
-    spatial = tuple(range(2, input.dim()))
-    var, mean = torch.var_mean(input.detach().to(accumulation_dtype(input.dtype)), dim=spatial, correction=0)
-    return [mean, (var + eps).rsqrt()]
+def _as_one_sample(input: Tensor) -> Tensor:
+    """(N, C, *) as the (1, N * C, *) batch_norm normalises."""
+    return input.contiguous().view(1, -1, *input.shape[2:])
+
+
+def _statistics(as_one_sample: Tensor, eps: float) -> list[Tensor]:
+    """Each (sample, channel)'s mean and 1/std as batch_norm's forward saves them: by its own
+    kernel (whose output is not needed), so the weight gradient sums what plain's does."""
+    with torch.no_grad():
+        _, mean, invstd = torch.native_batch_norm(as_one_sample, None, None, None, None, True, 0.0, eps)
+    return [mean, invstd]
 
 
 def _repeated(tensor: Tensor | None, times: int) -> Tensor | None:
@@ -111,7 +119,12 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
     # contiguous): changed in place before backward, it makes backward raise as plain's does.
     # Under the user's saved-tensor hooks the statistics too, as plain saves them: a lossy pack
     # hands back other values than the flush would recompute from the unpacked input.
-    saved = (x, *_statistics(x, module.eps)) if saved_through_user_hooks() else (x,)
+    # Shaped (N, C): every saved tensor holds the samples on dim 0, where micro-batches join.
+    saved = (
+        (x, *(t.view(batch, channels) for t in _statistics(_as_one_sample(x), module.eps)))
+        if saved_through_user_hooks()
+        else (x,)
+    )
     output = defer_weight_grads(output, params, saved, kernel, group=group).view(x.shape)
     with torch.no_grad():
         for buffer, repeated in ((module.running_mean, running_mean), (module.running_var, running_var)):
