@@ -3574,6 +3574,26 @@ def test_an_output_gradient_held_elsewhere_and_changed_in_place_later_leaves_the
     assert_grads_match(patched, reference, torch.float64)
 
 
+@pytest.mark.parametrize("layer", ["linear", "conv"])
+def test_an_expanded_output_gradient_made_in_inference_mode_and_changed_later_leaves_the_queued_work_alone(layer):
+    """``y.backward(g.expand_as(y))`` with ``g`` made under inference_mode (a reused buffer),
+    changed in place before the flush: autograd hands the expanded view on uncopied, and an
+    inference tensor has no version counter to refuse the change by: the flush computed from the
+    changed values (bias gradient 50 where plain gives 5). Such gradients are copied as queued."""
+    make = {"linear": lambda: nn.Linear(4, 3), "conv": lambda: nn.Conv1d(4, 3, 1)}[layer]
+    patched, reference = patched_and_reference(make().double())
+    x = torch.randn(5, 4, 1, dtype=torch.float64) if layer == "conv" else torch.randn(5, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        output = model(x)
+        with torch.inference_mode():
+            buffer = torch.ones(output.shape[1:], dtype=torch.float64)
+        output.backward(buffer.expand_as(output))
+        with torch.inference_mode():
+            buffer.mul_(10)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
+
+
 def test_output_gradients_only_the_queue_holds_are_not_copied(monkeypatch):
     """The copy is for gradients something else holds: a plain training step makes none (the
     storage's Python object holds a reference of its own, which the count once mistook for

@@ -52,6 +52,12 @@ class WeightGradJob:
         self.concatenate = concatenate  # False: never joined; True: joining pays; None: off the CPU
         self.params = params  # None where that gradient is not wanted
         self.saved = saved
+        for grad in grad_outputs:  # a loop: a generator costs a microsecond per backward
+            if grad.is_inference():
+                # Made under inference_mode (an expanded one autograd hands on uncopied): no version
+                # counter would see it changed in place before the flush.
+                grad_outputs = tuple([g.clone() if g.is_inference() else g for g in grad_outputs])
+                break
         self.grad_outputs = grad_outputs
         self.tag = tag
         self.task = -1  # the backward call (autograd graph task) that queued it, set on enqueue
