@@ -469,6 +469,68 @@ def test_a_checkpoint_recomputed_after_a_mode_switch_takes_its_forwards_path(for
     assert_grads_match(patched, reference)
 
 
+class _AttentionBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention = nn.MultiheadAttention(8, 2, dropout=0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.attention(x, x, x)[0]
+
+
+MODE_DEPENDENT = {
+    "batch-norm": (lambda: nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4)), (6, 4)),
+    "attention-dropout": (_AttentionBlock, (3, 2, 8)),
+}
+
+
+@pytest.mark.parametrize("layer", MODE_DEPENDENT)
+def test_a_layer_that_computes_otherwise_in_eval_recomputed_after_a_switch_to_eval_is_refused(layer):
+    """``train(); y = checkpoint(model, x); eval(); y.backward()`` over a BatchNorm with running
+    statistics, or attention with dropout: plain's recomputation computes in eval and its checkpoint
+    refuses (CheckpointError). The rules compute training's op whatever the mode: the replay gave
+    the forward's gradients and updated BatchNorm's running statistics a second time, in eval."""
+    make, shape = MODE_DEPENDENT[layer]
+    patched, reference = patched_and_reference(make().double())
+    x = torch.randn(shape, dtype=torch.float64)
+    for model in (patched, reference):
+        model.train()
+        output = checkpoint(model, x, use_reentrant=False)
+        buffers = [b.clone() for b in model.buffers()]
+        model.eval()
+        with pytest.raises(torch.utils.checkpoint.CheckpointError):
+            output.square().sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers(), strict=True))
+    twobp.discard_weight_grads()
+
+
+class _DropoutBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(4))
+        self.dropout = nn.Dropout(0.5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.dropout(x * self.scale)
+
+
+@pytest.mark.parametrize("rule", ["recompute", "recompute_rowwise"])
+def test_a_recompute_rule_module_that_draws_on_its_first_call_inside_a_checkpoint(rule):
+    """A dropout block under the recompute rule, first called inside a non-reentrant checkpoint:
+    the rule told its draw from an attempt on the deferred path, abandoned for plain's forward,
+    whose saved tensors the checkpoint had counted too: its recomputation, plain's forward alone,
+    saved fewer (CheckpointError on the first step, where plain trains)."""
+    twobp.register(_DropoutBlock, getattr(twobp.ops, rule))
+    model = nn.Sequential(nn.Linear(4, 4), _DropoutBlock(), nn.Linear(4, 4))
+    patched, reference = patched_and_reference(model.double())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        torch.manual_seed(0)
+        checkpoint(model, x, use_reentrant=False).square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 def test_nested_checkpoints_recomputed_after_a_mode_switch_take_their_forwards_paths():
     inner = _square_layers()
     outer = nn.Sequential(nn.Linear(4, 4).double(), inner)

@@ -42,6 +42,7 @@ __all__ = [
     "deferred_in_live_checkpoints",
     "replaying_deferred",
     "saved_through_user_hooks",
+    "refuse_recomputation_in_eval",
 ]
 
 
@@ -207,6 +208,19 @@ def took_plain(module: Any) -> None:
             "saved tensors to the deferred path's nodes. Add or remove such hooks before the forward "
             "or after the backward."
         )
+
+
+def refuse_recomputation_in_eval(module: Any, computes: str) -> None:
+    """For a rule that computes training's op whatever the mode, called in eval(): only a
+    checkpoint's recomputation of a call that deferred in training gets there (the mode switched
+    between the forward and its backward). Plain's recomputation would compute in eval, which
+    ``computes`` otherwise, and its checkpoint refuses what it saves then; replaying training's
+    op instead gave the forward's gradients and updated running statistics a second time."""
+    raise torch.utils.checkpoint.CheckpointError(
+        f"twobp: an activation checkpoint recomputes a {type(module).__name__} that ran in train() in "
+        f"its forward and is in eval() now, where it {computes}: the recomputation is not the "
+        "forward (plain PyTorch's checkpoint refuses it too). Switch modes after the backward."
+    )
 
 
 def replaying_deferred(module: Any) -> bool:

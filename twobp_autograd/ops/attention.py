@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.utils.parametrize import is_parametrized
 
+from ..checkpoint_paths import refuse_recomputation_in_eval
 from ..deferral import configured_kernel, defer_weight_grads, detached
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
@@ -166,6 +167,8 @@ def multihead_attention(
     average_attn_weights: bool = True,
     is_causal: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
+    if not module.training and module.dropout > 0.0:
+        refuse_recomputation_in_eval(module, "drops no attention weights")
     # (Outside its inference fast path PyTorch refuses nested tensors, and softmax complex ones:
     # the plain forward says so.) The parameters need no look: they meet the inputs in a GEMM,
     # which refuses mixed dtypes.

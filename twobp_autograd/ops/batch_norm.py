@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch._prims_common import suggest_memory_format
 from torch.autograd import forward_ad
 
+from ..checkpoint_paths import refuse_recomputation_in_eval
 from ..deferral import (
     ParamDeferral,
     defer_weight_grads,
@@ -154,7 +155,10 @@ def _check_num_features(input: Tensor, *tensors: Tensor | None) -> None:
 
 @register((nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d))
 def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor:
-    """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward)."""
+    """``_BatchNorm.forward`` in training mode (the only mode that reaches a deferred forward, but
+    for a checkpoint's recomputation)."""
+    if not module.training and (module.running_mean is not None or module.running_var is not None):
+        refuse_recomputation_in_eval(module, "normalises by its running statistics")
     weight, bias = weight_and_bias(module)
     reason = unsupported_tensors(input, weight, bias)
     if reason is not None:

@@ -907,6 +907,12 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
             else None
         )  # fmt: skip
         after_trial = _state_of(module, substitutes) if changed_state else {}
+        # Told here, not after the attempt below: an attempt abandoned for its draws leaves what it
+        # saved counted by an activation checkpoint around the module, whose recomputation, plain's
+        # forward alone, then saves fewer tensors (CheckpointError on a dropout block's first call).
+        drew_in_trial = _random_numbers_drawn(cpu_state, device_states, tensors) or (
+            host_random is not None and host_random.moved()
+        )
         random_state_rewound = rewind()  # the trial's draws and buffer changes
         if changed_state and not attributes.built_since():
             undo(True)
@@ -921,6 +927,9 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
         if changes_inputs:  # its replay at the flush would see the changed values
             _unreplayable[module] = _CHANGES_INPUTS
             return plain_forward(module, _CHANGES_INPUTS, *inputs)
+        if drew_in_trial:
+            _unreplayable[module] = _RANDOM
+            return plain_forward(module, _RANDOM, *inputs)
     if not judged and not rowwise:
         # No rows-apart verdict to seek; the key still marks the calls whose trials watch the host's
         # generators (a LayerDrop whose switch a schedule turns on after the first calls).
