@@ -363,3 +363,43 @@ def test_instance_norm_of_one_sample_under_a_channels_last_gradient_is_plains(gr
     ours, plain = _instance_norm_grads(True, x, output_grad), _instance_norm_grads(False, x, output_grad)
     for got, expected in zip(ours, plain, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("input_dtype", [torch.bfloat16, torch.float16])
+def test_instance_norm_with_fp32_parameters_and_a_reduced_precision_input(input_dtype: torch.dtype) -> None:
+    """fp32 parameters beside a bf16/fp16 input, no autocast: batch norm's kernels take that mix
+    (fp32 statistics), and the flush's derivative refused a bf16 mean beside its fp32 weight."""
+    patched, reference = patched_and_reference(nn.InstanceNorm2d(4, affine=True))
+    x = torch.randn(3, 4, 5, 5).to(input_dtype)
+    output_grad = torch.randn(3, 4, 5, 5).to(input_dtype)
+    for model in (patched, reference):
+        model(x).backward(output_grad)
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.bfloat16)  # the looser of the two tolerances
+
+
+def test_instance_norm_of_an_empty_length_beside_a_full_one() -> None:
+    """(N, C, 0): nothing to sum, so plain's weight gradient takes nothing from it; the flush's
+    batch norm derivative refused an empty input (before it: NaN gradients)."""
+    patched, reference = patched_and_reference(nn.InstanceNorm1d(4, affine=True).double())
+    for length in (0, 5):
+        x = torch.randn(2, 4, length, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
+def test_instance_norm_of_a_transposed_input_changed_after_the_forward_trains_as_plain() -> None:
+    """instance_norm normalises a contiguous copy of a transposed input, and plain saves that copy:
+    an input changed in place after the forward (a reused buffer) is no matter there. The flush
+    saved the input itself and refused it as changed."""
+    patched, reference = patched_and_reference(nn.InstanceNorm1d(4, affine=True).double())
+    data = torch.randn(2, 6, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        buffer = data.clone()
+        output = model(buffer.transpose(1, 2))
+        buffer.add_(1.0)
+        output.pow(3).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)

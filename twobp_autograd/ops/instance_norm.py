@@ -39,28 +39,33 @@ def instance_norm_weight_grad(
 ) -> list[Tensor | None]:
     input, *statistics = saved  # (N, C, *), as the forward normalised it; (N, C) mean and 1/std
     batch, channels = input.shape[:2]
+    accumulate = accumulation_dtype(weight_dtype)
+    if input.numel() == 0:  # no element to sum (an empty length): batch norm's kernels refuse it
+        return [input.new_zeros(channels, dtype=accumulate) if need else None for need in needs]
     as_one_sample = _as_one_sample(input)
-    mean, invstd = [t.reshape(-1) for t in statistics] if statistics else _statistics(as_one_sample, eps)
+    # Its values are not read; its dtype is the forward's weight's (fp32 beside a bf16 input makes
+    # the kernels' mixed-dtype statistics, as plain's).
+    weight = unit_weight(as_one_sample, batch * channels, weight_dtype)
+    mean, invstd = [t.reshape(-1) for t in statistics] if statistics else _statistics(as_one_sample, weight, eps)
     # batch_norm's output gradient, (1, N * C, *) per micro-batch (joined: (k, N * C, *)).
     grad = grad_outputs[0].reshape(as_one_sample.shape)
-    weight = unit_weight(as_one_sample, batch * channels, weight_dtype)  # its values are not read
     _, *per_sample = torch.ops.aten.native_batch_norm_backward(
         grad, as_one_sample, weight, None, None, mean, invstd, True, eps, [False, *needs]
     )
-    accumulate = accumulation_dtype(weight_dtype)
     return [None if g is None else g.view(batch, channels).sum(0, dtype=accumulate) for g in per_sample]
 
 
 def _as_one_sample(input: Tensor) -> Tensor:
     """(N, C, *) as the (1, N * C, *) batch_norm normalises."""
-    return input.contiguous().view(1, -1, *input.shape[2:])
+    batch, channels, *spatial = input.shape
+    return input.contiguous().view(1, batch * channels, *spatial)
 
 
-def _statistics(as_one_sample: Tensor, eps: float) -> list[Tensor]:
+def _statistics(as_one_sample: Tensor, weight: Tensor, eps: float) -> list[Tensor]:
     """Each (sample, channel)'s mean and 1/std as batch_norm's forward saves them: by its own
     kernel (whose output is not needed), so the weight gradient sums what plain's does."""
     with torch.no_grad():
-        _, mean, invstd = torch.native_batch_norm(as_one_sample, None, None, None, None, True, 0.0, eps)
+        _, mean, invstd = torch.native_batch_norm(as_one_sample, weight, None, None, None, True, 0.0, eps)
     return [mean, invstd]
 
 
@@ -110,21 +115,21 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
         module.eps,
         torch.backends.cudnn.enabled,
     )
-    kernel, group = configured_kernel(
-        instance_norm_weight_grad,
-        eps=module.eps,
-        weight_dtype=affine_dtype(*params),
-    )
-    # The input saved as given (plain's batch_norm saves a view of it, unless it had to copy it
-    # contiguous): changed in place before backward, it makes backward raise as plain's does.
+    weight_dtype = affine_dtype(weight, bias)  # as batch_norm got them (autocast's cast)
+    kernel, group = configured_kernel(instance_norm_weight_grad, eps=module.eps, weight_dtype=weight_dtype)
+    # The input saved as plain's batch_norm saves it: a view of it, or of the contiguous copy
+    # instance_norm made of it. Changed in place before backward, it makes backward raise as
+    # plain's does; a copy is not the input (an input changed after the forward trains, as plain).
     # Under the user's saved-tensor hooks the statistics too, as plain saves them: a lossy pack
     # hands back other values than the flush would recompute from the unpacked input.
     # Shaped (N, C): every saved tensor holds the samples on dim 0, where micro-batches join.
-    saved = (
-        (x, *(t.view(batch, channels) for t in _statistics(_as_one_sample(x), module.eps)))
-        if saved_through_user_hooks()
-        else (x,)
-    )
+    saved_input = x.contiguous()
+    if saved_through_user_hooks():
+        one_sample = _as_one_sample(saved_input)
+        statistics = _statistics(one_sample, unit_weight(one_sample, batch * channels, weight_dtype), module.eps)
+        saved: tuple[Tensor, ...] = (saved_input, *(t.view(batch, channels) for t in statistics))
+    else:
+        saved = (saved_input,)
     output = defer_weight_grads(output, params, saved, kernel, group=group).view(x.shape)
     with torch.no_grad():
         for buffer, repeated in ((module.running_mean, running_mean), (module.running_var, running_var)):
