@@ -1594,3 +1594,22 @@ def test_pending_bytes_count_the_local_tensors_inside_dtensors(one_rank_group: N
     # Per micro-batch: each layer's saved input rows and output gradient, fp32.
     assert queue.pending() == (4, 2 * (5 * 16 + 5 * 8 + 5 * 8 + 5 * 4) * 4)
     queue.flush()
+
+
+@pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
+@pytest.mark.parametrize("cap", [None, 1 << 20], ids=["uncapped", "capped"])
+def test_a_sparse_input_is_counted_by_its_indices_and_values(layout, cap):
+    """A Linear fed sparse features (bag-of-words, a graph's adjacency rows) saves the sparse input
+    for its weight gradient: pending() and a capped queue's count read its storage, which a sparse
+    tensor has none of (pending() raised; a capped queue's backward raised)."""
+    patched, reference = patched_and_reference(nn.Linear(6, 3).double())
+    queue = twobp.WeightGradQueue(max_pending_bytes=cap)
+    for _ in range(2):
+        dense = torch.randn(4, 6, dtype=torch.float64) * (torch.rand(4, 6) < 0.4)
+        x = dense.to_sparse(layout=layout)
+        with twobp.use_queue(queue):
+            patched(x).pow(2).sum().backward()
+        reference(x).pow(2).sum().backward()
+    assert twobp.pending(queue).jobs == 2 and twobp.pending(queue).bytes > 0
+    queue.flush()
+    assert_grads_match(patched, reference)

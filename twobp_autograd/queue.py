@@ -793,13 +793,26 @@ def _ANY_WORK(flight: _Flight) -> bool:
 
 def _memory_of(tensors: Iterable[Tensor]) -> Iterator[Tensor]:
     """The plain tensors whose storages ``tensors`` keep alive: a wrapper subclass (a DTensor, whose
-    data_ptr() is 0 and whose storage is sized as the global tensor) by the tensors inside it."""
+    data_ptr() is 0 and whose storage is sized as the global tensor) by the tensors inside it, a
+    sparse one (no storage of its own: a sparse input a Linear saved) by its indices and values."""
     for t in tensors:
-        if type(t) is Tensor or type(t) is torch.nn.Parameter or not is_traceable_wrapper_subclass(t):
+        if t.layout != torch.strided:
+            yield from _memory_of(getattr(t, part)() for part in _SPARSE_PARTS[t.layout])
+        elif type(t) is Tensor or type(t) is torch.nn.Parameter or not is_traceable_wrapper_subclass(t):
             yield t
         else:
             inner = (getattr(t, name) for name in t.__tensor_flatten__()[0])
             yield from _memory_of(i for i in inner if isinstance(i, Tensor))  # DTensor's names its mesh too
+
+
+#: A sparse layout's tensors, by their accessors.
+_SPARSE_PARTS = {
+    torch.sparse_coo: ("_indices", "_values"),
+    torch.sparse_csr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_bsr: ("crow_indices", "col_indices", "values"),
+    torch.sparse_csc: ("ccol_indices", "row_indices", "values"),
+    torch.sparse_bsc: ("ccol_indices", "row_indices", "values"),
+}
 
 
 def _storage_key(t: Tensor) -> tuple[int, torch.device]:
