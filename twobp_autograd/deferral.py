@@ -452,10 +452,10 @@ def _saved_for_weight_grads(ctx: Any) -> tuple[Tensor, ...]:
             raise
         raise RuntimeError(
             "twobp: a tensor a patched layer saved for its deferred weight gradients was changed in place "
-            "after its forward (a rule registered with twobp_autograd.ops.recompute saves its module's "
-            "inputs to replay the forward, where plain autograd may save none of them: `h += block(h)` "
-            "around such a block changes its input). Write it out of place (`h = h + block(h)`), or keep "
-            f"that module on plain autograd (patch(model, exclude=...)). ({error})"
+            "after its forward (a layer may save its input where plain autograd saves a copy or nothing: "
+            "a rule registered with twobp_autograd.ops.recompute saves its module's inputs to replay the "
+            "forward; `h += block(h)` around such a block changes its input). Write it out of place "
+            f"(`h = h + block(h)`), or keep that module on plain autograd (patch(model, exclude=...)). ({error})"
         ) from error
 
 
