@@ -59,6 +59,7 @@ __all__ = [
     "untappable_view",
     "sees_post_hooks",
     "NO_FULL_GRAPH",
+    "INFERENCE_TENSORS_SAVED",
 ]
 
 
@@ -601,6 +602,13 @@ def _decide(param_node: Any) -> Decision:
     return "defer" if reached else "skip"
 
 
+#: Plain's refusal of a tensor made under inference_mode that its op would save for backward.
+INFERENCE_TENSORS_SAVED = (
+    "twobp: Inference tensors cannot be saved for backward. To work around you can make "
+    "a clone to get a normal tensor and use it in autograd (as plain PyTorch says)."
+)
+
+
 def defer_weight_grads(
     outputs: Tensor | tuple[Tensor, ...],
     params: Sequence[Tensor | None],
@@ -678,10 +686,7 @@ def defer_weight_grads(
     except RuntimeError:
         if any(t.is_inference() for t in (*outs, *saved_tensors)):  # no version counter to read
             # Made in inference mode (token ids): plain's op refuses to save it for backward.
-            raise RuntimeError(
-                "twobp: Inference tensors cannot be saved for backward. To work around you can make "
-                "a clone to get a normal tensor and use it in autograd (as plain PyTorch says)."
-            ) from None
+            raise RuntimeError(INFERENCE_TENSORS_SAVED) from None
         raise
     aliases = [_shares_memory(t, outs) for t in saved_tensors]
     if any(aliases):

@@ -225,3 +225,16 @@ def test_batch_norm_create_graph_on_the_input_alone_is_refused() -> None:
         torch.autograd.grad(cubic_loss(patched(x)), [x], create_graph=True)
     assert twobp.pending().jobs == 0
 
+
+
+def test_an_input_made_in_inference_mode_is_refused_before_the_running_statistics_move() -> None:
+    """Plain refuses to save an inference tensor for backward before its kernel runs: the running
+    statistics stay where they were. The rule ran the kernel first, then failed to save."""
+    patched, reference = patched_and_reference(nn.BatchNorm2d(3))
+    with torch.inference_mode():
+        x = torch.randn(4, 3, 2, 2) * 3 + 1
+    for model in (patched, reference):
+        with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+            model(x)
+    for name, buffer in reference.named_buffers():
+        assert torch.equal(patched.get_buffer(name), buffer), name

@@ -21,6 +21,7 @@ from torch.autograd import forward_ad
 
 from ..checkpoint_paths import refuse_recomputation_in_eval
 from ..deferral import (
+    INFERENCE_TENSORS_SAVED,
     ParamDeferral,
     defer_weight_grads,
     detached,
@@ -186,6 +187,8 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
         shapes = tuple(None if p is None else p.shape for p in params)
         return defer_weight_grads(output, params, (), functools.partial(_empty_batch_weight_grad, shapes=shapes))
     _check_num_features(x, running_mean, running_var, weight, bias)
+    if x.is_inference():  # refused before the kernel updates the running statistics, as plain's is
+        raise RuntimeError(INFERENCE_TENSORS_SAVED)
     deferral = ParamDeferral.at_forward(params)
     # The running statistics go in a tuple: buffers updated in place, not inputs to differentiate.
     return _TrainingBatchNorm.apply(module.eps, factor, (running_mean, running_var), deferral, x, *param_inputs(params))
