@@ -96,3 +96,37 @@ def test_writing_the_input_after_backward_does_not_change_offloaded_work():
     buffer.normal_()  # an input buffer refilled for the next micro-batch
     queue.flush()
     assert_grads_match(patched, reference)
+
+
+class _SharedGradient(nn.Module):
+    """``s = layer(x) + z`` with ``z`` used again, made first: autograd hands the layer's output
+    gradient, uncopied, to ``z``'s input buffer too, and ``z``'s other gradient comes later."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layer = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor, z0: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        z = z0 * 1.0
+        other = z * scale
+        return (self.layer(x) + z).sum() + other.sum()
+
+
+@needs_cuda
+def test_an_output_gradient_autograd_could_accumulate_into_stays_held_while_its_copy_runs():
+    """With its device tensor let go as its copy started, autograd found no other holder of the
+    output gradient and accumulated ``z``'s other gradient into it, in place, while the copy to
+    host memory could still be reading it. Held until the copy is done, it is not written."""
+    width, rows = 2048, 4096  # a copy long enough to race
+    patched, reference = patched_and_reference(_SharedGradient(width).cuda())
+    x = torch.randn(rows, width, device="cuda")
+    z0 = torch.randn(rows, width, device="cuda", requires_grad=True)
+    scale = torch.randn(rows, width, device="cuda") * 100
+    queue = twobp.WeightGradQueue(offload_to_host=True)
+    with twobp.use_queue(queue):
+        patched(x, z0, scale).backward()
+    reference(x, z0, scale).backward()
+    queue.flush()
+    torch.cuda.synchronize()
+    assert_grads_match(patched, reference)
+

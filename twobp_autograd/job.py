@@ -105,7 +105,7 @@ class WeightGradJob:
         return any(p is not None for p in self.params)
 
     def check_unmodified(self) -> None:
-        if self._versions() != self.versions:
+        if self._versions() != self.versions or (self.parked is not None and self.parked.changed()):
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place after the forward or "

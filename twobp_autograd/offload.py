@@ -10,7 +10,11 @@ back just before the layer's kernel runs. Tensors on other devices stay where th
 Ordering, the part a CUDA user must be able to trust:
 - the copy starts after the work that produced the tensor (the side stream waits for the
   stream that queued it); the device memory is not reused before the copy has read it
-  (``record_stream``);
+  (``record_stream``), nor written in place: the device tensors stay referenced until their copy
+  is done (or the backward has ended, below), so autograd does not accumulate another gradient
+  into an output gradient it finds no other holder of (``s = layer(x) + z``, ``z`` used twice),
+  and a change in place meanwhile (a hook's) refuses the job at the flush, as a version check
+  does where nothing is parked;
 - when the backward that queued the job ends, its stream waits for the copies, so anything
   the caller does afterwards (an in-place write into a reused input buffer, say) cannot race
   them; the values parked are those of backward-p1, as plain autograd would have used;
@@ -37,12 +41,32 @@ __all__ = ["ParkedTensors", "HostOffload"]
 class ParkedTensors:
     """A job's tensors as parked: host copies (or the tensors themselves where not moved)."""
 
-    __slots__ = ("tensors", "devices", "ready")
+    __slots__ = ("tensors", "devices", "ready", "sources", "source_versions", "changed_while_copied")
 
-    def __init__(self, tensors: tuple[Tensor, ...], devices: tuple[torch.device | None, ...], ready: Any) -> None:
+    def __init__(
+        self,
+        tensors: tuple[Tensor, ...],
+        devices: tuple[torch.device | None, ...],
+        ready: Any,
+        sources: tuple[Tensor, ...],
+    ) -> None:
         self.tensors = tensors
         self.devices = devices  # where each tensor goes back to; None: it never left
         self.ready = ready  # CUDA event recorded after the copies out
+        # The device tensors copied, held while their copies may run (see HostOffload._release_copied).
+        self.sources = sources
+        self.source_versions = [t._version for t in sources]
+        # A device tensor changed in place while its copy ran: the copy may hold either values.
+        self.changed_while_copied = False
+
+    def changed(self) -> bool:
+        """Whether a device tensor was changed in place while its copy may have been running."""
+        return self.changed_while_copied or [t._version for t in self.sources] != self.source_versions
+
+    def release(self) -> None:
+        """Let go of the device tensors, their copies done (or ordered before anything later)."""
+        self.changed_while_copied = self.changed()
+        self.sources, self.source_versions = (), []
 
     def restore(self) -> tuple[Tensor, ...]:
         """Device copies of the parked tensors, ordered after the copy out on the current
@@ -67,6 +91,7 @@ class HostOffload:
         # device tensor -> its host copy, while both live: one copy for tensors saved twice
         self._copies: dict[_CacheKey, tuple[StorageWeakRef, weakref.ref[Tensor]]] = {}
         self._joins: set[tuple[int, torch.cuda.Stream]] = set()  # (backward, stream) joined at its end
+        self._in_flight: list[ParkedTensors] = []  # parks whose copies may still run
 
     def park(self, tensors: Sequence[Tensor]) -> ParkedTensors | None:
         """Start copying ``tensors``' CUDA members to host memory; None if none is on CUDA."""
@@ -85,8 +110,22 @@ class HostOffload:
                 parked.append(self._host_copy(tensor, copier) if tensor.is_cuda else tensor)
         ready = torch.cuda.Event()
         ready.record(copier)
+        record = ParkedTensors(tuple(parked), devices, ready, tuple(on_cuda))
+        self._release_copied()
+        self._in_flight.append(record)
         self._join_after_backward(producer, copier)
-        return ParkedTensors(tuple(parked), devices, ready)
+        return record
+
+    def _release_copied(self, *, all_joined: bool = False) -> None:
+        """Let go of the device tensors whose copies are done (all of them once the streams that
+        queued them wait for the copies: nothing written after that can reach a copy)."""
+        in_flight = []
+        for record in self._in_flight:
+            if all_joined or record.ready.query():
+                record.release()
+            else:
+                in_flight.append(record)
+        self._in_flight = in_flight
 
     def _join_after_backward(self, producer: torch.cuda.Stream, copier: torch.cuda.Stream) -> None:
         """Make ``producer`` wait for the copies once the running backward ends (at once when
@@ -94,6 +133,7 @@ class HostOffload:
         task = torch._C._current_graph_task_id()
         if task < 0:
             producer.wait_stream(copier)
+            self._release_copied(all_joined=len(self._joins) == 0)
             return
         key = (task, producer)
         if key in self._joins:
@@ -103,6 +143,7 @@ class HostOffload:
         def join() -> None:
             producer.wait_stream(copier)
             self._joins.discard(key)
+            self._release_copied(all_joined=len(self._joins) == 0)
 
         torch.autograd.Variable._execution_engine.queue_callback(join)
 
