@@ -296,6 +296,30 @@ def test_a_whole_patched_model_loads_with_weights_only_once_its_classes_are_allo
     assert_grads_match(loaded, reference)
 
 
+def test_a_model_saved_with_a_rule_name_of_the_earlier_class_loads(monkeypatch):
+    """Earlier versions pickled a rule's name as a ``_RuleByName``: such a model loads, with
+    weights_only=True too once that class is allow-listed (an alias of ``tuple`` in its place
+    allow-listed ``tuple``, not the name the pickle holds)."""
+    from twobp_autograd.patching import DeferredForwardCall, _RuleByName
+
+    model = twobp.patch(nn.Sequential(nn.Linear(4, 3)))
+    own_state = DeferredForwardCall.__getstate__
+
+    def earlier_state(call: DeferredForwardCall) -> dict:
+        state = own_state(call)
+        return {**state, "deferred": _RuleByName(state["deferred"])}
+
+    monkeypatch.setattr(DeferredForwardCall, "__getstate__", earlier_state)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    monkeypatch.undo()
+    for weights_only in (False, True):
+        buffer.seek(0)
+        with torch.serialization.safe_globals([nn.Sequential, nn.Linear, DeferredForwardCall, _RuleByName]):
+            loaded = torch.load(buffer, weights_only=weights_only)
+        assert loaded[0].forward.deferred is model[0].forward.deferred
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "eval", "frozen"])
 def test_paths_without_weight_gradients_queue_nothing(mode):
     patched, reference = patched_and_reference(mlp())

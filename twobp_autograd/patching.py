@@ -321,8 +321,9 @@ def _pickles_apart_from_modules(rule: Any) -> bool:
     return True
 
 
-#: What models saved by earlier versions name their rules' names with.
-_RuleByName: type = tuple
+class _RuleByName(tuple[str, str]):
+    """What models saved by earlier versions pickled a rule's name as (a tuple, read as one), and
+    what ``torch.load(weights_only=True)`` of such a model needs allow-listed."""
 
 
 def _rule_found_again(module: nn.Module | None) -> Any:

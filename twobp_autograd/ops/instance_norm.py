@@ -104,8 +104,9 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
     # layer's it does not update them a second time (plain's does not).
     batch, channels = x.shape[:2]
     running_mean, running_var = (_repeated(t, batch) for t in (module.running_mean, module.running_var))
+    contiguous = x.contiguous()  # one copy, normalised and saved, where x is not contiguous
     output = torch.batch_norm(
-        x.contiguous().view(1, batch * channels, *x.shape[2:]),
+        contiguous.view(1, batch * channels, *x.shape[2:]),
         _repeated(weight, batch),
         _repeated(bias, batch),
         running_mean,
@@ -123,13 +124,12 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
     # Under the user's saved-tensor hooks the statistics too, as plain saves them: a lossy pack
     # hands back other values than the flush would recompute from the unpacked input.
     # Shaped (N, C): every saved tensor holds the samples on dim 0, where micro-batches join.
-    saved_input = x.contiguous()
     if saved_through_user_hooks():
-        one_sample = _as_one_sample(saved_input)
+        one_sample = _as_one_sample(contiguous)
         statistics = _statistics(one_sample, unit_weight(one_sample, batch * channels, weight_dtype), module.eps)
-        saved: tuple[Tensor, ...] = (saved_input, *(t.view(batch, channels) for t in statistics))
+        saved: tuple[Tensor, ...] = (contiguous, *(t.view(batch, channels) for t in statistics))
     else:
-        saved = (saved_input,)
+        saved = (contiguous,)
     output = defer_weight_grads(output, params, saved, kernel, group=group).view(x.shape)
     with torch.no_grad():
         for buffer, repeated in ((module.running_mean, running_mean), (module.running_var, running_var)):
