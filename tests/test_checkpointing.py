@@ -504,6 +504,22 @@ def test_a_layer_that_computes_otherwise_in_eval_recomputed_after_a_switch_to_ev
     twobp.discard_weight_grads()
 
 
+def test_a_batch_norm_without_running_statistics_recomputed_after_a_switch_to_eval_counts_no_batch() -> None:
+    """Running statistics set to None by hand (a BatchNorm that normalises by each batch in eval
+    too): its recomputation in eval is the forward, as plain's is, but the rule counted the batch in
+    ``num_batches_tracked`` again, which plain's forward does only in training."""
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).double())
+    x = torch.randn(6, 4, dtype=torch.float64)
+    for model in (patched, reference):
+        model[1].running_mean = model[1].running_var = None
+        output = checkpoint(model, x, use_reentrant=False)
+        model.eval()
+        output.square().sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+    assert patched[1].num_batches_tracked.item() == reference[1].num_batches_tracked.item() == 1
+
+
 class _DropoutBlock(nn.Module):
     def __init__(self) -> None:
         super().__init__()

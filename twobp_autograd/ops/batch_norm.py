@@ -166,7 +166,7 @@ def batch_norm(module: nn.modules.batchnorm._BatchNorm, input: Tensor) -> Tensor
         return plain_forward(module, reason, input)
     module._check_input_dim(input)
     factor = 0.0 if module.momentum is None else module.momentum
-    if module.track_running_stats and module.num_batches_tracked is not None:
+    if module.training and module.track_running_stats and module.num_batches_tracked is not None:
         module.num_batches_tracked.add_(1)
         factor = 1.0 / float(module.num_batches_tracked) if module.momentum is None else module.momentum
     # F.batch_norm's own checks for training.
