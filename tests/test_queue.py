@@ -1613,3 +1613,16 @@ def test_a_sparse_input_is_counted_by_its_indices_and_values(layout, cap):
     assert twobp.pending(queue).jobs == 2 and twobp.pending(queue).bytes > 0
     queue.flush()
     assert_grads_match(patched, reference)
+
+
+def test_an_mkldnn_input_keeps_plain_autograd(monkeypatch):
+    """``to_mkldnn()`` features: the weight kernel's product has no mkldnn kernel, so every flush
+    raised and a capped queue's count failed in backward. Such a call keeps plain autograd."""
+    monkeypatch.setattr(warn_once, "given", set())  # it warns once per process
+    patched, reference = patched_and_reference(nn.Linear(6, 3))
+    x = torch.randn(4, 6)
+    with pytest.warns(UserWarning, match="mkldnn tensors"):
+        patched(x.to_mkldnn()).to_dense().pow(2).sum().backward()
+    reference(x.to_mkldnn()).to_dense().pow(2).sum().backward()
+    assert twobp.pending().jobs == 0
+    assert_grads_match(patched, reference)

@@ -27,6 +27,7 @@ copies are shared while the device storage they came from is alive and unmodifie
 from __future__ import annotations
 
 import functools
+import threading
 import weakref
 from collections.abc import Sequence
 from typing import Any
@@ -91,7 +92,9 @@ class HostOffload:
         # device tensor -> its host copy, while both live: one copy for tensors saved twice
         self._copies: dict[_CacheKey, tuple[StorageWeakRef, weakref.ref[Tensor]]] = {}
         self._joins: set[tuple[int, torch.cuda.Stream]] = set()  # (backward, stream) joined at its end
-        self._in_flight: list[ParkedTensors] = []  # parks whose copies may still run
+        # (backward, stream) of each park whose copies may still run; a lock, as _release_copied says.
+        self._in_flight: list[tuple[tuple[int, torch.cuda.Stream], ParkedTensors]] = []
+        self._lock = threading.Lock()
 
     def park(self, tensors: Sequence[Tensor]) -> ParkedTensors | None:
         """Start copying ``tensors``' CUDA members to host memory; None if none is on CUDA."""
@@ -111,40 +114,45 @@ class HostOffload:
         ready = torch.cuda.Event()
         ready.record(copier)
         record = ParkedTensors(tuple(parked), devices, ready, tuple(on_cuda))
-        self._release_copied()
-        self._in_flight.append(record)
-        self._join_after_backward(producer, copier)
+        key = (torch._C._current_graph_task_id(), producer)
+        with self._lock:
+            self._release_copied()
+            self._in_flight.append((key, record))
+        self._join_after_backward(key, copier)
         return record
 
-    def _release_copied(self, *, all_joined: bool = False) -> None:
-        """Let go of the device tensors whose copies are done (all of them once the streams that
-        queued them wait for the copies: nothing written after that can reach a copy)."""
+    def _release_copied(self, joined: tuple[int, torch.cuda.Stream] | None = None) -> None:
+        """Let go of the device tensors whose copies are done, or ordered before anything the
+        stream that queued them does from now on (``joined``: that backward and stream, which now
+        waits for the copies). A backward that raised never joins: its parks go as their copies
+        end. Called under ``_lock``: a join runs on the thread that ran its backward, a park on
+        whichever thread runs one into the same queue."""
         in_flight = []
-        for record in self._in_flight:
-            if all_joined or record.ready.query():
+        for key, record in self._in_flight:
+            if key == joined or record.ready.query():
                 record.release()
             else:
-                in_flight.append(record)
+                in_flight.append((key, record))
         self._in_flight = in_flight
 
-    def _join_after_backward(self, producer: torch.cuda.Stream, copier: torch.cuda.Stream) -> None:
-        """Make ``producer`` wait for the copies once the running backward ends (at once when
-        called outside one); one wait per backward and stream."""
-        task = torch._C._current_graph_task_id()
-        if task < 0:
-            producer.wait_stream(copier)
-            self._release_copied(all_joined=len(self._joins) == 0)
-            return
-        key = (task, producer)
-        if key in self._joins:
-            return
-        self._joins.add(key)
+    def _join_after_backward(self, key: tuple[int, torch.cuda.Stream], copier: torch.cuda.Stream) -> None:
+        """Make the stream that queued a park wait for the copies once the running backward
+        ends (at once when called outside one); one wait per backward and stream."""
+        task, producer = key
 
         def join() -> None:
             producer.wait_stream(copier)
-            self._joins.discard(key)
-            self._release_copied(all_joined=len(self._joins) == 0)
+            with self._lock:
+                self._joins.discard(key)
+                self._release_copied(joined=key)
 
+        if task < 0:
+            join()
+            return
+        with self._lock:
+            if key in self._joins:
+                return
+            self._joins.add(key)
         torch.autograd.Variable._execution_engine.queue_callback(join)
 
     def _host_copy(self, tensor: Tensor, copier: torch.cuda.Stream) -> Tensor:

@@ -5,6 +5,7 @@ per module type and reason.
 - complex tensors: the weight kernels and the flush's hand-over are written for real
   gradients (a complex weight gradient needs the conjugate, ``g^T conj(x)``);
 - nested (jagged) tensors: the kernels take the batch as dim 0 of dense tensors;
+- mkldnn tensors (``to_mkldnn()``): the weight kernels' products have no mkldnn kernel;
 - tensor subclasses with ``__torch_function__``: they reroute the functional op themselves.
 
 The check runs inside each op, on tensors it has at hand anyway: a few attribute reads per call.
@@ -40,8 +41,8 @@ def unsupported_tensors(*tensors: Tensor | None) -> str | None:
 
 def _nested_or_complex(tensors: tuple[Tensor | None, ...]) -> str | None:
     for t in tensors:  # runs on every patched call: one pass, no allocations
-        if t is not None and (t.is_nested or t.is_complex()):
-            return "nested tensors" if t.is_nested else "complex tensors"
+        if t is not None and (t.is_nested or t.is_complex() or t.is_mkldnn):
+            return "nested tensors" if t.is_nested else "complex tensors" if t.is_complex() else "mkldnn tensors"
     return None
 
 
