@@ -345,6 +345,46 @@ def _shapes_by_rank(rank: int) -> dict:
     return {"ours": grads[True], "plain": grads[False]}
 
 
+class _Routed(nn.Module):
+    """A patched Linear or a plain scale, as its rank's routing says (an expert a rank's tokens
+    reach, or not)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expert, self.scale = nn.Linear(4, 4), nn.Parameter(torch.ones(4))
+        self.routed = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + (self.expert(x) if self.routed else x * self.scale)
+
+
+def _unused_params_reduced(rank: int) -> dict:
+    """``set_reduce_scatter_unused_params(True)``, rank 0 routed to the first block's expert and
+    rank 1 to the second's: FSDP2 reduces every group on every rank (zeros for the unused), the
+    flush reduced only the group its rank deferred work for, and gloo paired rank 0's first group
+    with rank 1's second (0.07-0.09 off, silently). Such groups' gradients are made in backward."""
+    mesh = init_device_mesh("cpu", (WORLD,))
+    grads, queued = {}, 0
+    for patched in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), _Routed(), _Routed(), nn.Linear(4, 3))
+        model[2].routed, model[3].routed = rank == 0, rank == 1
+        if patched:
+            twobp.patch(model)
+        for block in (model[0], model[2], model[3]):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        for block in (model[2], model[3]):  # the root's would flag every group (recurse=True)
+            block.set_reduce_scatter_unused_params(True, recurse=False)
+        generator = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(6, 4, generator=generator), torch.randint(0, 3, (6,), generator=generator)
+        F.cross_entropy(model(x), y).backward()
+        queued = twobp.pending().jobs if patched else queued
+        twobp.flush_weight_grads()
+        grads[patched] = _full_grads(model)
+    return {"ours": grads[True], "plain": grads[False], "queued": queued}
+
+
 def _capped_with_other_lengths(rank: int) -> dict:
     """A capped queue whose ranks hold other amounts of work (5 tokens a sequence on one, 40 on
     the other) flushes early at other moments on each: the early flushes reduced on one rank
@@ -407,6 +447,7 @@ def _scenario(rank: int) -> dict:
     results["misuse"] = _misuse(rank)
     results["shapes_by_rank"] = _shapes_by_rank(rank)
     results["capped_with_other_lengths"] = _capped_with_other_lengths(rank)
+    results["unused_params_reduced"] = _unused_params_reduced(rank)
     return results
 
 
@@ -561,6 +602,13 @@ def test_a_capped_queue_whose_ranks_hold_other_amounts_of_work_reduces_on_all_ra
 ) -> None:
     result = ranks[rank]["capped_with_other_lengths"][when]
     assert result["left"] == 0, "work left queued after flushing every tag"
+    _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_groups_that_reduce_unused_parameters_get_their_gradients_in_backward(ranks: list[dict], rank: int) -> None:
+    result = ranks[rank]["unused_params_reduced"]
+    assert result["queued"] > 0, "the unflagged groups' layers still defer"
     _assert_all_close(result["ours"], result["plain"], f"rank {rank}", close_to_reference)
 
 

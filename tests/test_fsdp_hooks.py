@@ -83,6 +83,11 @@ def _behaviour(rank: int) -> dict:
     found["unsharded_found"] = entry is not None and len(sharded) == 1
     found["sharded_is_registered"] = entry is not None and entry.sharded is model[0].weight
     found["stand_in_found"] = [id(t) for t in fsdp_hooks.unsharded_params_of([model[0].weight])] == [id(unsharded)]
+    # The flag FSDP2 reads to reduce a group's unused parameters too, as fsdp_hooks reads it.
+    flagged_before = fsdp_hooks.reduces_unused_params([unsharded, x])
+    model[0].set_reduce_scatter_unused_params(True, recurse=False)
+    found["unused_params_flag_read"] = not flagged_before and fsdp_hooks.reduces_unused_params([unsharded, x])
+    model[0].set_reduce_scatter_unused_params(False, recurse=False)
 
     # A gradient put on the unsharded parameter reaches the sharded .grad through reduce_group.
     before = model[0].weight.grad.to_local().clone()
@@ -131,6 +136,7 @@ def behaviour(tmp_path_factory: pytest.TempPathFactory) -> dict:
         "unsharded_found",
         "sharded_is_registered",
         "stand_in_found",
+        "unused_params_flag_read",
         "reduced_into_sharded",
         "unsharded_grad_taken",
         "state_restored",

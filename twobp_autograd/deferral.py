@@ -135,11 +135,12 @@ class ParamDeferral(NamedTuple):
         if "defer" in decisions and getattr(ctx, _POST_HOOKED, False):
             _warn_post_hooked_once()
             return ["now" if d == "defer" else d for d in decisions]
-        if "defer" in decisions and (_traced() or torch.is_inference_mode_enabled()):
+        if "defer" in decisions and (_traced() or torch.is_inference_mode_enabled() or _reduces_unused(self.params)):
             # Dynamo traces this backward (compiled autograd, or a compiled function that calls
             # backward): the queue's bookkeeping (version counters, None for a parameter's
             # gradient that compiled autograd then adds) does not survive tracing. A backward run
             # under inference_mode makes inference tensors, which have no version counter to check.
+            # An FSDP2 group that reduces its unused parameters does so on every rank in backward.
             return ["now" if d == "defer" else d for d in decisions]
         return decisions
 
@@ -565,6 +566,21 @@ def _warn_unreached_output_once() -> None:
         "moves it). Exclude such a module from patch() if that matters.",
         stacklevel=2,
     )
+
+
+def _reduces_unused(params: Sequence[Tensor | None]) -> bool:
+    """:func:`fsdp_hooks.reduces_unused_params`, said once."""
+    if not fsdp_hooks.reduces_unused_params(params):
+        return False
+    warn_once(
+        "FSDP2 reduce_scatter_unused_params",
+        "twobp: FSDP2 groups under set_reduce_scatter_unused_params(True) reduce every parameter on "
+        "every rank in backward (ranks may route to other layers): their layers' weight gradients are "
+        "computed in backward, not deferred. Set it only on the groups whose layers some ranks skip "
+        "(recurse=False) to keep 2BP for the others.",
+        stacklevel=3,
+    )
+    return True
 
 
 def _warn_post_hooked_once() -> None:

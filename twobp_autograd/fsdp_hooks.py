@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = [
     "ShardedParam",
@@ -30,6 +31,7 @@ __all__ = [
     "groups_of",
     "in_backward",
     "reduce_group",
+    "reduces_unused_params",
     "reduction_order",
     "refuse_split_partial_all_reduce",
     "replaced_by_fully_shard",
@@ -130,6 +132,45 @@ def sharded_params_of(params: list[Tensor]) -> dict[int, ShardedParam]:
         if unsharded is not None and id(unsharded) in wanted:
             found[id(unsharded)] = ShardedParam(group, fsdp_param.sharded_param)
     return found
+
+
+def reduces_unused_params(params: Sequence[Tensor | None]) -> bool:
+    """Whether one of ``params`` is an unsharded parameter of a group under
+    ``set_reduce_scatter_unused_params(True)``: FSDP2 reduces every such group on every rank, with
+    zeros where a rank's backward gave a parameter none (ranks that route to other layers), where a
+    flush reduces only the groups its own rank deferred work for, pairing ranks' different groups.
+    Their gradients are computed in backward instead. Asked in every backward of a patched layer
+    once FSDP2 is used: the group is looked up once per parameter."""
+    if not fsdp_in_use():
+        return False
+    global _groups_seen_with
+    if len(_state_mapping) != _groups_seen_with:  # fully_shard ran since: unsharded params are new
+        _group_of_unsharded.clear()
+        _groups_seen_with = len(_state_mapping)
+    for param in params:
+        if param is None:
+            continue
+        group_ref = _group_of_unsharded.get(param)
+        if group_ref is None:
+            for group, fsdp_param in _fsdp_params():
+                unsharded = getattr(fsdp_param, "_unsharded_param", None)
+                if unsharded is not None:
+                    _group_of_unsharded[unsharded] = weakref.ref(group)
+            group_ref = _group_of_unsharded.setdefault(param, _NO_GROUP)
+        group = group_ref()
+        if group is not None and group.reduce_scatter_unused_params:
+            return True
+    return False
+
+
+def _no_group() -> None:
+    return None
+
+
+_NO_GROUP = _no_group  # what a parameter of no FSDP2 group is looked up as
+#: unsharded parameter -> its group (weakly), filled on a miss; and the states' count it was filled at.
+_group_of_unsharded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_groups_seen_with = 0
 
 
 def unsharded_params_of(params: list[Tensor]) -> list[Tensor]:
