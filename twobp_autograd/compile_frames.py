@@ -18,7 +18,11 @@ from typing import Any
 import torch
 from torch._dynamo.eval_frame import skip_code
 
-__all__ = ["keep_own_frames_eager", "end_graph_from_an_eager_frame"]
+__all__ = ["keep_own_frames_eager", "end_graph_from_an_eager_frame", "OWN_WRAPPED"]
+
+#: The attribute a wrapper of the package's own names the function it wraps by (not
+#: ``__wrapped__``, which inspect.signature would follow to the wrapped function's arguments).
+OWN_WRAPPED = "twobp_wraps"
 
 _PACKAGE = __name__.rpartition(".")[0]
 _done: set[str] = set()  # the modules whose code is marked already
@@ -49,6 +53,11 @@ def _mark(value: Any, module: str) -> None:
         return
     if isinstance(value, (staticmethod, classmethod)):
         value = value.__func__
+    # A wrapper of the package's own (a Function's forward, see deferral.sees_post_hooks), found
+    # on a class of another module: what it runs is held in its closure, where no vars reach it.
+    own_wrapped = getattr(value, OWN_WRAPPED, None) if isinstance(value, types.FunctionType) else None
+    if own_wrapped is not None:
+        _mark(own_wrapped, own_wrapped.__module__)
     if isinstance(value, types.FunctionType) and value.__module__ == module:
         # A decorator's wrapper (functools.wraps copies __module__: contextmanager's, a cache's)
         # is other code, shared by everything it wraps: what it wraps is the package's.

@@ -37,6 +37,7 @@ from torch import Tensor
 from torch.autograd import forward_ad
 
 from . import fsdp_hooks
+from .compile_frames import OWN_WRAPPED
 from .flush import hooks_at_backward, may_change_in_backward
 from .job import NO_GRADIENT, WeightGradJob, WeightGradKernel, finished_grads, leaves_some_grads_none
 from .queue import WeightGradQueue, current_queue
@@ -382,6 +383,11 @@ def _skips_unreached(function: type[torch.autograd.Function]) -> None:
     function.forward = staticmethod(forward_unmaterialised)  # type: ignore[method-assign]
     if not function.__dict__.get("handles_unreached", False):
         function.backward = staticmethod(backward_unless_unreached)  # type: ignore[method-assign]
+    # The originals too are kept out of Dynamo (compile_frames), which reaches them only here.
+    setattr(forward_unmaterialised, OWN_WRAPPED, forward)
+    setattr(backward_unless_unreached, OWN_WRAPPED, backward)
+    if jvp is not None:
+        setattr(jvp_materialised, OWN_WRAPPED, original_jvp)
 
 
 @sees_post_hooks
