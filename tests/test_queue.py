@@ -1202,6 +1202,26 @@ def test_discarding_the_empty_current_queue_while_another_holds_work_is_refused(
     assert queue.pending().jobs == 0
 
 
+def test_flushing_the_empty_current_queue_while_another_holds_work_says_so(monkeypatch):
+    """The forwards ran under use_queue(queue), the flush went to the (empty) current queue and
+    did nothing without a word: a read of .grad before the step saw none of the work."""
+    monkeypatch.setattr(warn_once, "given", set())
+    layer = twobp.patch(nn.Linear(3, 3))
+    queue = twobp.WeightGradQueue()
+    with twobp.use_queue(queue):
+        layer(torch.randn(2, 3)).sum().backward()
+    said = r"twobp: flush_weight_grads\(\) with the current queue empty.*nothing was flushed"
+    with pytest.warns(UserWarning, match=said):
+        twobp.flush_weight_grads()
+    assert queue.pending().jobs == 1 and layer.weight.grad is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inside the block the queue is the one meant
+        with twobp.use_queue(twobp.WeightGradQueue()):
+            twobp.flush_weight_grads()
+    twobp.flush_weight_grads(queue)
+    assert layer.weight.grad is not None
+
+
 def test_a_discard_inside_use_queue_acts_on_that_queue_whatever_other_threads_hold():
     """A thread training under its own queue (as README advises for threads) discarded its empty
     queue and was refused whenever another thread's queue held work at that moment."""

@@ -893,7 +893,21 @@ def _given_queue(queue: object, what: str) -> WeightGradQueue:
 
 
 def flush_weight_grads(queue: WeightGradQueue | None = None) -> None:
-    """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``."""
+    """Backward-p2: run all queued weight-gradient work into the parameters' ``.grad``. Where the
+    current queue holds nothing but others do (forwards under ``use_queue``, the flush outside
+    the block), it flushes nothing and says so once: the step and clipping refuse the queued
+    work, but a read of ``.grad`` in between sees none of it."""
+    if queue is None:
+        queue = current_queue()
+        others = _others_holding_work(queue)
+        if others:
+            warn_once(
+                "flush of an empty current queue",
+                f"twobp: flush_weight_grads() with the current queue empty while {len(others)} other "
+                "queue(s) hold work (forwards ran under twobp.use_queue(queue)): nothing was flushed. "
+                "Pass the queue, twobp.flush_weight_grads(queue), or flush inside the use_queue block.",
+                stacklevel=2,
+            )
     _given_queue(queue, "flush_weight_grads").flush()
 
 
@@ -906,16 +920,23 @@ def discard_weight_grads(queue: WeightGradQueue | None = None) -> None:
     be dropped would reach ``.grad`` at their flush."""
     if queue is None:
         queue = current_queue()
-        others = [q for q in queues_with_work() if q is not queue]
-        # Only where no use_queue block chose the queue: one that did is the one meant (other
-        # threads, each training under its own queue, may hold work at any moment).
-        if others and not _queue_stack.get() and not queue.busy():
+        others = _others_holding_work(queue)
+        if others:
             raise RuntimeError(
                 f"twobp: discard_weight_grads() with the current queue empty while {len(others)} other "
                 "queue(s) hold work (forwards ran under twobp.use_queue(queue)): pass the queue, "
                 "twobp.discard_weight_grads(queue), or queue.clear()."
             )
     _given_queue(queue, "discard_weight_grads").clear()
+
+
+def _others_holding_work(current: WeightGradQueue) -> list[WeightGradQueue]:
+    """The queues holding work where the current one, which no use_queue block chose, holds none
+    (a block that did chose the queue meant; other threads, each training under its own queue,
+    may hold work at any moment)."""
+    if _queue_stack.get() or current.busy():
+        return []
+    return [q for q in queues_with_work() if q is not current]
 
 
 def pending(queue: WeightGradQueue | None = None) -> PendingWork:
