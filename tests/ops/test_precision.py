@@ -1,5 +1,5 @@
-"""Joined micro-batches keep plain autograd's precision: ATen's CPU weight kernels of LayerNorm
-and GroupNorm add their rows one after another, so over 16 joined micro-batches their error
+"""Joined micro-batches keep plain autograd's precision: ATen's CPU weight kernels of LayerNorm,
+GroupNorm and Embedding add their rows one after another, so over 16 joined micro-batches their error
 against fp64 was 3.5-15x plain's (``WeightGradQueue("concat")``); they now run on bounded slices
 (:mod:`twobp_autograd.ops.precision`). Each case: the module in fp64 (the reference), in fp32
 unpatched and in fp32 patched, the same 16 micro-batches, the patched one flushed joined."""
@@ -39,6 +39,13 @@ CASES = [
         "group_norm-channels_last",
         lambda: nn.GroupNorm(8, 32),
         lambda: (torch.randn(128, 32, 4, 4) * 3 + 1).contiguous(memory_format=torch.channels_last),
+    ),
+    # A token at half the positions: its row of the weight gradient sums 8200 rows joined (25x
+    # plain's error before).
+    Case(
+        "embedding",
+        lambda: nn.Embedding(50, 16),
+        lambda: torch.where(torch.rand(16, 64) < 0.5, 7, torch.randint(0, 50, (16, 64))),
     ),
 ]
 

@@ -34,7 +34,7 @@ from ..deferral import (
 from ..job import WeightGradKernel
 from ..registry import register
 from .fallback import plain_forward, unsupported_tensors
-from .precision import accumulation_dtype
+from .precision import accumulation_dtype, summed_over_row_chunks
 
 __all__ = ["embedding", "embedding_bag", "embedding_bag_weight_grad", "embedding_weight_grad"]
 
@@ -58,7 +58,19 @@ def embedding_weight_grad(
     grad = grad_outputs[0].reshape(indices.numel(), embedding_dim)
     if not grad.is_cuda:  # the CPU kernel sums in the operands' dtype (see .precision)
         grad = grad.to(accumulation_dtype(grad.dtype))
-    return [torch.ops.aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq)]
+
+    def dense(grad: Tensor, indices: Tensor) -> tuple[Tensor]:
+        return (torch.ops.aten.embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq),)
+
+    if scale_grad_by_freq:  # the counts are the whole call's (such calls are never joined)
+        return list(dense(grad, indices))
+    # On the CPU a token's rows are added one after another: in slices, as plain's micro-batches.
+    return summed_over_row_chunks(dense, (grad, indices.reshape(-1)), _ROWS_PER_CALL)
+
+
+#: Rows per CPU kernel call (see .precision): each a weight-sized gradient, as each of plain's
+#: micro-batches makes.
+_ROWS_PER_CALL = 1024
 
 
 def embedding_bag_weight_grad(
