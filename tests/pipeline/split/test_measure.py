@@ -82,3 +82,27 @@ def test_ranks_agree_on_the_mean_of_their_measured_costs(tmp_path) -> None:
     run_ranks(gloo_rank_main, 2, (2, _agree, store, results), 60.0)
     first, second = read_results(results, 2)
     assert first == second and len(first) == 6 and all(c > 0 for c in first)
+
+
+class _LazyCache(nn.Module):
+    """A rotary-style cache registered empty and built by the first forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("cache", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache is None or self.cache.shape[0] < x.shape[0]:
+            self.cache = torch.arange(x.shape[0], dtype=x.dtype).unsqueeze(1)
+        return self.linear(x) + self.cache[: x.shape[0]]
+
+
+@pytest.mark.parametrize("twobp_on", [False, True], ids=["plain", "2bp"])
+def test_measuring_a_block_that_builds_a_buffer_in_its_forward(twobp_on: bool) -> None:
+    """Buffers were put back by the identity of those found before: one the forward assigned
+    anew had none, and measuring raised KeyError (leaving the rest unrestored)."""
+    model = nn.Sequential(_LazyCache(), nn.ReLU(), nn.Linear(4, 2))
+    costs = measure_block_costs(list(model), torch.randn(6, 4), repeats=1, twobp=twobp_on)
+    assert len(costs) == 3 and all(cost > 0 for cost in costs)
+    assert model[0].cache is None  # as it was

@@ -67,6 +67,23 @@ def test_other_models_are_refused_with_advice() -> None:
         split_model(Custom(), 2)
 
 
+def test_a_sequential_with_a_forward_of_its_own_is_refused() -> None:
+    """A residual written as an nn.Sequential subclass was cut as a plain chain: the stages
+    computed its body alone and dropped the residual (output 1.46 off), with no word."""
+
+    class Residual(nn.Sequential):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + super().forward(x)
+
+    with pytest.raises(TypeError, match="twobp: cannot split a Residual.*not a subclass with a forward of its own"):
+        split_model(Residual(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), 2)
+
+    class Named(nn.Sequential):  # a subclass that keeps the chain's forward is one
+        pass
+
+    assert len(split_model(Named(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), 2).stages) == 2
+
+
 @pytest.mark.parametrize("by", ["parameters", "measured", "given"])
 def test_split_shares_parameters_and_composes(by: str) -> None:
     model = small_net().eval()

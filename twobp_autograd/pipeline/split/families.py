@@ -63,7 +63,8 @@ class Family:
 def family_of(model: nn.Module) -> Family:
     """The family of ``model``; libraries not imported yet are not looked for (a model of
     theirs cannot exist)."""
-    if isinstance(model, nn.Sequential):
+    # A subclass with a forward of its own (a residual around its layers) is no chain.
+    if isinstance(model, nn.Sequential) and type(model).forward is nn.Sequential.forward:
         return _Sequential()
     kind = type(model)
     if "torchvision" in sys.modules:
@@ -79,7 +80,8 @@ def family_of(model: nn.Module) -> Family:
         if family is not None:
             return family
     raise TypeError(
-        f"twobp: cannot split a {kind.__name__} into stages: pass an nn.Sequential, a torchvision ResNet, VGG "
+        f"twobp: cannot split a {kind.__name__} into stages: pass an nn.Sequential (not a subclass with a "
+        "forward of its own), a torchvision ResNet, VGG "
         "or VisionTransformer, a Hugging Face LlamaForCausalLM, BertForMaskedLM or MambaForCausalLM, "
         "or build one module per rank yourself and hand it to the runtime"
     )
@@ -97,7 +99,7 @@ def loss_fn_of(model: nn.Module) -> LossFn:
     return family_of(model).loss(model)
 
 
-_NORM_NAMES = ("RMSNorm", "LayerNorm")
+_NORM_NAMES = ("RMSNorm", "LayerNorm", "LayerNorm2d")
 
 
 def defer_norms(model: nn.Module) -> list[type]:

@@ -37,7 +37,13 @@ def measure_block_costs(
     micro-batch of the schedule), the fastest of ``repeats`` after one warm-up; with ``twobp``
     the block patched, its queued weight work flushed inside the time, and unpatched after.
     Leaves gradients and buffers (BatchNorm running statistics) as they were."""
-    buffers = {id(b): b.detach().clone() for block in blocks for b in block.buffers()}
+    # By module and name: a forward may assign a buffer anew (a rotary cache built on first use).
+    buffers = [
+        (module, name, buffer, None if buffer is None else buffer.detach().clone())
+        for block in blocks
+        for module in block.modules()
+        for name, buffer in module._buffers.items()
+    ]
     grads = {id(p): p.grad for block in blocks for p in block.parameters()}
     # Measure on fresh gradients: backward accumulates into an existing .grad in place, so the
     # tensors kept above would come back holding the measuring passes' gradients too.
@@ -76,9 +82,11 @@ def measure_block_costs(
                     if id(module) not in patched_before:
                         _unpatch_module(module)
         with torch.no_grad():
+            for module, name, buffer, values in buffers:
+                if buffer is not None and values is not None:
+                    buffer.copy_(values)
+                module._buffers[name] = buffer
             for block in blocks:
-                for b in block.buffers():
-                    b.copy_(buffers[id(b)])
                 for p in block.parameters():
                     p.grad = grads[id(p)]
     return costs
