@@ -46,7 +46,7 @@ def instance_norm_weight_grad(
     # Its values are not read; its dtype is the forward's weight's (fp32 beside a bf16 input makes
     # the kernels' mixed-dtype statistics, as plain's).
     weight = unit_weight(as_one_sample, batch * channels, weight_dtype)
-    mean, invstd = [t.reshape(-1) for t in statistics] if statistics else _statistics(as_one_sample, weight, eps)
+    mean, invstd = [t.reshape(-1) for t in statistics] if statistics else _statistics(as_one_sample, weight_dtype, eps)
     # batch_norm's output gradient, (1, N * C, *) per micro-batch (joined: (k, N * C, *)).
     grad = grad_outputs[0].reshape(as_one_sample.shape)
     _, *per_sample = torch.ops.aten.native_batch_norm_backward(
@@ -61,9 +61,11 @@ def _as_one_sample(input: Tensor) -> Tensor:
     return input.contiguous().view(1, batch * channels, *spatial)
 
 
-def _statistics(as_one_sample: Tensor, weight: Tensor, eps: float) -> list[Tensor]:
+def _statistics(as_one_sample: Tensor, weight_dtype: torch.dtype, eps: float) -> list[Tensor]:
     """Each (sample, channel)'s mean and 1/std as batch_norm's forward saves them: by its own
-    kernel (whose output is not needed), so the weight gradient sums what plain's does."""
+    kernel (whose output is not needed), given a weight of the forward's dtype, so the weight
+    gradient sums what plain's does."""
+    weight = unit_weight(as_one_sample, as_one_sample.shape[1], weight_dtype)
     with torch.no_grad():
         _, mean, invstd = torch.native_batch_norm(as_one_sample, weight, None, None, None, True, 0.0, eps)
     return [mean, invstd]
@@ -125,8 +127,7 @@ def instance_norm(module: nn.modules.instancenorm._InstanceNorm, input: Tensor) 
     # hands back other values than the flush would recompute from the unpacked input.
     # Shaped (N, C): every saved tensor holds the samples on dim 0, where micro-batches join.
     if saved_through_user_hooks():
-        one_sample = _as_one_sample(contiguous)
-        statistics = _statistics(one_sample, unit_weight(one_sample, batch * channels, weight_dtype), module.eps)
+        statistics = _statistics(_as_one_sample(contiguous), weight_dtype, module.eps)
         saved: tuple[Tensor, ...] = (contiguous, *(t.view(batch, channels) for t in statistics))
     else:
         saved = (contiguous,)
