@@ -13,6 +13,7 @@ carry is supported: no padding ``attention_mask``, no cache, no explicit ``posit
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -77,14 +78,13 @@ class _LlamaStage(_HFStage):
             config=self.config,
             inputs_embeds=hidden,
             attention_mask=None,
-            past_key_values=None,
             position_ids=position_ids,
+            **_no_cache(create_causal_mask),
         )
         return {
             "attention_mask": mask,
             "position_embeddings": self.rotary_emb(hidden, position_ids=position_ids),
             "position_ids": position_ids,
-            "past_key_values": None,
             "use_cache": False,
         }
 
@@ -96,16 +96,24 @@ class _BertStage(_HFStage):
         # As BertModel._create_attention_masks does without a padding mask or a cache.
         if self.config.is_decoder:
             mask = create_causal_mask(
-                config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None
+                config=self.config, inputs_embeds=hidden, attention_mask=None, **_no_cache(create_causal_mask)
             )
         else:
             mask = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=None)
-        return {"attention_mask": mask, "past_key_values": None}
+        return {"attention_mask": mask}
+
+
+@functools.cache
+def _no_cache(mask_function: Any) -> dict[str, None]:
+    """No cache, in the keyword the installed release names it (``cache`` since transformers 5.24,
+    which warns that ``past_key_values`` goes in 5.40). The layers take either as a default."""
+    parameters = inspect.signature(mask_function).parameters
+    return {"cache": None} if "cache" in parameters else {"past_key_values": None}
 
 
 class _MambaStage(_HFStage):
     def layer_arguments(self, hidden: Tensor) -> dict[str, Any]:
-        return {"cache_params": None, "attention_mask": None}
+        return {"attention_mask": None}
 
 
 class _MambaHead(nn.Module):
