@@ -814,6 +814,37 @@ def test_a_shallow_copy_computes_with_its_own_parameters(copied_by):
     assert_grads_match(model, reference, torch.float64)
 
 
+@pytest.mark.parametrize("then", ["original-unpatched", "original-forward-wrapped", "call-held-then-dropped"])
+def test_a_clone_is_found_however_its_original_holds_the_call(then):
+    """A patched call looks at its caller only where something besides its module holds it (its
+    reference count, with the module holding it as forward and _CALL): a clone holds it too,
+    whatever has become of the original's own references since."""
+    torch.manual_seed(0)
+    original = twobp.patch(nn.Linear(3, 2).double())
+    clone = _leaf_clone(original)
+    if then == "original-unpatched":
+        twobp.unpatch(original)
+    elif then == "original-forward-wrapped":
+        wrapped = original.forward
+        original.forward = lambda *args: wrapped(*args)  # as accelerate's hooks wrap it
+    else:
+        held = original.forward
+        del held
+    reference = twobp.unpatch(copy.deepcopy(clone))
+    x = torch.randn(4, 3, dtype=torch.float64)
+    clone(x).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    reference(x).pow(2).sum().backward()
+    assert original.weight.grad is None
+    assert_grads_match(clone, reference, torch.float64)
+
+
+def test_a_patched_call_counts_its_references_on_this_interpreter():
+    """The count that spares a call the look at its caller was measured here (-1 would make every
+    call look: correct, a few microseconds dearer)."""
+    assert twobp_autograd.patching._SOLE_CALL_REFERENCES > 0
+
+
 def test_a_module_given_a_patched_modules_forward_computes_that_module():
     """``X.forward = Y.forward`` with Y patched: plain computes Y (a bound forward), and so does
     the patched call; it took the calling module X's parameters instead."""

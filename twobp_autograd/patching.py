@@ -175,12 +175,13 @@ class DeferredForwardCall:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.owner()  # None where only shallow copies sharing this call are left
         compiling = _is_compiling()
-        if not compiling:
-            # The module being called may be a shallow copy sharing this call through its copied
-            # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it
-            # computes with its own parameters and flags, and gets a call of its own.
-            # nn.Module.__call__ is the caller. (A module merely given this call as its forward
-            # holds no _CALL of it: this call's module computes.)
+        # The module being called may be a shallow copy sharing this call through its copied
+        # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it computes
+        # with its own parameters and flags, and gets a call of its own. nn.Module.__call__ is the
+        # caller. (A module merely given this call as its forward holds no _CALL of it: this call's
+        # module computes.) Looking costs a frame's locals per call, so only where something besides
+        # its module holds this call (no local refers to it yet: see _references_of_a_sole_call).
+        if not compiling and not (sys.getrefcount(self) == _SOLE_CALL_REFERENCES and _holds(module, self)):
             caller = sys._getframe(1)
             if caller.f_code is _CALL_IMPL:
                 called = caller.f_locals["self"]
@@ -537,6 +538,54 @@ _UNBOUND = (staticmethod, classmethod)
 #: Where a patched module keeps its DeferredForwardCall: its ``forward`` may be a wrapper around
 #: it by now (accelerate's hooks, added after patching, call the forward they found).
 _CALL = "_twobp_deferred_forward"
+
+
+def _holds(module: nn.Module | None, call: DeferredForwardCall) -> bool:
+    """Whether ``module`` holds ``call`` as both its ``forward`` and its ``_CALL``."""
+    if module is None:
+        return False
+    attributes = module.__dict__
+    return attributes.get("forward") is call and attributes.get(_CALL) is call
+
+
+class _ReferenceProbe:
+    """Stands in for a DeferredForwardCall: its ``__call__`` counts as that one does, with no
+    local referring to it."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return sys.getrefcount(self)
+
+
+def _references_of_a_sole_call() -> int:
+    """``sys.getrefcount`` of a DeferredForwardCall in its ``__call__`` (no local referring to it) where
+    ``nn.Module.__call__`` calls it on the one module that holds it (as ``forward`` and ``_CALL``):
+    its module's two, and the interpreter's while calling. A shallow copy sharing the call holds
+    two more, and anything else holding it (a wrapper, another thread's call) at least one, so
+    that count, with the module seen holding both, says no copy is called. Measured on a probe
+    through both paths of ``nn.Module.__call__`` (with and without hooks), tracing off; -1 (the
+    copies looked for on every call) where the paths disagree or a copy would not show."""
+    trace, profile = sys.gettrace(), sys.getprofile()
+    sys.settrace(None)
+    sys.setprofile(None)
+    try:
+        module = nn.Module()
+        probe = _ReferenceProbe()
+        module.__dict__["forward"] = module.__dict__[_CALL] = probe
+        del probe
+        sole = module()
+        handle = module.register_forward_pre_hook(lambda *_: None)
+        hooked = module()
+        handle.remove()
+        clone = nn.Module.__new__(nn.Module)
+        clone.__dict__ = module.__dict__.copy()
+        shared = clone()
+    finally:
+        sys.settrace(trace)
+        sys.setprofile(profile)
+    return sole if sole == hooked and shared >= sole + 2 else -1
+
+
+_SOLE_CALL_REFERENCES = _references_of_a_sole_call()
 
 
 def _is_patched(module: nn.Module) -> bool:
