@@ -3443,6 +3443,40 @@ def test_recompute_rule_replays_a_scalar_whose_name_became_a_parameter_and_puts_
     torch.testing.assert_close(patched[1].weight.grad, reference[1].weight.grad)
 
 
+class _ReadsDefaults(nn.Module):
+    """Reads values a schedule sets on the instance only later: a class default, getattr's
+    default, and a tensor attribute's absence."""
+
+    scale = 1.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(6, dtype=torch.float64))
+
+    def forward(self, x):
+        y = torch.tanh(x * self.weight) * self.scale * getattr(self, "gain", 1.0)
+        mask = getattr(self, "mask", None)
+        return y if mask is None else y * mask
+
+
+@pytest.mark.parametrize("rule", ["recompute", "recompute_rowwise"])
+def test_recompute_rule_replays_the_defaults_a_forward_read_before_the_instance_set_its_own(rule):
+    """A schedule set ``m.scale`` (over the class's default), ``m.gain`` (over getattr's) and
+    ``m.mask`` after a micro-batch's backward: its replay at the flush read them (3x the
+    gradient, silently), where only values the forward saw on the instance were put back."""
+    twobp.register(_ReadsDefaults, getattr(twobp.ops, rule))
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), _ReadsDefaults()).double())
+    for step, (scale, gain) in enumerate([(3.0, 0.5), (-2.0, 4.0)]):
+        x = torch.randn(4, 6, dtype=torch.float64)
+        for model in (patched, reference):
+            model(x).pow(2).sum().backward()
+            model[1].scale, model[1].gain = scale, gain
+            model[1].mask = torch.full((6,), 1.0 + step, dtype=torch.float64)
+    twobp.flush_weight_grads()
+    assert patched[1].scale == -2.0 and patched[1].gain == 4.0 and patched[1].mask[0] == 2.0
+    assert_grads_match(patched, reference, torch.float64)
+
+
 def test_recompute_rule_leaves_a_first_calls_own_error_to_the_user_and_stays_deferred():
     """A first call with a wrong input shape: the trial's failure was taken for a forward that
     needs a graph, with a warning saying so, before the user's own error."""

@@ -224,6 +224,7 @@ class _ForwardState:
     __slots__ = (
         "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
         "submodules", "attribute_objects", "attribute_versions", "scalars", "default_dtype", "default_device",
+        "public_names",
     )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -249,6 +250,10 @@ class _ForwardState:
         # rebinds one (a running statistic kept without register_buffer, a cache it grows) is
         # stateful, and a change in place before the flush is refused, as for buffers.
         self.submodules: tuple[tuple[str, int], ...] = ()  # set once the forward ran: see recompute
+        # Each submodule's __dict__ with the public names in it once the forward ran (set then):
+        # one set since (a schedule's value over a class default, or over getattr's) is hidden
+        # from the replay, which reads the default the forward read.
+        self.public_names: tuple[tuple[dict[str, Any], frozenset[str]], ...] = ()
         # Plain Python numbers, flags and strings held as public attributes (a temperature, a
         # scale a schedule sets) likewise: the replay runs with the values the forward read, and
         # calls that read other values are not joined.
@@ -265,10 +270,14 @@ class _ForwardState:
         self.attributes = {n: v.detach() for n, v in self.attribute_objects.items()}
         self.attribute_versions = {n: v._version for n, v in self.attributes.items()}
 
-    def keep_scalars_the_forward_left(self, module: nn.Module) -> None:
-        """Drop the Python values the forward itself changed (a call counter): the replay reads
-        them as it finds them (README), and they do not keep calls apart."""
+    def keep_what_the_forward_left(self, module: nn.Module) -> None:
+        """Once the forward ran: drop the Python values it changed itself (a call counter), which
+        the replay reads as it finds them (README) and which do not keep calls apart; note the
+        public names it left."""
         self.scalars = [(attrs, n, v) for attrs, n, v in self.scalars if _same_value(attrs.get(n, _MISSING), v)]
+        self.public_names = tuple(
+            [(vars(m), frozenset([n for n in vars(m) if not n.startswith("_")])) for m in module.modules()]
+        )
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
@@ -430,6 +439,9 @@ class _ForwardState:
         # __setattr__ would refuse a number there), and each put back whatever happens.
         found: list[tuple[dict[str, Any], str, object]] = []
         try:
+            for attrs, names in self.public_names:
+                for name in [n for n in attrs if n not in names and not n.startswith("_")]:
+                    found.append((attrs, name, attrs.pop(name)))
             for attrs, name, value in self.scalars:
                 found.append((attrs, name, attrs.get(name, _MISSING)))
                 attrs[name] = value
@@ -1009,7 +1021,7 @@ def _deferred_forward(module: nn.Module, inputs: tuple[Any, ...], kwargs: dict[s
     # is part of it; a change after it is what the flush refuses.
     state.submodules = tuple([(n, id(m)) for n, m in module.named_modules()])
     before = {(id(a), n) for a, n, _ in state.scalars}
-    state.keep_scalars_the_forward_left(module)
+    state.keep_what_the_forward_left(module)
     changed = before - {(id(a), n) for a, n, _ in state.scalars}
     if changed:
         _scalars_it_changes[module] = _scalars_it_changes.get(module, frozenset()) | changed
