@@ -6,10 +6,14 @@ import copy
 import functools
 import gc
 import io
+import os
+import subprocess
 import sys
+import textwrap
 import types
 import warnings
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -814,35 +818,115 @@ def test_a_shallow_copy_computes_with_its_own_parameters(copied_by):
     assert_grads_match(model, reference, torch.float64)
 
 
-@pytest.mark.parametrize("then", ["original-unpatched", "original-forward-wrapped", "call-held-then-dropped"])
-def test_a_clone_is_found_however_its_original_holds_the_call(then):
-    """A patched call looks at its caller only where something besides its module holds it (its
-    reference count, with the module holding it as forward and _CALL): a clone holds it too,
-    whatever has become of the original's own references since."""
+_CLONE_CASES = [
+    "original-unpatched",
+    "original-forward-wrapped",
+    "original-hooked-before-cloning",
+    "global-forward-hook",
+    "clone-forward-wrapped",
+    "clone-traced-by-jit",
+]
+
+
+@pytest.mark.parametrize("then", _CLONE_CASES)
+def test_a_clone_is_found_however_it_is_called(then):
+    """A clone (learn2learn's clone_module) shares its original's patched call until it is
+    called, and computes with its own parameters from its first call: found from the frame of
+    ``nn.Module.__call__``'s hooks closure (a hook shared with the original, a global one), past a
+    wrapper of its forward (accelerate's hooks), or from ``_slow_forward`` under jit tracing, where
+    it computed with the original's parameters (2.2 off, its own .grad None, silently); and looked
+    for whatever has become of the original's own references to the call (unpatched, wrapped)."""
     torch.manual_seed(0)
     original = twobp.patch(nn.Linear(3, 2).double())
+    if then == "original-hooked-before-cloning":
+        original.register_forward_pre_hook(lambda *_: None)
     clone = _leaf_clone(original)
+    reference = twobp.unpatch(copy.deepcopy(clone))
     if then == "original-unpatched":
         twobp.unpatch(original)
     elif then == "original-forward-wrapped":
         wrapped = original.forward
         original.forward = lambda *args: wrapped(*args)  # as accelerate's hooks wrap it
-    else:
-        held = original.forward
-        del held
-    reference = twobp.unpatch(copy.deepcopy(clone))
+    elif then == "clone-forward-wrapped":
+        for module in (clone, reference):
+            inner = module.forward
+            module.forward = functools.partial(lambda forward, *args: forward(*args), inner)
     x = torch.randn(4, 3, dtype=torch.float64)
-    clone(x).pow(2).sum().backward()
+    with contextlib.ExitStack() as stack:
+        if then == "global-forward-hook":
+            stack.enter_context(_global_forward_hook())
+        if then == "clone-traced-by-jit":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the tracer's own warnings, alike for both
+                outputs = [torch.jit.trace(m, x)(x) for m in (clone, reference)]
+        else:
+            outputs = [clone(x), reference(x)]
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    for output in outputs:
+        output.pow(2).sum().backward()
     twobp.flush_weight_grads()
-    reference(x).pow(2).sum().backward()
     assert original.weight.grad is None
     assert_grads_match(clone, reference, torch.float64)
+
+
+@contextlib.contextmanager
+def _global_forward_hook():
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def test_a_patched_call_counts_its_references_on_this_interpreter():
     """The count that spares a call the look at its caller was measured here (-1 would make every
     call look: correct, a few microseconds dearer)."""
     assert twobp_autograd.patching._SOLE_CALL_REFERENCES > 0
+
+
+@pytest.mark.parametrize("under", ["cProfile", "a global module hook keeping the first __dict__ it sees"])
+def test_importing_under_a_profiler_or_a_global_hook_counts_nothing_and_trains_clones_right(under):
+    """Imported under cProfile (a profiler implemented in C, which sys.setprofile could not put
+    back: the import raised TypeError) or with a global hook that keeps each module's __dict__
+    (which made the count 2 too high, so a clone's call skipped the look: 2.2 off, silently),
+    the count is not taken and every call looks."""
+    script = textwrap.dedent(
+        """
+        import cProfile, copy, sys, torch
+        from torch import nn
+        kept = []
+        if sys.argv[1] == "cProfile":
+            profiler = cProfile.Profile()
+            profiler.enable()
+        else:
+            handle = nn.modules.module.register_module_forward_pre_hook(
+                lambda module, args: kept or kept.append(copy.copy(module.__dict__)))  # the first one's
+        import twobp_autograd as twobp
+        if sys.argv[1] == "cProfile":
+            profiler.disable()
+        else:
+            handle.remove()
+        assert twobp.patching._SOLE_CALL_REFERENCES == -1, twobp.patching._SOLE_CALL_REFERENCES
+        original = twobp.patch(nn.Linear(3, 2).double())
+        clone = original.__new__(nn.Linear)
+        clone.__dict__ = original.__dict__.copy()
+        clone._parameters = {n: nn.Parameter(p.detach() * 2) for n, p in original._parameters.items()}
+        x = torch.randn(4, 3, dtype=torch.float64)
+        torch.testing.assert_close(clone(x), nn.functional.linear(x, clone.weight, clone.bias), rtol=0, atol=0)
+        print("ok")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script, "cProfile" if under == "cProfile" else "hook"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [_REPOSITORY, os.environ.get("PYTHONPATH")]))},
+    )
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_REPOSITORY = str(Path(__file__).resolve().parents[1])
 
 
 def test_a_module_given_a_patched_modules_forward_computes_that_module():

@@ -177,16 +177,14 @@ class DeferredForwardCall:
         compiling = _is_compiling()
         # The module being called may be a shallow copy sharing this call through its copied
         # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it computes
-        # with its own parameters and flags, and gets a call of its own. nn.Module.__call__ is the
-        # caller. (A module merely given this call as its forward holds no _CALL of it: this call's
-        # module computes.) Looking costs a frame's locals per call, so only where something besides
-        # its module holds this call (no local refers to it yet: see _references_of_a_sole_call).
+        # with its own parameters and flags, and gets a call of its own. (A module merely given this
+        # call as its forward holds no _CALL of it: this call's module computes.) Looking costs a
+        # frame's locals per call, so only where something besides its module holds this call (no
+        # local refers to it yet: see _references_of_a_sole_call).
         if not compiling and not (sys.getrefcount(self) == _SOLE_CALL_REFERENCES and _holds(module, self)):
-            caller = sys._getframe(1)
-            if caller.f_code is _CALL_IMPL:
-                called = caller.f_locals["self"]
-                if called is not module and called.__dict__.get(_CALL) is self:
-                    module = _adopt(called, self)
+            called = _called_module(sys._getframe(1))
+            if called is not None and called is not module and called.__dict__.get(_CALL) is self:
+                module = _adopt(called, self)
         if module is None:
             module = self.module  # raises: only this forward was kept
         # A rule that changes the module while it runs (the recompute rule's stand-ins for its
@@ -388,10 +386,35 @@ def _called_by_torch_compile(caller: Any) -> bool:
     return code is not None and code.co_name == "compile_wrapper" and code.co_filename == _DYNAMO_EVAL_FRAME
 
 
+def _called_module(caller: Any) -> nn.Module | None:
+    """The module ``nn.Module.__call__`` is calling, seen from the frame that called a patched
+    forward: the frame itself where it is the call's (``_call_impl``, the ``inner`` closure it
+    runs hooks in, ``_slow_forward`` under jit tracing), else the nearest such frame a few above,
+    where a wrapper of the forward sits between (accelerate's hooks); None where there is none."""
+    for _ in range(_WRAPPERS_LOOKED_PAST + 1):
+        if caller is None:
+            return None
+        if caller.f_code in _CALLING_FRAMES:
+            return caller.f_locals.get("self")
+        caller = caller.f_back
+    return None
+
+
+#: Frames of a wrapper between ``nn.Module.__call__`` and a patched forward looked past.
+_WRAPPERS_LOOKED_PAST = 3
+
+
 _is_jit_tracing = torch._C._is_tracing
 _top_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _CALL_IMPL = nn.Module._call_impl.__code__
 _MODULE_CALL = {_CALL_IMPL, nn.Module._wrapped_call_impl.__code__}
+#: The frames whose ``self`` is the module being called: ``_call_impl``, the closure it runs
+#: hooks in, and ``_slow_forward``.
+_CALLING_FRAMES = {
+    _CALL_IMPL,
+    nn.Module._slow_forward.__code__,
+    *[code for code in _CALL_IMPL.co_consts if isinstance(code, types.CodeType) and code.co_name == "inner"],
+}
 _DYNAMO_EVAL_FRAME = torch._dynamo.eval_frame.__file__
 
 
@@ -561,28 +584,35 @@ def _references_of_a_sole_call() -> int:
     ``nn.Module.__call__`` calls it on the one module that holds it (as ``forward`` and ``_CALL``):
     its module's two, and the interpreter's while calling. A shallow copy sharing the call holds
     two more, and anything else holding it (a wrapper, another thread's call) at least one, so
-    that count, with the module seen holding both, says no copy is called. Measured on a probe
-    through both paths of ``nn.Module.__call__`` (with and without hooks), tracing off; -1 (the
-    copies looked for on every call) where the paths disagree or a copy would not show."""
-    trace, profile = sys.gettrace(), sys.getprofile()
-    sys.settrace(None)
-    sys.setprofile(None)
-    try:
+    that count, with the module seen holding both, says no copy is called. Measured on probes
+    through both paths of ``nn.Module.__call__`` (with and without hooks); -1 (copies looked for
+    on every call) where a tracer, a profiler or a global module hook could count in (a debugger's
+    or coverage's view of a frame's locals refers to it), the measures disagree, a copy would not
+    show, or something kept a reference to a probe."""
+    if sys.gettrace() is not None or sys.getprofile() is not None or _global_module_hooks():
+        return -1
+    counts, copied = [], []
+    for hooked in (False, True, False):
         module = nn.Module()
-        probe = _ReferenceProbe()
-        module.__dict__["forward"] = module.__dict__[_CALL] = probe
-        del probe
-        sole = module()
-        handle = module.register_forward_pre_hook(lambda *_: None)
-        hooked = module()
-        handle.remove()
+        module.__dict__["forward"] = module.__dict__[_CALL] = _ReferenceProbe()  # no local refers to it
+        before = sys.getrefcount(module.__dict__[_CALL])
+        if hooked:
+            module.register_forward_pre_hook(lambda *_: None)
+        counts.append(module())
         clone = nn.Module.__new__(nn.Module)
         clone.__dict__ = module.__dict__.copy()
-        shared = clone()
-    finally:
-        sys.settrace(trace)
-        sys.setprofile(profile)
-    return sole if sole == hooked and shared >= sole + 2 else -1
+        copied.append(clone())
+        del clone
+        if sys.getrefcount(module.__dict__[_CALL]) != before:
+            return -1
+    sole = counts[0]
+    return sole if all(c == sole for c in counts) and all(c >= sole + 2 for c in copied) else -1
+
+
+def _global_module_hooks() -> bool:
+    """Hooks ``register_module_forward_pre_hook`` and the like put on every module's call."""
+    kinds = ("forward_pre", "forward", "backward_pre", "backward")
+    return any(bool(getattr(module_hooks, f"_global_{kind}_hooks", None)) for kind in kinds)
 
 
 _SOLE_CALL_REFERENCES = _references_of_a_sole_call()
