@@ -869,6 +869,55 @@ def test_a_clone_is_found_however_it_is_called(then):
     assert_grads_match(clone, reference, torch.float64)
 
 
+@pytest.mark.parametrize("wrapper", ["accelerate-like", "lambda"])
+def test_a_clone_of_a_module_wrapped_before_cloning_computes_as_plains_does(wrapper):
+    """A wrapper made on the original before the copy holds the original's forward, which plain
+    binds to the original: the copy computes with the original's parameters there, and did here
+    until finding the calling module past wrappers took the copy (4x off, silently)."""
+
+    def wrap(module: nn.Module) -> None:
+        inner = module.forward
+        if wrapper == "lambda":
+            module.forward = lambda *args: inner(*args)
+            return
+        module._old_forward = inner  # accelerate's add_hook_to_module, without its hook object
+
+        def new_forward(module, *args):
+            return module._old_forward(*args)
+
+        module.forward = functools.update_wrapper(functools.partial(new_forward, module), inner)
+
+    torch.manual_seed(0)
+    original = nn.Linear(3, 2).double()
+    plain = copy.deepcopy(original)
+    twobp.patch(original)
+    x = torch.randn(4, 3, dtype=torch.float64)
+    outputs = []
+    for model in (original, plain):
+        wrap(model)
+        clone = model.__new__(nn.Linear)
+        clone.__dict__ = model.__dict__.copy()
+        clone._parameters = {name: p * 2.0 for name, p in model._parameters.items()}  # adapted, differentiable
+        outputs.append(clone(x))
+        outputs[-1].pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    torch.testing.assert_close(outputs[0], outputs[1], rtol=0, atol=0)
+    assert_grads_match(original, plain, torch.float64)
+
+
+def test_a_sole_patched_call_does_not_look_for_its_caller(monkeypatch):
+    """The look for a copy's frame runs only where something besides the module holds its call."""
+    looked = []
+    monkeypatch.setattr(twobp_autograd.patching, "_called_module", lambda caller: looked.append(1) or (None, False))
+    layer = twobp.patch(nn.Linear(3, 2))
+    layer(torch.randn(4, 3))
+    assert not looked
+    held = layer.forward
+    layer(torch.randn(4, 3))
+    assert looked, "a holder besides the module makes the call look"
+    del held
+
+
 @contextlib.contextmanager
 def _global_forward_hook():
     handle = torch.nn.modules.module.register_module_forward_hook(lambda *_: None)

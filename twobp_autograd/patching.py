@@ -182,8 +182,15 @@ class DeferredForwardCall:
         # frame's locals per call, so only where something besides its module holds this call (no
         # local refers to it yet: see _references_of_a_sole_call).
         if not compiling and not (sys.getrefcount(self) == _SOLE_CALL_REFERENCES and _holds(module, self)):
-            called = _called_module(sys._getframe(1))
-            if called is not None and called is not module and called.__dict__.get(_CALL) is self:
+            called, wrapped = _called_module(sys._getframe(1))
+            if (
+                called is not None
+                and called is not module
+                and called.__dict__.get(_CALL) is self
+                # Past a wrapper copied from the original (one made on it before the copy, as
+                # plain's bound forward, computes the original): the copy's own wrapper only.
+                and not (wrapped and module is not None and _same_forward(called, module))
+            ):
                 module = _adopt(called, self)
         if module is None:
             module = self.module  # raises: only this forward was kept
@@ -386,18 +393,25 @@ def _called_by_torch_compile(caller: Any) -> bool:
     return code is not None and code.co_name == "compile_wrapper" and code.co_filename == _DYNAMO_EVAL_FRAME
 
 
-def _called_module(caller: Any) -> nn.Module | None:
+def _called_module(caller: Any) -> tuple[nn.Module | None, bool]:
     """The module ``nn.Module.__call__`` is calling, seen from the frame that called a patched
     forward: the frame itself where it is the call's (``_call_impl``, the ``inner`` closure it
     runs hooks in, ``_slow_forward`` under jit tracing), else the nearest such frame a few above,
-    where a wrapper of the forward sits between (accelerate's hooks); None where there is none."""
-    for _ in range(_WRAPPERS_LOOKED_PAST + 1):
+    where a wrapper of the forward sits between (accelerate's hooks); None where there is none.
+    And whether a wrapper sat between."""
+    for looked_past in range(_WRAPPERS_LOOKED_PAST + 1):
         if caller is None:
-            return None
+            break
         if caller.f_code in _CALLING_FRAMES:
-            return caller.f_locals.get("self")
+            return caller.f_locals.get("self"), looked_past > 0
         caller = caller.f_back
-    return None
+    return None, False
+
+
+def _same_forward(module: nn.Module, other: nn.Module) -> bool:
+    """Whether the two modules hold one and the same instance ``forward`` (copied with __dict__)."""
+    forward = module.__dict__.get("forward")
+    return forward is not None and forward is other.__dict__.get("forward")
 
 
 #: Frames of a wrapper between ``nn.Module.__call__`` and a patched forward looked past.
