@@ -3477,6 +3477,44 @@ def test_recompute_rule_replays_the_defaults_a_forward_read_before_the_instance_
     assert_grads_match(patched, reference, torch.float64)
 
 
+class _GainedBlock(nn.Module):
+    """A block reading a gain that a buffer may provide later, around a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6).double()
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x)) * getattr(self, "gain", 1.0)
+
+
+@pytest.mark.parametrize(
+    "change", ["buffer-on-the-module", "parameter-on-the-module", "prune-a-child", "hook-on-a-child", "child-wrapped"]
+)
+def test_recompute_rule_refuses_a_flush_after_parts_were_added_to_the_module(change):
+    """Between backward and flush a buffer or parameter was added where the forward read a default
+    (the replay read it: 3x off), a child was pruned (its mask and pre-hook ran at the replay:
+    0.9x), or a child got a hook or a wrapped forward (3x): all silently. Refused now."""
+    twobp.register(_GainedBlock, twobp.ops.recompute)
+    model = twobp.patch(nn.Sequential(nn.Linear(6, 6), _GainedBlock()).double())
+    model(torch.randn(4, 6, dtype=torch.float64)).pow(2).sum().backward()
+    block = model[1]
+    if change == "buffer-on-the-module":
+        block.register_buffer("gain", torch.tensor(3.0, dtype=torch.float64))
+    elif change == "parameter-on-the-module":
+        block.gain = nn.Parameter(torch.tensor(3.0, dtype=torch.float64))
+    elif change == "prune-a-child":
+        torch.nn.utils.prune.l1_unstructured(block.lin, "weight", amount=0.5)
+    elif change == "hook-on-a-child":
+        block.lin.register_forward_hook(lambda module, args, output: output * 3)
+    else:
+        inner = block.lin.forward
+        block.lin.forward = lambda *args: inner(*args) * 3
+    with pytest.raises(RuntimeError, match="changed between its forward and the flush"):
+        twobp.flush_weight_grads()
+    twobp.discard_weight_grads()
+
+
 def test_recompute_rule_leaves_a_first_calls_own_error_to_the_user_and_stays_deferred():
     """A first call with a wrong input shape: the trial's failure was taken for a forward that
     needs a graph, with a warning saying so, before the user's own error."""

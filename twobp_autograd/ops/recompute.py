@@ -224,7 +224,7 @@ class _ForwardState:
     __slots__ = (
         "flags", "named_buffers", "versions", "params", "param_versions", "values", "autocast", "attributes",
         "submodules", "attribute_objects", "attribute_versions", "scalars", "default_dtype", "default_device",
-        "public_names",
+        "public_names", "parts",
     )
 
     def __init__(self, module: nn.Module, params: Mapping[str, Tensor]) -> None:
@@ -254,6 +254,10 @@ class _ForwardState:
         # one set since (a schedule's value over a class default, or over getattr's) is hidden
         # from the replay, which reads the default the forward read.
         self.public_names: tuple[tuple[dict[str, Any], frozenset[str]], ...] = ()
+        # Each submodule's parameter and buffer names, hooks and instance forward once the forward
+        # ran (set then): the replay would run what is added or replaced since (a pruning's mask
+        # and hook, accelerate's wrapper), which the forward did not.
+        self.parts: tuple[tuple[frozenset[str], frozenset[str], frozenset[int], object], ...] = ()
         # Plain Python numbers, flags and strings held as public attributes (a temperature, a
         # scale a schedule sets) likewise: the replay runs with the values the forward read, and
         # calls that read other values are not joined.
@@ -278,6 +282,7 @@ class _ForwardState:
         self.public_names = tuple(
             [(vars(m), frozenset([n for n in vars(m) if not n.startswith("_")])) for m in module.modules()]
         )
+        self.parts = tuple([_parts_of(m) for m in module.modules()])
 
     def key(self) -> Hashable:
         """Micro-batches concatenate into one replay only where they saw the same state."""
@@ -397,6 +402,22 @@ class _ForwardState:
                 "are no longer where they were (a parametrization removed, a submodule deleted) between "
                 "its forward and the flush; the recompute rule re-runs that forward at the flush and cannot. "
                 "Flush the weight gradients before changing the module's structure."
+            )
+        # (A name the replay finds in the instance's __dict__ first, a value it puts back, hides one added since.)
+        restored = {(id(attrs), name) for attrs, name, _ in self.scalars}
+        added = [
+            name or "(the module itself)"
+            for (name, m), then in zip(module.named_modules(), self.parts, strict=False)
+            if _added_parts(m, then, submodule=m is not module, shadowed={n for i, n in restored if i == id(vars(m))})
+        ]
+        if added:
+            raise RuntimeError(
+                f"twobp: {added} of a {type(module).__name__} changed between its forward and the flush "
+                "(parameters or buffers added, hooks registered on a submodule or its forward replaced or wrapped: "
+                "a pruning, accelerate's hooks); the recompute rule re-runs that forward at the flush, where "
+                "they would take part as they did not in the forward. Flush the weight gradients before changing "
+                "them, or leave the module to plain autograd (patch(..., exclude=[...])). To drop the step: "
+                "optimizer.zero_grad()."
             )
         changed = self.changed_in_place() + [
             n for (n, p), v in zip(self.params.items(), self.param_versions, strict=True) if p._version != v
@@ -649,6 +670,36 @@ _HOOKED_SUBMODULES = (
 )
 
 
+_Parts = tuple[frozenset[str], frozenset[str], frozenset[int], object]
+
+
+def _parts_of(module: nn.Module) -> _Parts:
+    """Its parameter and buffer names, its hooks' ids and its instance forward."""
+    return frozenset(module._parameters), frozenset(module._buffers), _hook_ids(module), vars(module).get("forward")
+
+
+def _added_parts(module: nn.Module, then: _Parts, *, submodule: bool, shadowed: set[str]) -> bool:
+    """Parameters or buffers added to ``module`` since ``then`` (:func:`_parts_of`) but those
+    ``shadowed``; for a submodule (the replay calls it, not the registered module's own hooks or
+    instance forward) also hooks registered or its forward replaced."""
+    params, buffers, hooks, forward = then
+    return (
+        not (params | shadowed).issuperset(module._parameters)
+        or not (buffers | shadowed).issuperset(module._buffers)
+        or (submodule and (not hooks.issuperset(_hook_ids(module)) or vars(module).get("forward") is not forward))
+    )
+
+
+def _hook_ids(module: nn.Module) -> frozenset[int]:
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return frozenset().union(*hooks)
+
+
+def _submodule_hooked(module: nn.Module) -> bool:
+    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
+    return any(bool(h) for h in hooks)
+
+
 def _has_hooked_submodules(module: nn.Module) -> bool:
     """Module hooks that fire inside the module's forward or its replay: global ones, or its
     submodules' (its own run around the rule, on the tapped output, and never at the replay)."""
@@ -662,11 +713,7 @@ def _has_hooked_submodules(module: nn.Module) -> bool:
         return False
     # Backward hooks too: the replay calls the submodules again, and their hooks would fire
     # once more at the flush, on the replay's (joined) gradients.
-    return any(
-        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for m in module.modules()
-        if m is not module
-    )
+    return any(_submodule_hooked(m) for m in module.modules() if m is not module)
 
 
 _STEPPED_IN_BACKWARD = (
