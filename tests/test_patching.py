@@ -5,6 +5,7 @@ import contextlib
 import copy
 import functools
 import gc
+import inspect
 import io
 import os
 import subprocess
@@ -156,11 +157,20 @@ def test_a_model_with_nothing_to_patch_warns_once_and_one_excluded_on_purpose_do
     assert [str(w.message)[:48] for w in caught] == ["twobp: patch() found no layer it covers in this "]
 
 
+def test_a_patched_forward_has_the_signature_of_the_plain_one():
+    layer = nn.Linear(4, 4)
+    plain = inspect.signature(layer.forward)
+    assert inspect.signature(twobp.patch(layer).forward) == plain
+
+
 @pytest.mark.parametrize("strict", [False, True], ids=["non-strict", "strict"])
-def test_torch_export_of_a_patched_model_records_the_plain_forward(strict):
+@pytest.mark.parametrize("root", ["model", "patched-layer"])
+def test_torch_export_of_a_patched_model_records_the_plain_forward(strict, root):
     """Export traces the plain forward's ops (the deferred ones' custom Functions have no place
     in an exported program), with no warning and nothing queued."""
     model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.GELU(), nn.Linear(4, 2))
+    if root == "patched-layer":  # export reads the root's forward's __code__ (it raised AttributeError)
+        model = model[0]
     x = torch.randn(3, 4)
     plain_program = torch.export.export(copy.deepcopy(model), (x,), strict=strict)
     twobp.patch(model)

@@ -91,6 +91,18 @@ class DeferredForwardCall:
         self.classes_of_the_rule = {type(module)}
         _calls.add(self)
 
+    @property
+    def __code__(self) -> types.CodeType:
+        """The class forward's code, which ``torch.export`` reads off a root module's forward (to
+        name its shape environment): the code this call runs where it keeps the plain forward."""
+        return type(self.module).forward.__code__
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The bound class forward's, as ``inspect.signature(module.forward)`` gives it unpatched
+        (Hugging Face's Trainer keeps the dataset columns a model's forward names)."""
+        return inspect.signature(_bound_class_forward(self.module))
+
     def owner(self) -> nn.Module | None:
         """The module, or None once it was freed (only its forward kept)."""
         return self._module()
