@@ -247,15 +247,14 @@ def _kept_for_the_flush(saved: Tensor, params: tuple[Tensor | None, ...]) -> Ten
     other than the job's own, that will not keep its values until the flush: one with
     post-accumulate-grad hooks that may change it (not only read ``.grad``), which gets its
     gradient later in this backward and an optimizer-in-backward hook steps in place then; or
-    FSDP2's unsharded parameter, whose storage FSDP2 frees after backward (learned queries
-    expanded to a micro-batch of one sample: the expand is a view of the parameter, which
-    plain's kernels read in backward)."""
+    one in FSDP2's unsharded parameters' storage, which FSDP2 frees after backward (learned
+    queries expanded to a micro-batch of one sample: the expand is a view of the parameter, which
+    plain's kernels read in backward; a frozen parameter, or a ``.detach()`` of one, as an input)."""
     base = saved if saved._base is None else saved._base
-    if (
-        base.is_leaf
-        and base.requires_grad
-        and not any(base is p for p in params)
-        and (may_change_in_backward(base) or fsdp_hooks.sharded_params_of([base]))
+    if any(base is p for p in params):
+        return saved.detach()
+    if (base.is_leaf and base.requires_grad and may_change_in_backward(base)) or fsdp_hooks.shares_unsharded_storage(
+        base
     ):
         return saved.detach().clone()
     return saved.detach()

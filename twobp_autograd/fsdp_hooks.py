@@ -35,6 +35,7 @@ __all__ = [
     "reduction_order",
     "refuse_split_partial_all_reduce",
     "replaced_by_fully_shard",
+    "shares_unsharded_storage",
     "sharded_params_of",
     "unsharded_params_of",
     "wait_for_reductions",
@@ -132,6 +133,32 @@ def sharded_params_of(params: list[Tensor]) -> dict[int, ShardedParam]:
         if unsharded is not None and id(unsharded) in wanted:
             found[id(unsharded)] = ShardedParam(group, fsdp_param.sharded_param)
     return found
+
+
+def shares_unsharded_storage(tensor: Tensor) -> bool:
+    """Whether ``tensor`` lies in an FSDP2 unsharded parameter's storage, which the group's
+    reshard frees after backward: the parameter itself, or a frozen one's, a ``.detach()`` or
+    ``.data`` alias of one (a stop-gradient codebook), a view of any of them."""
+    if not fsdp_in_use() or type(tensor) not in (Tensor, nn.Parameter) or tensor.layout != torch.strided:
+        return False
+    return tensor.untyped_storage()._cdata in _unsharded_storages()
+
+
+def _unsharded_storages() -> frozenset[int]:
+    """The unsharded parameters' storages (kept by FSDP2 across unshards, resized to nothing at
+    each reshard), found once per backward: each patched call's saved tensors are asked about."""
+    global _storages_found
+    task = torch._C._current_graph_task_id()
+    if task >= 0 and _storages_found is not None and _storages_found[0] == task:
+        return _storages_found[1]
+    unsharded = [getattr(fsdp_param, "_unsharded_param", None) for _, fsdp_param in _fsdp_params()]
+    storages = frozenset([p.untyped_storage()._cdata for p in unsharded if p is not None])
+    _storages_found = (task, storages)
+    return storages
+
+
+#: ``(backward, storages)``: :func:`_unsharded_storages` as that backward found them.
+_storages_found: tuple[int, frozenset[int]] | None = None
 
 
 def reduces_unused_params(params: Sequence[Tensor | None]) -> bool:
