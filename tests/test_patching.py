@@ -73,8 +73,19 @@ def test_one_selector_alone_is_one_selector_and_others_are_refused():
     assert twobp.patch(copy.deepcopy(model), exclude="1.*", report=True).patched == ["0"]
     assert twobp.patch(copy.deepcopy(model), include="1.0", report=True).patched == ["1.0"]
     assert twobp.patch(copy.deepcopy(model), exclude=nn.Linear, report=True).patched == []
-    with pytest.raises(TypeError, match="twobp: patch's include takes module types and qualified-name patterns"):
-        twobp.patch(copy.deepcopy(model), include=[3])
+    for include in ([3], 3):  # one selector alone, not iterable either: raised TypeError from list()
+        with pytest.raises(TypeError, match="twobp: patch's include takes module types and qualified-name patterns"):
+            twobp.patch(copy.deepcopy(model), include=include)
+
+
+def test_register_refuses_an_empty_tuple_and_a_reason_that_is_no_callable():
+    """register((), rule) registered nothing, silently; unsupported=42 was stored, and the next
+    patch of such a module raised "'int' object is not callable" far from the mistake."""
+    with pytest.raises(TypeError, match="got an empty tuple"):
+        twobp.register((), recompute)
+    with pytest.raises(TypeError, match="register's unsupported takes a callable"):
+        twobp.register(_MyLinear, recompute, unsupported=42)  # type: ignore[arg-type]
+    assert twobp_autograd.registry.rule_for(_MyLinear(2, 2)) is None
 
 
 class _MyLinear(nn.Linear):

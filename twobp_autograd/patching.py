@@ -490,7 +490,12 @@ _TENSOR = torch.Tensor
 def _selectors(argument: str, given: Selector | Iterable[Selector]) -> list[Selector]:
     """``given`` as a list of selectors: one type or pattern alone is one selector (a string is
     not a sequence of one-letter patterns); anything but types and strings is refused."""
-    selectors = [given] if isinstance(given, (str, type)) else list(given)
+    if isinstance(given, (str, type)):
+        selectors: list[Any] = [given]
+    elif isinstance(given, Iterable):
+        selectors = list(given)
+    else:
+        selectors = [given]  # refused below, as a selector
     for selector in selectors:
         if not isinstance(selector, (str, type)):
             raise TypeError(

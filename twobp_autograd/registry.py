@@ -74,9 +74,16 @@ def register(
     already patched keep theirs until :func:`twobp_autograd.unpatch`).
     """
     types = module_type if isinstance(module_type, tuple) else (module_type,)
+    if not types:
+        raise TypeError("twobp: register expects an nn.Module subclass (or a tuple of them), got an empty tuple")
     for t in types:
         if not (isinstance(t, type) and issubclass(t, nn.Module)):
             raise TypeError(f"twobp: register expects an nn.Module subclass (or a tuple of them), got {t!r}")
+    if unsupported is not None and not callable(unsupported):
+        raise TypeError(
+            f"twobp: register's unsupported takes a callable, unsupported(module) -> a reason or None, "
+            f"got {unsupported!r}"
+        )
 
     def decorator(fn: DeferredForward) -> DeferredForward:
         if not callable(fn):
