@@ -69,6 +69,14 @@ def test_demo_refuses_a_learning_rate_adam_cannot_train_with(lr: str, capsys: py
     assert "--lr must be a positive number" in capsys.readouterr().err
 
 
+def test_demo_refuses_more_stages_than_the_model_has_blocks(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each of 11 spawned ranks printed a traceback before the same one-line refusal (200 hung)."""
+    with pytest.raises(SystemExit) as error:
+        demo.main(["--stages", "11", "--model", "resnet18", "--no-compare"])
+    assert error.value.code == 2
+    assert "11 stages (--stages, or torchrun's ranks) but resnet18 has 10 blocks" in capsys.readouterr().err
+
+
 def test_bench_pipeline_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     bench = pytest.importorskip("twobp_autograd.pipeline.bench")
     received: list[list[str]] = []

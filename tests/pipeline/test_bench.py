@@ -77,12 +77,14 @@ def test_a_bound_is_only_for_zb_and_zbv(spec: str, capsys) -> None:
         (["--schedule", "gpipe", "--baseline", "torch", "--micro-batches", "4", "--batch-size", "6"], "do not divide"),
         (["--schedule", "gpipe", "--baseline", "torch", "--micro-batches", "1", "--nproc", "2"], "per rank (2)"),
         (["--schedule", "gpipe", "--baseline", "torch", "--micro-batches", "5", "--batch-size", "10"], "2 rounds"),
+        (["--model", "mlp", "--depth", "1", "--schedule", "gpipe"], "has 1 blocks to cut"),
+        (["--model", "mlp", "--depth", "3", "--schedule", "zbv"], "4 stages on 2 ranks"),
     ],
     ids=[
         "more-micro-batches-than-samples", "torch-baseline-without-a-count", "json-a-directory", "trace-a-file",
         "all-schedules-with-interleaved-at-an-odd-count", "interleaved-at-a-count-ranks-do-not-divide",
         "torch-baseline-uneven-micro-batches", "torch-baseline-fewer-micro-batches-than-ranks",
-        "torch-baseline-count-its-rounds-do-not-divide",
+        "torch-baseline-count-its-rounds-do-not-divide", "more-ranks-than-blocks", "more-v-stages-than-blocks",
     ],  # fmt: skip
 )
 def test_options_that_cannot_work_are_refused_before_any_rank_starts(argv: list[str], says: str, capsys) -> None:

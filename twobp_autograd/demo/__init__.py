@@ -80,6 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeline and not os.path.isdir(os.path.dirname(os.path.abspath(args.timeline))):
         parser.error(f"--timeline: no directory {os.path.dirname(os.path.abspath(args.timeline))!r}")
     if args.stages > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks are the stages
+        from ..pipeline.split import blocks_of
+        from .data import build_resnet
+
+        stages = int(os.environ["WORLD_SIZE"]) if "RANK" in os.environ else args.stages
+        blocks = len(blocks_of(build_resnet(args.model, args.seed)))
+        if stages > blocks:
+            parser.error(f"{stages} stages (--stages, or torchrun's ranks) but {args.model} has {blocks} blocks to cut")
         from ..pipeline.launch import run_as_ranks
         from .pipeline import rank_main
 

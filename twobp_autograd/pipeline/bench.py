@@ -125,6 +125,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                 f"--baseline torch: PyTorch's interleaved schedules run m // ranks = {m // ranks} rounds, which must "
                 f"divide --micro-batches {m}"
             )
+    chosen = [_schedule_of(spec)[0] for spec in args.schedule]
+    names = [*SCHEDULES, *MULTI_STAGE_SCHEDULES] if "all" in chosen else chosen
+    stages = max(len(placement(name, ranks)) for name in names)
+    blocks = len(blocks_of(build_model(args.model, args, seed=args.seed)[0]))
+    if stages > blocks:
+        parser.error(
+            f"{stages} stages on {ranks} ranks (--nproc; zbv and interleaved-1f1b put 2 on each) but the "
+            f"{args.model} model has {blocks} blocks to cut: give fewer ranks or a deeper model (--depth)"
+        )
     if args.json and os.path.isdir(args.json):
         parser.error(f"--json {args.json!r} is a directory: name the file to write")
     if args.trace and os.path.exists(args.trace) and not os.path.isdir(args.trace):
