@@ -3478,19 +3478,30 @@ def test_recompute_rule_replays_the_defaults_a_forward_read_before_the_instance_
 
 
 class _GainedBlock(nn.Module):
-    """A block reading a gain that a buffer may provide later, around a Linear."""
+    """A block reading a gain that a buffer may provide later, and a mask registered as None, around a Linear."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.lin = nn.Linear(6, 6).double()
+        self.lin = nn.Linear(6, 6, bias=False).double()
+        self.register_buffer("mask", None)
 
     def forward(self, x):
-        return torch.tanh(self.lin(x)) * getattr(self, "gain", 1.0)
+        y = torch.tanh(self.lin(x)) * getattr(self, "gain", 1.0)
+        return y if self.mask is None else y * self.mask
+
+
+class _TripledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 3
 
 
 @pytest.mark.parametrize(
-    "change", ["buffer-on-the-module", "parameter-on-the-module", "prune-a-child", "hook-on-a-child", "child-wrapped"]
-)
+    "change",
+    [
+        "buffer-on-the-module", "parameter-on-the-module", "prune-a-child", "hook-on-a-child", "child-wrapped",
+        "none-buffer-set", "none-bias-set", "child-class-swapped",
+    ],
+)  # fmt: skip
 def test_recompute_rule_refuses_a_flush_after_parts_were_added_to_the_module(change):
     """Between backward and flush a buffer or parameter was added where the forward read a default
     (the replay read it: 3x off), a child was pruned (its mask and pre-hook ran at the replay:
@@ -3507,12 +3518,30 @@ def test_recompute_rule_refuses_a_flush_after_parts_were_added_to_the_module(cha
         torch.nn.utils.prune.l1_unstructured(block.lin, "weight", amount=0.5)
     elif change == "hook-on-a-child":
         block.lin.register_forward_hook(lambda module, args, output: output * 3)
+    elif change == "none-buffer-set":
+        block.mask = torch.full((6,), 3.0, dtype=torch.float64)
+    elif change == "none-bias-set":
+        block.lin.bias = nn.Parameter(torch.ones(6, dtype=torch.float64))
+    elif change == "child-class-swapped":
+        block.lin.__class__ = _TripledLinear
     else:
         inner = block.lin.forward
         block.lin.forward = lambda *args: inner(*args) * 3
     with pytest.raises(RuntimeError, match="changed between its forward and the flush"):
         twobp.flush_weight_grads()
     twobp.discard_weight_grads()
+
+
+def test_recompute_rule_replays_after_its_children_were_unpatched_and_patched_again():
+    """Their instance forwards are new calls, which compute as the class's: no refusal (was one)."""
+    twobp.register(_GainedBlock, twobp.ops.recompute)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(6, 6), _GainedBlock()).double())
+    x = torch.randn(4, 6, dtype=torch.float64)
+    for model in (patched, reference):
+        model(x).pow(2).sum().backward()
+    twobp.patch(twobp.unpatch(patched))
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
 
 
 def test_recompute_rule_leaves_a_first_calls_own_error_to_the_user_and_stays_deferred():

@@ -251,11 +251,10 @@ def _kept_for_the_flush(saved: Tensor, params: tuple[Tensor | None, ...]) -> Ten
     queries expanded to a micro-batch of one sample: the expand is a view of the parameter, which
     plain's kernels read in backward; a frozen parameter, or a ``.detach()`` of one, as an input)."""
     base = saved if saved._base is None else saved._base
-    if any(base is p for p in params):
-        return saved.detach()
-    if (base.is_leaf and base.requires_grad and may_change_in_backward(base)) or fsdp_hooks.shares_unsharded_storage(
-        base
-    ):
+    if (
+        (base.is_leaf and base.requires_grad and may_change_in_backward(base))
+        or (fsdp_hooks.fsdp_in_use() and fsdp_hooks.shares_unsharded_storage(base))
+    ) and not any(base is p for p in params):
         return saved.detach().clone()
     return saved.detach()
 

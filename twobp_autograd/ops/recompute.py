@@ -257,7 +257,7 @@ class _ForwardState:
         # Each submodule's parameter and buffer names, hooks and instance forward once the forward
         # ran (set then): the replay would run what is added or replaced since (a pruning's mask
         # and hook, accelerate's wrapper), which the forward did not.
-        self.parts: tuple[tuple[frozenset[str], frozenset[str], frozenset[int], object], ...] = ()
+        self.parts: tuple[_Parts, ...] = ()
         # Plain Python numbers, flags and strings held as public attributes (a temperature, a
         # scale a schedule sets) likewise: the replay runs with the values the forward read, and
         # calls that read other values are not joined.
@@ -413,8 +413,9 @@ class _ForwardState:
         if added:
             raise RuntimeError(
                 f"twobp: {added} of a {type(module).__name__} changed between its forward and the flush "
-                "(parameters or buffers added, hooks registered on a submodule or its forward replaced or wrapped: "
-                "a pruning, accelerate's hooks); the recompute rule re-runs that forward at the flush, where "
+                "(parameters or buffers added or set where None, a class swapped, hooks registered on a submodule or "
+                "its forward replaced or wrapped: a pruning, accelerate's hooks); the recompute rule re-runs that "
+                "forward at the flush, where "
                 "they would take part as they did not in the forward. Flush the weight gradients before changing "
                 "them, or leave the module to plain autograd (patch(..., exclude=[...])). To drop the step: "
                 "optimizer.zero_grad()."
@@ -670,23 +671,37 @@ _HOOKED_SUBMODULES = (
 )
 
 
-_Parts = tuple[frozenset[str], frozenset[str], frozenset[int], object]
+_Parts = tuple[type, frozenset[str], frozenset[str], frozenset[int], object]
 
 
 def _parts_of(module: nn.Module) -> _Parts:
-    """Its parameter and buffer names, its hooks' ids and its instance forward."""
-    return frozenset(module._parameters), frozenset(module._buffers), _hook_ids(module), vars(module).get("forward")
+    """Its class, the names of its parameters and buffers (those set: one registered as None and
+    set since counts as added), its hooks' ids and its own instance forward (None for a patched
+    one's, which computes as the class's)."""
+    attributes = vars(module)
+    forward = attributes.get("forward")
+    if forward is not None and forward is attributes.get("_twobp_deferred_forward"):
+        forward = None  # patched, or patched again since (unpatch and patch between backward and flush)
+    return (
+        type(module),
+        frozenset([n for n, p in module._parameters.items() if p is not None]),
+        frozenset([n for n, b in module._buffers.items() if b is not None]),
+        _hook_ids(module),
+        forward,
+    )
 
 
 def _added_parts(module: nn.Module, then: _Parts, *, submodule: bool, shadowed: set[str]) -> bool:
     """Parameters or buffers added to ``module`` since ``then`` (:func:`_parts_of`) but those
-    ``shadowed``; for a submodule (the replay calls it, not the registered module's own hooks or
-    instance forward) also hooks registered or its forward replaced."""
-    params, buffers, hooks, forward = then
+    ``shadowed``, or its class swapped; for a submodule (the replay calls it, not the registered
+    module's own hooks or instance forward) also hooks registered or its forward replaced."""
+    cls, params, buffers, hooks, forward = then
+    now = _parts_of(module)
     return (
-        not (params | shadowed).issuperset(module._parameters)
-        or not (buffers | shadowed).issuperset(module._buffers)
-        or (submodule and (not hooks.issuperset(_hook_ids(module)) or vars(module).get("forward") is not forward))
+        now[0] is not cls
+        or not (params | shadowed).issuperset(now[1])
+        or not (buffers | shadowed).issuperset(now[2])
+        or (submodule and (not hooks.issuperset(now[3]) or now[4] is not forward))
     )
 
 
