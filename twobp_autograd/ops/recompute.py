@@ -415,10 +415,9 @@ class _ForwardState:
                 f"twobp: {added} of a {type(module).__name__} changed between its forward and the flush "
                 "(parameters or buffers added or set where None, a class swapped, hooks registered on a submodule or "
                 "its forward replaced or wrapped: a pruning, accelerate's hooks); the recompute rule re-runs that "
-                "forward at the flush, where "
-                "they would take part as they did not in the forward. Flush the weight gradients before changing "
-                "them, or leave the module to plain autograd (patch(..., exclude=[...])). To drop the step: "
-                "optimizer.zero_grad()."
+                "forward at the flush, where they would take part as they did not in the forward. Flush the weight "
+                "gradients before changing them, or leave the module to plain autograd (patch(..., exclude=[...])). "
+                "To drop the step: optimizer.zero_grad()."
             )
         changed = self.changed_in_place() + [
             n for (n, p), v in zip(self.params.items(), self.param_versions, strict=True) if p._version != v
@@ -705,14 +704,16 @@ def _added_parts(module: nn.Module, then: _Parts, *, submodule: bool, shadowed: 
     )
 
 
+def _hook_dicts(module: nn.Module) -> tuple[dict[int, Any], ...]:
+    return module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks
+
+
 def _hook_ids(module: nn.Module) -> frozenset[int]:
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return frozenset().union(*hooks)
+    return frozenset().union(*_hook_dicts(module))
 
 
 def _submodule_hooked(module: nn.Module) -> bool:
-    hooks = (module._forward_hooks, module._forward_pre_hooks, module._backward_hooks, module._backward_pre_hooks)
-    return any(bool(h) for h in hooks)
+    return any(_hook_dicts(module))
 
 
 def _has_hooked_submodules(module: nn.Module) -> bool:
