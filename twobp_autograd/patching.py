@@ -36,7 +36,7 @@ from .deferral import (
     inside_first_call_check,
 )
 from .grad_guard import install_grad_guards
-from .registry import DeferredForward, module_class, rule_for, unregistered_why
+from .registry import PATCHED_CALL, DeferredForward, module_class, rule_for, unregistered_why
 from .warn_once import warn_once
 
 __all__ = ["patch", "unpatch", "PatchReport"]
@@ -589,9 +589,7 @@ _REPLACED_FORWARD = (
 
 _UNBOUND = (staticmethod, classmethod)
 
-#: Where a patched module keeps its DeferredForwardCall: its ``forward`` may be a wrapper around
-#: it by now (accelerate's hooks, added after patching, call the forward they found).
-_CALL = "_twobp_deferred_forward"
+_CALL = PATCHED_CALL  # where a patched module keeps its DeferredForwardCall
 
 
 def _holds(module: nn.Module | None, call: DeferredForwardCall) -> bool:

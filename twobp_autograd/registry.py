@@ -26,6 +26,7 @@ __all__ = [
     "unregistered_why",
     "suggest_rule",
     "weight_and_bias",
+    "PATCHED_CALL",
 ]
 
 #: ``forward(module, *args, **kwargs)``: the module's forward, computing the output with the
@@ -113,6 +114,11 @@ def rules_restored_after() -> Iterator[None]:
     finally:
         _rules.clear()
         _rules.update(saved)
+
+
+#: Where a patched module keeps its deferred forward (see patching): its ``forward`` may be a
+#: wrapper around it by now (accelerate's hooks, added after patching, call the forward they found).
+PATCHED_CALL = "_twobp_deferred_forward"
 
 
 def module_class(module: nn.Module) -> type:

@@ -55,6 +55,7 @@ from ..checkpoint_paths import forget_since, recorded_so_far, replaying_deferred
 from ..deferral import defer_weight_grads, detached, untappable_view
 from ..flush import may_change_in_backward
 from ..job import leaves_some_grads_none
+from ..registry import PATCHED_CALL
 from .fallback import plain_forward, unsupported_tensors, warn_plain_call
 
 __all__ = ["recompute", "recompute_rowwise"]
@@ -679,7 +680,7 @@ def _parts_of(module: nn.Module) -> _Parts:
     one's, which computes as the class's)."""
     attributes = vars(module)
     forward = attributes.get("forward")
-    if forward is not None and forward is attributes.get("_twobp_deferred_forward"):
+    if forward is not None and forward is attributes.get(PATCHED_CALL):
         forward = None  # patched, or patched again since (unpatch and patch between backward and flush)
     return (
         type(module),
@@ -695,12 +696,12 @@ def _added_parts(module: nn.Module, then: _Parts, *, submodule: bool, shadowed: 
     ``shadowed``, or its class swapped; for a submodule (the replay calls it, not the registered
     module's own hooks or instance forward) also hooks registered or its forward replaced."""
     cls, params, buffers, hooks, forward = then
-    now = _parts_of(module)
+    cls_now, params_now, buffers_now, hooks_now, forward_now = _parts_of(module)
     return (
-        now[0] is not cls
-        or not (params | shadowed).issuperset(now[1])
-        or not (buffers | shadowed).issuperset(now[2])
-        or (submodule and (not hooks.issuperset(now[3]) or now[4] is not forward))
+        cls_now is not cls
+        or not (params | shadowed).issuperset(params_now)
+        or not (buffers | shadowed).issuperset(buffers_now)
+        or (submodule and (not hooks.issuperset(hooks_now) or forward_now is not forward))
     )
 
 
