@@ -1562,6 +1562,47 @@ def test_zero_grad_in_a_child_cut_mid_flush_zeroes_only_what_plain_backward_gave
     assert _forked_during_another_threads_flush(in_child, TwoHeads(), lambda m: m(x)[0].sum()) == 0
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("child_trains", [False, True], ids=["child-refused", "child-zeroes-and-trains"])
+def test_work_for_a_grad_in_shared_memory_is_cut_by_a_fork_on_both_sides(child_trains: bool) -> None:
+    """Hogwild-style: ``share_memory()`` after a first backward puts ``.grad`` in memory that
+    forked processes share. Work queued at the fork would reach it from each side's flush (the
+    parent's flush after a child's doubled it; after a child zeroed and trained, it added the
+    parent's gradient to the child's), where plain's backward put it there once, before the fork.
+    Both sides refuse it until zero_grad; then they train like plain."""
+    model = twobp.patch(nn.Linear(3, 2).double())
+    x = torch.ones(4, 3, dtype=torch.float64)
+    model(x).sum().backward()
+    twobp.flush_weight_grads()
+    model.share_memory()
+    assert model.weight.grad is not None and model.weight.grad.is_shared()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    plain_weight_grad = torch.full((2, 3), 4.0, dtype=torch.float64)
+
+    def in_child() -> None:
+        with pytest.raises(RuntimeError, match="shared with another process"):
+            twobp.flush_weight_grads()
+        with pytest.raises(RuntimeError, match="still queued"):
+            optimizer.step()
+        if child_trains:
+            optimizer.zero_grad(set_to_none=False)
+            model(2 * x).sum().backward()
+            twobp.flush_weight_grads()
+            assert torch.equal(model.weight.grad, 2 * plain_weight_grad)
+
+    assert _in_forked_child(in_child) == 0
+    with pytest.raises(RuntimeError, match="shared with another process"):
+        twobp.flush_weight_grads()
+    with pytest.raises(RuntimeError, match="still queued"):
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=False)
+    model(x).sum().backward()
+    twobp.flush_weight_grads()
+    assert torch.equal(model.weight.grad, plain_weight_grad)
+
+
 class _LockTakenAfterAnotherThreadsEarlyFlush:
     """The queue's lock, reached after another thread's early flush brought the queue under its
     cap (between the cap check and the lock): simulated by flushing on entering it."""

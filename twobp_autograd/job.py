@@ -35,6 +35,7 @@ class WeightGradJob:
     __slots__ = (
         "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
         "versions", "parked", "accumulators", "home", "hooks_at_backward", "delivered", "counted",
+        "forked_into_shared_grad",
     )
 
     def __init__(
@@ -76,6 +77,7 @@ class WeightGradJob:
         # flush.hooks_at_backward); None where none of the parameters had a user's hook.
         self.hooks_at_backward: tuple[tuple[tuple[int, Any], ...], ...] | None = None
         self.delivered = False  # set once a flush has handed its gradients over
+        self.forked_into_shared_grad = False  # see WeightGradQueue._mark_work_into_shared_grads
         # (storage key, bytes) of each tensor it holds, as a capped queue counted them when it
         # entered: taken off as counted (a storage resized since has another key).
         self.counted: tuple[tuple[tuple[int, torch.device], int], ...] = ()

@@ -90,6 +90,12 @@ class _Flight(NamedTuple):
         return any(job.tag in tags for job in self.jobs)
 
 
+def _grad_in_shared_memory(param: Tensor | None) -> bool:
+    grad = None if param is None else param.grad
+    # (A CUDA tensor calls itself shared: no fork shares it.)
+    return grad is not None and grad.device.type == "cpu" and grad.is_shared()
+
+
 def _have_params(jobs: Sequence[WeightGradJob], ids: set[int]) -> bool:
     """Whether one of ``jobs`` computes for a parameter whose id is in ``ids``."""
     return any(id(p) in ids for job in jobs for p in job.params if p is not None)
@@ -180,6 +186,7 @@ class WeightGradQueue:
         # In a forked child: the jobs of other threads' flushes a fork cut off, until zero_grad
         # or clear drops them (see _after_fork).
         self._cut_by_fork: list[WeightGradJob] = []
+        self._forked_into_shared_grads = False  # a fork marked jobs (see _mark_work_into_shared_grads)
         self._tag: Hashable = None  # the innermost open tagged block's (read at each patched call)
         self._tag_blocks: list[tuple[Hashable]] = []  # the open tagged blocks, outermost first
         self._cap_deferred = 0  # depth of cap_enforced_after blocks
@@ -208,6 +215,21 @@ class WeightGradQueue:
         self._cut_by_fork += [job for flight in cut for job in flight.jobs]
         self._flights = [flight for flight in self._flights if flight.thread == me]
         self._running_backwards = {task: t for task, t in self._running_backwards.items() if t == me}
+        self._mark_work_into_shared_grads()
+
+    def _mark_work_into_shared_grads(self) -> None:
+        """On both sides of a fork: work for a parameter whose ``.grad`` lives in memory the two
+        processes share (``share_memory()`` after a first backward, Hogwild-style) would reach
+        that ``.grad`` from each process's flush, where plain's backward had put it there once,
+        before the fork. Such jobs stay queued (the step refuses) and flushes refuse them until
+        ``zero_grad`` or :meth:`clear` drops them. Marked without the lock: in the parent another
+        thread may hold it (marking is one attribute store)."""
+        marked = False
+        for job in list(self._jobs):
+            if any(_grad_in_shared_memory(p) for p in job.params):
+                job.forked_into_shared_grad = marked = True
+        if marked:
+            self._forked_into_shared_grads = True
 
     def __del__(self) -> None:
         # Jobs do not keep their queue alive: a queue dropped with work would lose it silently.
@@ -351,7 +373,7 @@ class WeightGradQueue:
                 kept: list[WeightGradJob] = []
                 freed = 0
                 for job in self._jobs:  # oldest first; a guess: storages shared by jobs count twice
-                    if freed < over and not _waits_for_the_flush(job):
+                    if freed < over and not _waits_for_the_flush(job) and not job.forked_into_shared_grad:
                         early.append(job)
                         freed += sum(nbytes for _, nbytes in job.counted)
                     else:
@@ -519,6 +541,14 @@ class WeightGradQueue:
                 "twobp: this process was forked while another thread of its parent flushed this queue: "
                 "which of that flush's gradients reached .grad here is unknown. Zero the gradients "
                 "(optimizer.zero_grad()) and run the step again."
+            )
+        if self._forked_into_shared_grads and any(job.forked_into_shared_grad for job in self._jobs):
+            raise RuntimeError(
+                "twobp: this queue holds weight-gradient work for parameters whose .grad lives in memory "
+                "shared with another process (share_memory()) since a fork (os.fork, a fork-started "
+                "multiprocessing child or DataLoader worker): each process's flush would add it there, "
+                "where plain's backward put it there once. Zero the gradients (optimizer.zero_grad()) "
+                "and run the step again; flush before forking."
             )
         tags = _tag_list(tags)
         if tags is None:
@@ -842,7 +872,12 @@ def _after_fork_in_child() -> None:
         queue._after_fork()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+def _after_fork_in_parent() -> None:
+    for queue in list(_live_queues):
+        queue._mark_work_into_shared_grads()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child, after_in_parent=_after_fork_in_parent)
 
 
 def current_queue() -> WeightGradQueue:
