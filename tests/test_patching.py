@@ -14,7 +14,9 @@ import textwrap
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -890,16 +892,20 @@ def test_a_clone_is_found_however_it_is_called(then):
     assert_grads_match(clone, reference, torch.float64)
 
 
-@pytest.mark.parametrize("wrapper", ["accelerate-like", "lambda"])
+@pytest.mark.parametrize("wrapper", ["accelerate-like", "lambda", "partial"])
 def test_a_clone_of_a_module_wrapped_before_cloning_computes_as_plains_does(wrapper):
     """A wrapper made on the original before the copy holds the original's forward, which plain
     binds to the original: the copy computes with the original's parameters there, and did here
-    until finding the calling module past wrappers took the copy (4x off, silently)."""
+    until finding the calling module past wrappers took the copy (4x off, silently); past a
+    ``functools.partial``, which leaves no frame, it took the copy still."""
 
     def wrap(module: nn.Module) -> None:
         inner = module.forward
         if wrapper == "lambda":
             module.forward = lambda *args: inner(*args)
+            return
+        if wrapper == "partial":
+            module.forward = functools.partial(inner)
             return
         module._old_forward = inner  # accelerate's add_hook_to_module, without its hook object
 
@@ -926,17 +932,96 @@ def test_a_clone_of_a_module_wrapped_before_cloning_computes_as_plains_does(wrap
     assert_grads_match(original, plain, torch.float64)
 
 
-def test_a_sole_patched_call_does_not_look_for_its_caller(monkeypatch):
-    """The look for a copy's frame runs only where something besides the module holds its call."""
+def test_a_patched_call_looks_for_its_caller_only_while_a_shallow_copy_shares_it(monkeypatch):
+    """The look for a copy's frame runs only where a copied __dict__ shares the call, or a copy
+    that has a call of its own keeps a wrapper of this one as its forward; holding the forward
+    (a wrapper, a hook, a debugger's view) costs no look."""
     looked = []
-    monkeypatch.setattr(twobp_autograd.patching, "_called_module", lambda caller: looked.append(1) or (None, False))
+    look = twobp_autograd.patching._called_module
+    monkeypatch.setattr(twobp_autograd.patching, "_called_module", lambda caller: looked.append(1) or look(caller))
     layer = twobp.patch(nn.Linear(3, 2))
-    layer(torch.randn(4, 3))
-    assert not looked
+    x = torch.randn(4, 3)
     held = layer.forward
-    layer(torch.randn(4, 3))
-    assert looked, "a holder besides the module makes the call look"
+    layer(x)
+    assert not looked
+    clone = _clone(layer)
+    layer(x)
+    assert looked, "a copied __dict__ makes the call look"
+    clone(x)  # adopts a call of its own: the original's no longer shared
+    looked.clear()
+    layer(x)
+    assert not looked
+    wrapped = _clone(layer)
+    wrapped.forward = functools.partial(wrapped.forward)  # around the call it shares
+    wrapped(x)  # adopts a call of its own, and keeps the wrapper, which calls the original's
+    looked.clear()
+    layer(x)
+    assert looked
     del held
+
+
+def _hand_made_copy(model: nn.Module, wrap: Callable[[Any], Any]) -> nn.Module:
+    """learn2learn's clone_module, its parameters doubled, and its forward then wrapped."""
+    clone = model.__new__(type(model))
+    clone.__dict__ = model.__dict__.copy()
+    clone._parameters = {name: nn.Parameter(p.detach() * 2) for name, p in model._parameters.items()}
+    clone.forward = wrap(clone.forward)
+    return clone
+
+
+@pytest.mark.parametrize("wrapper", ["function", "partial"])
+def test_a_hand_made_copy_with_a_wrapped_forward_computes_with_its_own_parameters_every_call(wrapper):
+    """A copy whose forward a wrapper replaces after the copy: plain's wrapper holds the copy's
+    bound forward; here it holds the original's call, so each call must find the copy. From its
+    second call on the original computed it (the copy had a call of its own by then, which the
+    wrapper does not call: 20.7 off, silently); a ``functools.partial`` (no frame of its own)
+    balanced the reference count the look was gated on (every call off)."""
+    wrap = (lambda forward: lambda *args: forward(*args)) if wrapper == "function" else functools.partial
+    torch.manual_seed(0)
+    original = nn.Linear(4, 3).double()
+    plain = copy.deepcopy(original)
+    twobp.patch(original)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    clones = [_hand_made_copy(original, wrap), _hand_made_copy(plain, wrap)]
+    for model, clone in zip((original, plain), clones, strict=True):
+        for _ in range(3):
+            (model(x).sum() + clone(x).pow(2).sum()).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(original, plain, torch.float64)
+    assert_grads_match(clones[0], clones[1], torch.float64)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_hand_made_copy_with_its_forward_checkpointed_is_refused_at_the_recomputation(use_reentrant):
+    """The checkpoint's four frames were past the look's reach (the forward computed the
+    original's), and its recomputation runs inside backward, under no module call at all: the
+    reentrant one recomputed the original's (the copy's gradients None, silently). The forward
+    now finds the copy; the recomputation, which cannot, is refused; twobp.patch(copy) before
+    wrapping, as the message says, trains like plain."""
+    torch.manual_seed(0)
+    original = nn.Linear(4, 3).double()
+    plain = copy.deepcopy(original)
+    twobp.patch(original)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+
+    def wrap(forward):
+        return functools.partial(torch.utils.checkpoint.checkpoint, forward, use_reentrant=use_reentrant)
+
+    clone, plain_clone = _hand_made_copy(original, wrap), _hand_made_copy(plain, wrap)
+    out = clone(x)
+    torch.testing.assert_close(out, plain_clone(x), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="a shallow copy's wrapper calls too"):
+        out.sum().backward()
+    twobp.discard_weight_grads()
+    clone = original.__new__(nn.Linear)
+    clone.__dict__ = original.__dict__.copy()
+    clone._parameters = dict(plain_clone._parameters)
+    twobp.patch(clone)
+    clone.forward = wrap(clone.forward)
+    clone(x).sum().backward()
+    twobp.flush_weight_grads()
+    plain_clone(x).sum().backward()
+    assert_grads_match(clone, plain_clone, torch.float64)
 
 
 @contextlib.contextmanager
@@ -948,18 +1033,17 @@ def _global_forward_hook():
         handle.remove()
 
 
-def test_a_patched_call_counts_its_references_on_this_interpreter():
-    """The count that spares a call the look at its caller was measured here (-1 would make every
-    call look: correct, a few microseconds dearer)."""
-    assert twobp_autograd.patching._SOLE_CALL_REFERENCES > 0
+def test_a_patched_call_counts_its_copies_on_this_interpreter():
+    """The count that spares a call the look at its caller was measured here."""
+    assert twobp_autograd.patching._UNSHARED_COPIES > 1
 
 
 @pytest.mark.parametrize("under", ["cProfile", "a global module hook keeping the first __dict__ it sees"])
 def test_importing_under_a_profiler_or_a_global_hook_counts_nothing_and_trains_clones_right(under):
     """Imported under cProfile (a profiler implemented in C, which sys.setprofile could not put
     back: the import raised TypeError) or with a global hook that keeps each module's __dict__
-    (which made the count 2 too high, so a clone's call skipped the look: 2.2 off, silently),
-    the count is not taken and every call looks."""
+    (which made an earlier count, the call's own, 2 too high, so a clone's call skipped the look:
+    2.2 off, silently): clones compute with their own parameters."""
     script = textwrap.dedent(
         """
         import cProfile, copy, sys, torch
@@ -976,7 +1060,6 @@ def test_importing_under_a_profiler_or_a_global_hook_counts_nothing_and_trains_c
             profiler.disable()
         else:
             handle.remove()
-        assert twobp.patching._SOLE_CALL_REFERENCES == -1, twobp.patching._SOLE_CALL_REFERENCES
         original = twobp.patch(nn.Linear(3, 2).double())
         clone = original.__new__(nn.Linear)
         clone.__dict__ = original.__dict__.copy()

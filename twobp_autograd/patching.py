@@ -68,7 +68,9 @@ class DeferredForwardCall:
     # The weak reference to the module lives in a slot, not in __dict__: functools.wraps /
     # update_wrapper copy the wrapped callable's __dict__ into a wrapper added after patch
     # (accelerate's add_hook_to_module), and a weakref there made the model unpicklable.
-    __slots__ = ("_module", "__dict__", "__weakref__")
+    # So do the other two: the list only this call and its module's __dict__ refer to (see
+    # _copies_share), and the call a shallow copy's call was adopted from.
+    __slots__ = ("_module", "_copies", "_adopted_from", "__dict__", "__weakref__")
 
     #: Set after the first deferred call, which checks that the rule's op computed with its
     #: deferred parameters detached (a class default: calls pickled before it existed load too).
@@ -78,10 +80,18 @@ class DeferredForwardCall:
     #: that lock (a class default, as above).
     runs_alone: Callable[[nn.Module], Any] | None = None
 
+    #: Set once a shallow copy that adopted a call of its own kept a wrapper of this one as its
+    #: forward: that wrapper calls this call for the copy, so every call looks for its caller.
+    wrapped_by_copies = False
+
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         # Weak: the module holds this call in its __dict__; a strong reference back would make
         # every patched module a reference cycle, freed (parameters, .grad) only by the cyclic GC.
         self._module: Callable[[], nn.Module | None] = weakref.ref(module)
+        # A fresh empty list: a list, as a whole patched model pickled with weights_only=True
+        # takes it (see _copies_share).
+        self._copies: list[Any] = []
+        self._adopted_from: Callable[[], DeferredForwardCall | None] = _no_module
         self.deferred = deferred  # the class's forward once unpatched
         self.runs_alone = getattr(deferred, "runs_alone", None)
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
@@ -148,6 +158,7 @@ class DeferredForwardCall:
         # gets it too, and no pickle names the rule's private lock.
         unpicklable = ("class_forward", "classes_of_the_rule", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
+        state["_copies"] = self._copies  # one object with its module's entry (the pickle's memo)
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
 
@@ -156,6 +167,9 @@ class DeferredForwardCall:
         (``torch.load``, a spawned worker): it defers there too, so the guards come with it."""
         state = dict(state)
         module = state.pop("module")
+        copies = state.pop("_copies", None)
+        self._copies = copies if copies is not None else []  # (pickled before it existed: always looks)
+        self._adopted_from = _no_module
         self.__dict__.update(state)
         if isinstance(self.deferred, tuple):  # a rule's name: no rule is a tuple
             found = _found_by_name(*self.deferred)
@@ -188,22 +202,23 @@ class DeferredForwardCall:
         module = self.owner()  # None where only shallow copies sharing this call are left
         compiling = _is_compiling()
         # The module being called may be a shallow copy sharing this call through its copied
-        # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas): it computes
-        # with its own parameters and flags, and gets a call of its own. (A module merely given this
-        # call as its forward holds no _CALL of it: this call's module computes.) Looking costs a
-        # frame's locals per call, so only where something besides its module holds this call (no
-        # local refers to it yet: see _references_of_a_sole_call).
-        if not compiling and not (sys.getrefcount(self) == _SOLE_CALL_REFERENCES and _holds(module, self)):
+        # __dict__ (copy.copy, learn2learn's clone_module, nn.DataParallel's replicas), or one that
+        # adopted a call of its own but keeps a wrapper of this one as its forward: it computes
+        # with its own parameters and flags. (A module merely given this call as its forward holds
+        # no _CALL of it: this call's module computes.) Looking costs a frame's locals per call,
+        # so only where a copy may call (see _copies_share).
+        if not compiling and (module is None or self.wrapped_by_copies or _copies_share(self, module)):
             called, wrapped = _called_module(sys._getframe(1))
-            if (
-                called is not None
-                and called is not module
-                and called.__dict__.get(_CALL) is self
-                # Past a wrapper copied from the original (one made on it before the copy, as
-                # plain's bound forward, computes the original): the copy's own wrapper only.
-                and not (wrapped and module is not None and _same_forward(called, module))
-            ):
-                module = _adopt(called, self)
+            if called is not None and called is not module:
+                module = _copy_computing(self, called, module, wrapped) or module
+            elif called is None and self.wrapped_by_copies and torch._C._current_graph_task_id() >= 0:
+                raise RuntimeError(
+                    "twobp: a patched forward that a shallow copy's wrapper calls too ran inside a "
+                    "backward with no module call above it (a reentrant activation checkpoint's "
+                    "recomputation): which module computes cannot be told. Call twobp.patch(copy) "
+                    "before wrapping the forward of a copy made by copying a patched module's "
+                    "__dict__: it gets a call of its own."
+                )
         if module is None:
             module = self.module  # raises: only this forward was kept
         # A rule that changes the module while it runs (the recompute rule's stand-ins for its
@@ -366,13 +381,18 @@ def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
     """Give a shallow copy a call of its own (its forward called directly, not through
     ``nn.Module.__call__``, then finds it too)."""
     own = DeferredForwardCall(copy, shared.deferred)
+    own._adopted_from = weakref.ref(shared)
     if shared.class_forward is None:  # copied or loaded after its module was freed
         own.class_forward, own.classes_of_the_rule = _rule_forward(copy)
     else:
         own.class_forward, own.classes_of_the_rule = shared.class_forward, set(shared.classes_of_the_rule)
-    if copy.__dict__.get("forward") is shared:
+    forward = copy.__dict__.get("forward")
+    if forward is shared:
         copy.__dict__["forward"] = own
+    elif forward is not None:  # a wrapper that may call the shared call for the copy
+        shared.wrapped_by_copies = True
     copy.__dict__[_CALL] = own
+    copy.__dict__[_COPIES] = own._copies
     return copy
 
 
@@ -420,14 +440,26 @@ def _called_module(caller: Any) -> tuple[nn.Module | None, bool]:
     return None, False
 
 
-def _same_forward(module: nn.Module, other: nn.Module) -> bool:
-    """Whether the two modules hold one and the same instance ``forward`` (copied with __dict__)."""
-    forward = module.__dict__.get("forward")
-    return forward is not None and forward is other.__dict__.get("forward")
+def _copy_computing(
+    call: DeferredForwardCall, called: nn.Module, module: nn.Module | None, wrapped: bool
+) -> nn.Module | None:
+    """``called``, where it is a shallow copy of ``call``'s module that computes with its own
+    parameters (given a call of its own now where it shares ``call``), else None."""
+    held = called.__dict__.get(_CALL)
+    if held is not call and (not isinstance(held, DeferredForwardCall) or held._adopted_from() is not call):
+        return None  # not a copy of this call's module
+    forward = called.__dict__.get("forward")
+    if module is not None and forward is not None and forward is module.__dict__.get("forward"):
+        # One instance forward, copied with __dict__: a wrapper made on the original before the
+        # copy (bound to it, as plain's bound forward is) computes the original; the shared call
+        # itself, reached with no wrapper frame between, is the copy's.
+        if wrapped or forward is not call:
+            return None
+    return _adopt(called, call) if held is call else called
 
 
 #: Frames of a wrapper between ``nn.Module.__call__`` and a patched forward looked past.
-_WRAPPERS_LOOKED_PAST = 3
+_WRAPPERS_LOOKED_PAST = 8  # torch.utils.checkpoint's own are 4
 
 
 _is_jit_tracing = torch._C._is_tracing
@@ -592,59 +624,29 @@ _UNBOUND = (staticmethod, classmethod)
 _CALL = PATCHED_CALL  # where a patched module keeps its DeferredForwardCall
 
 
-def _holds(module: nn.Module | None, call: DeferredForwardCall) -> bool:
-    """Whether ``module`` holds ``call`` as both its ``forward`` and its ``_CALL``."""
-    if module is None:
-        return False
-    attributes = module.__dict__
-    return attributes.get("forward") is call and attributes.get(_CALL) is call
+_COPIES = "_twobp_copies"  # where a patched module keeps its call's _copies
 
 
-class _ReferenceProbe:
-    """Stands in for a DeferredForwardCall: its ``__call__`` counts as that one does, with no
-    local referring to it."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return sys.getrefcount(self)
-
-
-def _references_of_a_sole_call() -> int:
-    """``sys.getrefcount`` of a DeferredForwardCall in its ``__call__`` (no local referring to it) where
-    ``nn.Module.__call__`` calls it on the one module that holds it (as ``forward`` and ``_CALL``):
-    its module's two, and the interpreter's while calling. A shallow copy sharing the call holds
-    two more, and anything else holding it (a wrapper, another thread's call) at least one, so
-    that count, with the module seen holding both, says no copy is called. Measured on probes
-    through both paths of ``nn.Module.__call__`` (with and without hooks); -1 (copies looked for
-    on every call) where a tracer, a profiler or a global module hook could count in (a debugger's
-    or coverage's view of a frame's locals refers to it), the measures disagree, a copy would not
-    show, or something kept a reference to a probe."""
-    if sys.gettrace() is not None or sys.getprofile() is not None or _global_module_hooks():
-        return -1
-    counts, copied = [], []
-    for hooked in (False, True, False):
-        module = nn.Module()
-        module.__dict__["forward"] = module.__dict__[_CALL] = _ReferenceProbe()  # no local refers to it
-        before = sys.getrefcount(module.__dict__[_CALL])
-        if hooked:
-            module.register_forward_pre_hook(lambda *_: None)
-        counts.append(module())
-        clone = nn.Module.__new__(nn.Module)
-        clone.__dict__ = module.__dict__.copy()
-        copied.append(clone())
-        del clone
-        if sys.getrefcount(module.__dict__[_CALL]) != before:
-            return -1
-    sole = counts[0]
-    return sole if all(c == sole for c in counts) and all(c >= sole + 2 for c in copied) else -1
+def _copies_share(call: DeferredForwardCall, module: nn.Module) -> bool:
+    """Whether a ``__dict__`` besides ``module``'s may hold ``call`` and its ``_copies``: a
+    shallow copy made by copying the ``__dict__`` (copy.copy, clone_module, a replica; or
+    something else kept a copy, ``vars(module).copy()``: then the look is only cost), or
+    ``module`` no longer holds them (unpatched, its copies still do). The count is the module's
+    entry, the call's slot and the argument's, where none shares it: any tracer, profiler or
+    hook holds the call or the module, not this list."""
+    copies = module.__dict__.get(_COPIES)
+    return copies is not call._copies or sys.getrefcount(copies) != _UNSHARED_COPIES
 
 
-def _global_module_hooks() -> bool:
-    """Hooks ``register_module_forward_pre_hook`` and the like put on every module's call."""
-    kinds = ("forward_pre", "forward", "backward_pre", "backward")
-    return any(bool(getattr(module_hooks, f"_global_{kind}_hooks", None)) for kind in kinds)
+def _references_of_unshared_copies() -> int:
+    probe = DeferredForwardCall.__new__(DeferredForwardCall)
+    probe._copies = []
+    module_entry = {_COPIES: probe._copies}
+    copies = module_entry[_COPIES]
+    return sys.getrefcount(copies)  # as _copies_share counts
 
 
-_SOLE_CALL_REFERENCES = _references_of_a_sole_call()
+_UNSHARED_COPIES = _references_of_unshared_copies()
 
 
 def _is_patched(module: nn.Module) -> bool:
@@ -722,6 +724,7 @@ def patch(
         call = DeferredForwardCall(module, rule.forward)
         module.forward = call
         module.__dict__[_CALL] = call
+        module.__dict__[_COPIES] = call._copies
         result.patched.append(name)
     still = [name or "<root>" for name, why in result.skipped.items() if why is _PATCHED_BEFORE]
     if still:
@@ -786,6 +789,7 @@ def unpatch(model: nn.Module) -> nn.Module:
 def _unpatch_module(module: nn.Module) -> None:
     """Restore plain autograd on ``module`` alone (not its children)."""
     call = module.__dict__.pop(_CALL, None)
+    module.__dict__.pop(_COPIES, None)
     if isinstance(call, DeferredForwardCall):
         if call.owner() is module:  # not a shallow copy sharing the original's call
             call.deferred = _class_forward
