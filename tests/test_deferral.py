@@ -3477,6 +3477,38 @@ def test_recompute_rule_replays_the_defaults_a_forward_read_before_the_instance_
     assert_grads_match(patched, reference, torch.float64)
 
 
+class _Activated(nn.Module):
+    """Reads its activation, a class default a schedule may replace on the instance."""
+
+    act = staticmethod(torch.tanh)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4).double()
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+@pytest.mark.parametrize("rule", ["recompute", "recompute_rowwise"])
+def test_recompute_rule_does_not_join_calls_before_and_after_a_public_name_was_set(rule):
+    """An activation (no scalar, no tensor) set on the instance between two micro-batches: the
+    second call reads it, the first the class default it shadows. Their replays were joined
+    under one call's state (the row-wise rule's: one call replayed with the other's activation,
+    silently)."""
+    twobp.register(_Activated, getattr(twobp.ops, rule))
+    patched, reference = patched_and_reference(_Activated())
+    queue = twobp.WeightGradQueue(strategy="concat")
+    xs = [torch.randn(3, 4, dtype=torch.float64) for _ in range(2)]
+    for model in (patched, reference):
+        with twobp.use_queue(queue):
+            model(xs[0]).square().sum().backward()
+            model.act = torch.sigmoid
+            model(xs[1]).square().sum().backward()
+    twobp.flush_weight_grads(queue)
+    assert_grads_match(patched, reference, torch.float64)
+
+
 class _GainedBlock(nn.Module):
     """A block reading a gain that a buffer may provide later, and a mask registered as None, around a Linear."""
 

@@ -292,6 +292,8 @@ class _ForwardState:
         return (
             self.flags, tuple(map(id, (b for _, b in self.named_buffers))), self.versions, storages, self.autocast,
             attributes, tuple([(n, v) for _, n, v in self.scalars]), self.default_dtype, self.default_device,
+            # A call after which a public name was set reads it; one before reads what it shadows.
+            tuple([names for _, names in self.public_names]),
         )
 
     def changed_in_place(self) -> list[str]:
