@@ -797,7 +797,8 @@ def _warn_raised_backward_once() -> None:
         "for a parameter used more than once (a tied embedding and head, a block called twice): plain "
         "keeps none of that backward's gradient for it unless the error came after its last use, while "
         "each use reached before the error is queued here; and for the layer that raised, of which plain "
-        "may have kept a part (a bias). Drop the failed step's gradients before "
+        "may have kept a part (a bias), or none (anomaly mode's NaN check stopped its node), while its "
+        "work is queued here. Drop the failed step's gradients before "
         "running it again: optimizer.zero_grad(), or twobp.discard_weight_grads() for the queued work "
         "alone.",
         RuntimeWarning,
