@@ -6,6 +6,7 @@ vmapped backward, the recompute rule)."""
 import contextlib
 import copy
 import functools
+import math
 import random
 import sys
 import threading
@@ -1166,6 +1167,38 @@ def test_anomaly_mode_checks_only_the_work_of_backwards_run_under_it():
         second(torch.randn(3, 2)).sum().backward()
     twobp.flush_weight_grads()
     assert first.weight.grad.isnan().any() and second.weight.grad.isfinite().all()
+
+
+_STOPPED_BY_ANOMALY_MODE = {
+    "Linear": (lambda: nn.Linear(4, 4), (5, 4), lambda layer: layer.weight.data.__setitem__((1, 2), math.nan)),
+    "Linear-non-contiguous-input": (
+        lambda: nn.Linear(4, 4), (4, 5), lambda layer: layer.weight.data.__setitem__((1, 2), math.nan)
+    ),
+    "Conv2d": (lambda: nn.Conv2d(4, 4, 1), (2, 4, 3, 3), lambda layer: layer.weight.data.__setitem__((1, 2), math.nan)),
+    "LayerNorm": (lambda: nn.LayerNorm(4), (5, 4), lambda layer: layer.weight.data.__setitem__(1, math.nan)),
+    "BatchNorm2d": (lambda: nn.BatchNorm2d(4), (2, 4, 3, 3), lambda layer: layer.weight.data.__setitem__(1, math.nan)),
+}
+
+
+@pytest.mark.parametrize("layer", list(_STOPPED_BY_ANOMALY_MODE))
+def test_anomaly_mode_stopping_a_layers_node_leaves_its_weight_gradients_out_as_plain(layer):
+    """A NaN in a weight whose output channel the loss masks out: the layer's input gradient is
+    NaN, its weight gradients are finite. Anomaly mode stops plain's node, which computed them
+    too, and none reaches .grad; the layer had queued them, and the flush handed them over."""
+    make, shape, poison = _STOPPED_BY_ANOMALY_MODE[layer]
+    patched, reference = patched_and_reference(nn.Sequential(nn.Identity(), make()).double())
+    x = torch.randn(*shape, dtype=torch.float64)
+    if layer.endswith("non-contiguous-input"):
+        x = x.t()
+    for model in (patched, reference):
+        poison(model[1])
+        out = model(x.clone().requires_grad_())
+        keep = torch.ones(out.shape[1], dtype=torch.bool)
+        keep[1] = False
+        with torch.autograd.detect_anomaly(check_nan=True), pytest.raises(RuntimeError, match="nan values"):
+            torch.where(keep.view([1, -1] + [1] * (out.dim() - 2)), out, 0.0).pow(2).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference, torch.float64)
 
 
 @pytest.mark.parametrize("check_nan", [True, False])

@@ -154,6 +154,7 @@ class ParamDeferral(NamedTuple):
         deferring = [d == "defer" and g is not None for g, d in zip(grads, decisions, strict=True)]
         if any(deferring):
             self._enqueue(
+                ctx,
                 self._param_nodes(ctx),
                 WeightGradJob(
                     kernel=finished_grads,
@@ -180,7 +181,7 @@ class ParamDeferral(NamedTuple):
             for p, node, d in zip(self.params, nodes, decisions, strict=True)
         )
 
-    def _enqueue(self, nodes: Sequence[Any], job: WeightGradJob) -> None:
+    def _enqueue(self, ctx: Any, nodes: Sequence[Any], job: WeightGradJob) -> None:
         # The parameters' accumulators, from the node's own edges to them (see WeightGradJob).
         job.accumulators = tuple([node for node, p in zip(nodes, job.params, strict=True) if p is not None])
         for param in job.params:  # inline: this runs for every patched call
@@ -188,6 +189,8 @@ class ParamDeferral(NamedTuple):
                 job.hooks_at_backward = hooks_at_backward(job.params)
                 break
         self.queue.enqueue(job)
+        if job.check_nan:  # anomaly mode's NaN check may stop the node that computes the input gradient
+            ctx.twobp_nan_checked = (self.queue, job)
 
     def route(
         self,
@@ -228,6 +231,7 @@ class ParamDeferral(NamedTuple):
             param_grads = [g if need else None for g, need in zip(grads, needs, strict=True)]
         if "defer" in decisions:
             self._enqueue(
+                ctx,
                 nodes,
                 WeightGradJob(  # positional: keywords cost a quarter of a microsecond per backward
                     kernel,
@@ -375,7 +379,10 @@ def _skips_unreached(function: type[torch.autograd.Function]) -> None:
     def backward_unless_unreached(ctx: Any, *grad_outputs: Any) -> Any:
         for grad in grad_outputs:  # a loop: all() over a generator costs a call per backward
             if grad is not None:
-                return backward(ctx, *grad_outputs)
+                grads = backward(ctx, *grad_outputs)
+                if _is_anomaly_enabled():
+                    _withdraw_where_stopped(ctx, grads)
+                return grads
         return (None,) * len(ctx.needs_input_grad)
 
     function.forward = staticmethod(forward_unmaterialised)  # type: ignore[method-assign]
@@ -444,7 +451,45 @@ class _WeightGradTap(torch.autograd.Function):
             rows = rows_of.shape[0] if rows_of.dim() else 1
             saved = (*saved, reached.expand(max(rows, 1), len(grad_outputs)))
         param_grads = deferral.route(ctx, spec.kernel, spec.group, spec.concatenate, saved, given)
+        if getattr(ctx, "twobp_nan_checked", None) is not None:
+            # The op's own node computes the input gradient after this one: anomaly mode stops
+            # that node on a NaN there, where plain's (which computed the weight gradients too)
+            # handed none of them on.
+            edges = ctx.next_functions[2 : 2 + spec.num_outputs]
+            for node in {id(node): node for node, _ in edges if node is not None}.values():
+                _withdraw_when_stopped(node, ctx.twobp_nan_checked)
         return (None, None, *grad_outputs, *param_grads)
+
+
+_is_anomaly_enabled = torch.is_anomaly_enabled
+
+
+def _has_nan(grads: Any) -> bool:
+    """Whether autograd's anomaly check would find a NaN in a node's returned gradients."""
+    grads = grads if isinstance(grads, tuple) else (grads,)
+    return any(isinstance(g, Tensor) and bool(g.isnan().any()) for g in grads)
+
+
+def _withdraw_where_stopped(ctx: Any, grads: Any) -> None:
+    """A node that queued weight work and returns a NaN under anomaly mode's NaN check: autograd
+    raises once it returns, so its work goes, as plain's node (computing the weight gradients
+    too) handed none of them on."""
+    queued = getattr(ctx, "twobp_nan_checked", None)
+    if queued is not None and _has_nan(grads):
+        queue, job = queued
+        queue.withdraw(job)
+
+
+def _withdraw_when_stopped(node: Any, queued: tuple[WeightGradQueue, WeightGradJob]) -> None:
+    """As :func:`_withdraw_where_stopped`, for a tap's work and the op's node after it (once)."""
+
+    def check(grad_inputs: Any, grad_outputs: Any) -> None:
+        handle.remove()
+        if _has_nan(tuple(grad_inputs)):
+            queue, job = queued
+            queue.withdraw(job)
+
+    handle = node.register_hook(check)
 
 
 def _saved_for_weight_grads(ctx: Any) -> tuple[Tensor, ...]:

@@ -527,6 +527,17 @@ class WeightGradQueue:
                 self._cut_by_fork = [job for job in self._cut_by_fork if job.drop_params(dropped)]
         return list(had_work.values())
 
+    def withdraw(self, job: WeightGradJob) -> None:
+        """Drop ``job``, queued by a backward node that autograd then stopped (anomaly mode's NaN
+        check raises after the node returned): plain's node, which computed the weight gradients
+        too, handed none of them on."""
+        with self._lock:
+            kept = [queued for queued in self._jobs if queued is not job]
+            if len(kept) != len(self._jobs):
+                self._count([job], -1)
+                self._jobs = kept
+                self._params_with_work = None
+
     def take(self, tags: Sequence[Hashable] | None = None) -> list[WeightGradJob]:
         """Remove and return the jobs with the given tags (all jobs when ``tags`` is None),
         after another thread's flush of such jobs has finished. The caller runs them inside
@@ -797,8 +808,8 @@ def _warn_raised_backward_once() -> None:
         "for a parameter used more than once (a tied embedding and head, a block called twice): plain "
         "keeps none of that backward's gradient for it unless the error came after its last use, while "
         "each use reached before the error is queued here; and for the layer that raised, of which plain "
-        "may have kept a part (a bias), or none (anomaly mode's NaN check stopped its node), while its "
-        "work is queued here. Drop the failed step's gradients before "
+        "may have kept a part (a bias), or none (anomaly mode's NaN check stopped a node below its "
+        "first), while its work is queued here. Drop the failed step's gradients before "
         "running it again: optimizer.zero_grad(), or twobp.discard_weight_grads() for the queued work "
         "alone.",
         RuntimeWarning,
