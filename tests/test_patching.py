@@ -991,6 +991,82 @@ def test_a_hand_made_copy_with_a_wrapped_forward_computes_with_its_own_parameter
     assert_grads_match(clones[0], clones[1], torch.float64)
 
 
+@pytest.mark.parametrize("then", ["forward-called-directly", "copied-again", "copied-again-by-hand", "unpatched"])
+def test_a_wrapped_hand_made_copy_that_cannot_be_told_from_its_original_is_refused(then):
+    """The wrapper holds the original's call; only a call of the copy (its ``__call__`` frame)
+    tells which module computes. Its forward called directly, a copy of it (whose forward is that
+    wrapper, bound to the first copy in plain) or the copy unpatched computed with the original's
+    parameters or the wrong copy's (20.7 off, silently)."""
+    original = twobp.patch(nn.Linear(4, 3).double())
+    clone = _hand_made_copy(original, functools.partial)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    clone(x)  # found, and given a call of its own: its wrapper still calls the original's
+    if then == "forward-called-directly":
+        call = clone.forward
+    elif then == "copied-again":
+        call = copy.copy(clone)
+    elif then == "copied-again-by-hand":
+        call = _hand_made_copy(clone, lambda forward: forward)
+    else:
+        twobp.unpatch(clone)
+        call = clone
+    with pytest.raises(RuntimeError, match="no call of that copy to tell them apart"):
+        call(x)
+
+
+def test_a_deep_copy_of_an_original_and_its_wrapped_copy_trains_like_plain():
+    """An EMA or a checkpoint of a container holding both: the copied copy's call lost the link
+    to the shared call its wrapper calls, and the copied original computed for it (20.7 off, its
+    .grad None, silently)."""
+    torch.manual_seed(0)
+    pair = nn.ModuleList([nn.Linear(4, 3).double()])
+    plain = copy.deepcopy(pair)
+    twobp.patch(pair)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for model in (pair, plain):
+        model.append(_hand_made_copy(model[0], functools.partial))
+        model[1](x)
+    copied, plain_copied = copy.deepcopy(pair), copy.deepcopy(plain)
+    for model in (copied, plain_copied):
+        (model[0](x).sum() + model[1](x).pow(2).sum()).backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(copied, plain_copied, torch.float64)
+
+
+@pytest.mark.parametrize("how", ["copy.copy", "replica"])
+def test_a_checkpoint_of_an_original_wrapped_before_it_was_copied_is_not_refused(how):
+    """A wrapper made on the original before its copies (accelerate's hooks, then a replica) is
+    bound to the original, in plain and here: the copies took it for one of their own and every
+    checkpoint recomputation of the original's forward was refused."""
+    torch.manual_seed(0)
+    original = nn.Linear(4, 3).double()
+    plain = copy.deepcopy(original)
+    twobp.patch(original)
+    inner = original.forward
+    original.forward = functools.partial(lambda forward, *args: forward(*args), inner)
+    replica = copy.copy(original) if how == "copy.copy" else original._replicate_for_data_parallel()
+    replica(torch.randn(2, 4, dtype=torch.float64))
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    for model in (original, plain):
+        torch.utils.checkpoint.checkpoint(model.forward, x, use_reentrant=False).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(original, plain, torch.float64)
+    del replica
+
+
+def test_a_copy_of_a_freed_original_whose_wrapper_it_shares_is_refused():
+    """The wrapper made on the original before the copy is bound to it: plain's keeps it alive
+    and computes with it; here the original was freed (its call holds it weakly), and the copy
+    computed with its own parameters (its .grad given where plain leaves None)."""
+    original = twobp.patch(nn.Linear(4, 3).double())
+    original.forward = functools.partial(original.forward)
+    clone = _hand_made_copy(original, lambda forward: forward)
+    del original
+    gc.collect()
+    with pytest.raises(RuntimeError, match="garbage collected"):
+        clone(torch.randn(5, 4, dtype=torch.float64))
+
+
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 def test_a_hand_made_copy_with_its_forward_checkpointed_is_refused_at_the_recomputation(use_reentrant):
     """The checkpoint's four frames were past the look's reach (the forward computed the
@@ -1010,7 +1086,7 @@ def test_a_hand_made_copy_with_its_forward_checkpointed_is_refused_at_the_recomp
     clone, plain_clone = _hand_made_copy(original, wrap), _hand_made_copy(plain, wrap)
     out = clone(x)
     torch.testing.assert_close(out, plain_clone(x), rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="a shallow copy's wrapper calls too"):
+    with pytest.raises(RuntimeError, match="no call of that copy to tell them apart"):
         out.sum().backward()
     twobp.discard_weight_grads()
     clone = original.__new__(nn.Linear)

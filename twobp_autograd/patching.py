@@ -159,6 +159,7 @@ class DeferredForwardCall:
         unpicklable = ("class_forward", "classes_of_the_rule", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
         state["_copies"] = self._copies  # one object with its module's entry (the pickle's memo)
+        state["_adopted_from"] = self._adopted_from()  # held by the copy's wrapper, which comes along
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
 
@@ -169,7 +170,8 @@ class DeferredForwardCall:
         module = state.pop("module")
         copies = state.pop("_copies", None)
         self._copies = copies if copies is not None else []  # (pickled before it existed: always looks)
-        self._adopted_from = _no_module
+        adopted_from = state.pop("_adopted_from", None)
+        self._adopted_from = weakref.ref(adopted_from) if adopted_from is not None else _no_module
         self.__dict__.update(state)
         if isinstance(self.deferred, tuple):  # a rule's name: no rule is a tuple
             found = _found_by_name(*self.deferred)
@@ -208,17 +210,7 @@ class DeferredForwardCall:
         # no _CALL of it: this call's module computes.) Looking costs a frame's locals per call,
         # so only where a copy may call (see _copies_share).
         if not compiling and (module is None or self.wrapped_by_copies or _copies_share(self, module)):
-            called, wrapped = _called_module(sys._getframe(1))
-            if called is not None and called is not module:
-                module = _copy_computing(self, called, module, wrapped) or module
-            elif called is None and self.wrapped_by_copies and torch._C._current_graph_task_id() >= 0:
-                raise RuntimeError(
-                    "twobp: a patched forward that a shallow copy's wrapper calls too ran inside a "
-                    "backward with no module call above it (a reentrant activation checkpoint's "
-                    "recomputation): which module computes cannot be told. Call twobp.patch(copy) "
-                    "before wrapping the forward of a copy made by copying a patched module's "
-                    "__dict__: it gets a call of its own."
-                )
+            module = _module_computing(self, *_called_module(sys._getframe(1)), module)
         if module is None:
             module = self.module  # raises: only this forward was kept
         # A rule that changes the module while it runs (the recompute rule's stand-ins for its
@@ -387,10 +379,11 @@ def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
     else:
         own.class_forward, own.classes_of_the_rule = shared.class_forward, set(shared.classes_of_the_rule)
     forward = copy.__dict__.get("forward")
+    original = shared.owner()
     if forward is shared:
         copy.__dict__["forward"] = own
-    elif forward is not None:  # a wrapper that may call the shared call for the copy
-        shared.wrapped_by_copies = True
+    elif forward is not None and (original is None or forward is not original.__dict__.get("forward")):
+        shared.wrapped_by_copies = True  # a wrapper made on the copy, which calls the shared call for it
     copy.__dict__[_CALL] = own
     copy.__dict__[_COPIES] = own._copies
     return copy
@@ -440,22 +433,43 @@ def _called_module(caller: Any) -> tuple[nn.Module | None, bool]:
     return None, False
 
 
-def _copy_computing(
-    call: DeferredForwardCall, called: nn.Module, module: nn.Module | None, wrapped: bool
+def _module_computing(
+    call: DeferredForwardCall, called: nn.Module | None, wrapped: bool, module: nn.Module | None
 ) -> nn.Module | None:
-    """``called``, where it is a shallow copy of ``call``'s module that computes with its own
-    parameters (given a call of its own now where it shares ``call``), else None."""
-    held = called.__dict__.get(_CALL)
-    if held is not call and (not isinstance(held, DeferredForwardCall) or held._adopted_from() is not call):
-        return None  # not a copy of this call's module
-    forward = called.__dict__.get("forward")
-    if module is not None and forward is not None and forward is module.__dict__.get("forward"):
+    """The module ``call`` computes with, seen from the module being ``called``: a shallow copy
+    of ``call``'s module computes with its own parameters (given a call of its own now where it
+    shares ``call``); else ``module``, ``call``'s own (None: freed)."""
+    if called is module:
+        return module
+    held = None if called is None else called.__dict__.get(_CALL)
+    # A call of its own, adopted from ``call`` (its owner: a copy of a copy shares it, unadopted).
+    adopted = (
+        isinstance(held, DeferredForwardCall) and held._adopted_from() is call and held.owner() is called
+    )
+    if called is not None and (held is call or adopted):
+        forward = called.__dict__.get("forward")
         # One instance forward, copied with __dict__: a wrapper made on the original before the
-        # copy (bound to it, as plain's bound forward is) computes the original; the shared call
-        # itself, reached with no wrapper frame between, is the copy's.
-        if wrapped or forward is not call:
-            return None
-    return _adopt(called, call) if held is call else called
+        # copy (bound to it, as plain's bound forward is) computes the original, also once freed
+        # (plain's wrapper keeps it alive: refused); the shared call itself is the copy's, unless
+        # reached past a wrapper.
+        if forward is call:
+            made_on_the_original = wrapped and module is not None and forward is module.__dict__.get("forward")
+        else:
+            made_on_the_original = forward is not None and (
+                forward is module.__dict__.get("forward") if module is not None else not adopted
+            )
+        if not made_on_the_original:
+            return _adopt(called, call) if held is call else called
+        return module
+    if call.wrapped_by_copies:
+        raise RuntimeError(
+            "twobp: a patched forward that a wrapper on a shallow copy of its module also calls was "
+            "called with no call of that copy to tell them apart (its forward called directly, a "
+            "checkpoint's recomputation, a copy of the copy, the copy unpatched): which module "
+            "computes cannot be told. Call twobp.patch(copy) on a copy made by copying a patched "
+            "module's __dict__ before wrapping its forward: it gets a call of its own."
+        )
+    return module
 
 
 #: Frames of a wrapper between ``nn.Module.__call__`` and a patched forward looked past.
@@ -793,5 +807,9 @@ def _unpatch_module(module: nn.Module) -> None:
     if isinstance(call, DeferredForwardCall):
         if call.owner() is module:  # not a shallow copy sharing the original's call
             call.deferred = _class_forward
+        elif module.__dict__.get("forward") not in (None, call):
+            # A copy unpatched under a wrapper that may call the shared call for it: it computes
+            # with its own parameters in plain, which that call can no longer tell (refused).
+            call.wrapped_by_copies = True
         if module.__dict__.get("forward") is call:
             del module.forward
