@@ -484,27 +484,6 @@ def test_in_place_change_between_backward_and_flush_is_refused(what):
     current_queue().clear()
 
 
-@pytest.mark.parametrize("how", ["swap_tensors", "load_state_dict-assign-swapping"])
-def test_a_parameter_swapped_between_backward_and_flush_is_refused(how, monkeypatch):
-    """torch.utils.swap_tensors keeps the Python object and swaps the tensor behind it; plain's
-    gradient goes with the tensor (onto the other object). With both at version 0 (a model from
-    deepcopy or torch.load, a freshly made tensor) the version check saw nothing, and the flush
-    gave the parameter the gradient plain gives the other object, silently."""
-    model = twobp.patch(copy.deepcopy(nn.Linear(4, 2).double()))
-    weight = model.weight
-    assert weight._version == 0
-    model(torch.randn(3, 4, dtype=torch.float64)).pow(2).sum().backward()
-    if how == "swap_tensors":
-        torch.utils.swap_tensors(weight, nn.Parameter(torch.zeros(2, 4, dtype=torch.float64)))
-    else:
-        monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", True)
-        model.load_state_dict({k: torch.randn_like(v) for k, v in model.state_dict().items()}, assign=True)
-    with pytest.raises(RuntimeError, match="swap_tensors"):
-        twobp.flush_weight_grads()
-    assert weight.grad is None and twobp.pending().jobs == 1  # refused before anything was accumulated
-    twobp.discard_weight_grads()
-
-
 def test_flush_while_another_thread_is_in_backward_is_refused():
     model = twobp.patch(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
     queue = twobp.WeightGradQueue()

@@ -35,7 +35,7 @@ class WeightGradJob:
     __slots__ = (
         "kernel", "group", "concatenate", "params", "saved", "grad_outputs", "tag", "task", "check_nan", "autocast",
         "versions", "parked", "accumulators", "home", "hooks_at_backward", "delivered", "counted",
-        "forked_into_shared_grad", "impls",
+        "forked_into_shared_grad",
     )
 
     def __init__(
@@ -65,9 +65,6 @@ class WeightGradJob:
         self.check_nan = False  # anomaly mode's NaN check was on in that backward, set on enqueue
         self.autocast: torch.dtype | None = None  # that backward's autocast dtype on the job's device, set on enqueue
         self.versions = self._versions()
-        # Each parameter's tensor (its C++ object): torch.utils.swap_tensors keeps the Python
-        # object and swaps what is behind it, and plain's gradient goes with the tensor.
-        self.impls = tuple([None if p is None else p._cdata for p in params])
         self.parked: ParkedTensors | None = None  # set when offloaded to host memory
         # The parameters' AccumulateGrad nodes, set in backward: a parameter refers to its node
         # weakly; the backward's graph kept it, and the hooks registered on it, alive in plain
@@ -110,17 +107,15 @@ class WeightGradJob:
         return any(p is not None for p in self.params)
 
     def check_unmodified(self) -> None:
-        swapped = any(p is not None and p._cdata != impl for p, impl in zip(self.params, self.impls, strict=True))
-        if swapped or self._versions() != self.versions or (self.parked is not None and self.parked.changed()):
+        if self._versions() != self.versions or (self.parked is not None and self.parked.changed()):
             raise RuntimeError(
                 "twobp: a tensor that a queued weight-gradient job needs (a saved activation, an "
                 "output gradient or the parameter itself) was modified in place after the forward or "
                 "backward that saved it, before flush_weight_grads() (a module under the recompute "
                 "rule keeps its parameters from its forward, where plain autograd may not have saved "
-                "them; a parameter is modified by load_state_dict, reset_parameters(), registering "
-                "a parametrization, torch.utils.swap_tensors or a conversion or load_state_dict(assign="
-                "True) under swap_module_params_on_conversion, or the forward of an nn.Embedding with "
-                "max_norm whose weight a patched layer shares; an "
+                "them; a parameter is modified by load_state_dict, reset_parameters(), "
+                "registering a parametrization, a conversion under swap_module_params_on_conversion, or "
+                "the forward of an nn.Embedding with max_norm whose weight a patched layer shares; an "
                 "output gradient autograd also gave, uncopied, to a parameter's .grad is changed there: "
                 "an expanded one (a reduction's) by the next backward's accumulation (flush after each "
                 "backward there), or one of a micro-batch of one sample by a post-accumulate-grad hook "
