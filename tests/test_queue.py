@@ -484,6 +484,21 @@ def test_in_place_change_between_backward_and_flush_is_refused(what):
     current_queue().clear()
 
 
+@pytest.mark.parametrize("conversion", ["float", "cpu"])
+def test_a_conversion_swapping_tensors_between_backward_and_flush_keeps_the_gradients_as_plain(conversion, monkeypatch):
+    """Under swap_module_params_on_conversion nn.Module._apply swaps every parameter's tensor and
+    carries .grad over to the same Python object: plain keeps its gradients, and so does the
+    flush (a check on the swapped tensors refused it)."""
+    monkeypatch.setattr(torch.__future__, "_swap_module_params_on_conversion", True)
+    patched, reference = patched_and_reference(nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3)))
+    x = torch.randn(5, 4)
+    for model in (patched, reference):
+        model(x).pow(2).sum().backward()
+        getattr(model, conversion)()
+    twobp.flush_weight_grads()
+    assert_grads_match(patched, reference)
+
+
 def test_flush_while_another_thread_is_in_backward_is_refused():
     model = twobp.patch(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
     queue = twobp.WeightGradQueue()
