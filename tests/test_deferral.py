@@ -27,6 +27,7 @@ from twobp_autograd.data_parallel import GradientSynchroniser
 from twobp_autograd.deferral import defer_weight_grads, detached
 from twobp_autograd.flush import PartlyDelivered
 from twobp_autograd.job import WeightGradJob
+from twobp_autograd.queue import current_queue
 
 
 def mlp(dtype=torch.float32) -> nn.Module:
@@ -1180,24 +1181,50 @@ _STOPPED_BY_ANOMALY_MODE = {
 }
 
 
+def _masked_nan_loss(model: nn.Module, layer: str, x: Tensor) -> Tensor:
+    """The loss of a layer with a NaN in a weight whose output channel the loss masks out: its
+    input gradient is NaN, its weight gradients are finite."""
+    _, _, poison = _STOPPED_BY_ANOMALY_MODE[layer]
+    poison(model[1])
+    out = model(x)
+    keep = torch.ones(out.shape[1], dtype=torch.bool)
+    keep[1] = False
+    return torch.where(keep.view([1, -1] + [1] * (out.dim() - 2)), out, 0.0).pow(2).sum()
+
+
+@pytest.mark.parametrize("capped", [False, True], ids=["queue", "capped-queue"])
 @pytest.mark.parametrize("layer", list(_STOPPED_BY_ANOMALY_MODE))
-def test_anomaly_mode_stopping_a_layers_node_leaves_its_weight_gradients_out_as_plain(layer):
-    """A NaN in a weight whose output channel the loss masks out: the layer's input gradient is
-    NaN, its weight gradients are finite. Anomaly mode stops plain's node, which computed them
-    too, and none reaches .grad; the layer had queued them, and the flush handed them over."""
-    make, shape, poison = _STOPPED_BY_ANOMALY_MODE[layer]
+def test_anomaly_mode_stopping_a_layers_node_leaves_its_weight_gradients_out_as_plain(layer, capped):
+    """Anomaly mode stops plain's node, which computed the weight gradients too, and none reaches
+    .grad; the layer had queued them, and the flush handed them over (a capped queue's early
+    flush, inside the layer's node, before anomaly mode stopped it)."""
+    make, shape, _ = _STOPPED_BY_ANOMALY_MODE[layer]
     patched, reference = patched_and_reference(nn.Sequential(nn.Identity(), make()).double())
     x = torch.randn(*shape, dtype=torch.float64)
     if layer.endswith("non-contiguous-input"):
         x = x.t()
+    queue = twobp.WeightGradQueue(max_pending_bytes=0) if capped else current_queue()
     for model in (patched, reference):
-        poison(model[1])
-        out = model(x.clone().requires_grad_())
-        keep = torch.ones(out.shape[1], dtype=torch.bool)
-        keep[1] = False
-        with torch.autograd.detect_anomaly(check_nan=True), pytest.raises(RuntimeError, match="nan values"):
-            torch.where(keep.view([1, -1] + [1] * (out.dim() - 2)), out, 0.0).pow(2).sum().backward()
+        with twobp.use_queue(queue), torch.autograd.detect_anomaly(check_nan=True):
+            with pytest.raises(RuntimeError, match="nan values"):
+                _masked_nan_loss(model, layer, x.clone().requires_grad_()).backward()
+    twobp.flush_weight_grads(queue)
+    assert_grads_match(patched, reference, torch.float64)
+
+
+@pytest.mark.parametrize("layer", ["Linear", "LayerNorm"])
+def test_anomaly_mode_checks_only_the_input_gradients_a_backward_wants(layer):
+    """``backward(inputs=[weight])``: plain's node leaves the input gradient uncomputed, and its
+    NaN raises nothing; the deferred node computed it, and anomaly mode raised (and then dropped
+    the layer's queued work)."""
+    make, shape, _ = _STOPPED_BY_ANOMALY_MODE[layer]
+    patched, reference = patched_and_reference(nn.Sequential(nn.Identity(), make()).double())
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    with torch.autograd.detect_anomaly(check_nan=True):
+        for model in (patched, reference):
+            _masked_nan_loss(model, layer, x).backward(inputs=[model[1].weight])
     twobp.flush_weight_grads()
+    assert x.grad is None
     assert_grads_match(patched, reference, torch.float64)
 
 

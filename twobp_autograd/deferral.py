@@ -380,9 +380,7 @@ def _skips_unreached(function: type[torch.autograd.Function]) -> None:
         for grad in grad_outputs:  # a loop: all() over a generator costs a call per backward
             if grad is not None:
                 grads = backward(ctx, *grad_outputs)
-                if _is_anomaly_enabled():
-                    _withdraw_where_stopped(ctx, grads)
-                return grads
+                return _checked_for_nan(ctx, grads) if _is_anomaly_enabled() else grads
         return (None,) * len(ctx.needs_input_grad)
 
     function.forward = staticmethod(forward_unmaterialised)  # type: ignore[method-assign]
@@ -470,14 +468,31 @@ def _has_nan(grads: Any) -> bool:
     return any(isinstance(g, Tensor) and bool(g.isnan().any()) for g in grads)
 
 
-def _withdraw_where_stopped(ctx: Any, grads: Any) -> None:
-    """A node that queued weight work and returns a NaN under anomaly mode's NaN check: autograd
-    raises once it returns, so its work goes, as plain's node (computing the weight gradients
-    too) handed none of them on."""
-    queued = getattr(ctx, "twobp_nan_checked", None)
-    if queued is not None and _has_nan(grads):
-        queue, job = queued
-        queue.withdraw(job)
+def _checked_for_nan(ctx: Any, grads: Any) -> Any:
+    """A node's returned gradients as anomaly mode's NaN check should see them, which runs once
+    the node returns: an input gradient this backward does not want (``backward(inputs=[w])``,
+    ``autograd.grad`` of a weight) goes as None, as plain's node leaves it uncomputed (its NaN
+    raised here, and plain's did not). A NaN left stops the node: its queued work goes, as plain's
+    node, which computed the weight gradients too, hands none of them on."""
+    if not torch.is_anomaly_check_nan_enabled():
+        return grads
+    returned = grads if isinstance(grads, tuple) else (grads,)
+    nan = [isinstance(g, Tensor) and bool(g.isnan().any()) for g in returned]
+    if not any(nan):
+        return grads
+    edges = ctx.next_functions  # one per tensor input: the Functions take those last
+    offset = len(returned) - len(edges)
+    kept = list(returned)
+    for index, has_nan in enumerate(nan):
+        node = edges[index - offset][0] if index >= offset else None
+        if has_nan and (node is None or not torch._C._will_engine_execute_node(node)):
+            kept[index] = None
+    if any(isinstance(g, Tensor) and has_nan for g, has_nan in zip(kept, nan, strict=True)):
+        queued = getattr(ctx, "twobp_nan_checked", None)
+        if queued is not None:
+            queue, job = queued
+            queue.withdraw(job)
+    return tuple(kept) if isinstance(grads, tuple) else kept[0]
 
 
 def _withdraw_when_stopped(node: Any, queued: tuple[WeightGradQueue, WeightGradJob]) -> None:

@@ -303,7 +303,10 @@ class WeightGradQueue:
                     home = job.device
                 self._running_backwards[task] = threading.get_ident() if home.type == "cpu" else None
                 _queue_callback(_BackwardEnd(self, task))
-        if self.max_pending_bytes is not None and not self._cap_deferred:
+        # Not under anomaly mode's NaN check: it may stop this job's node once it returns, which
+        # drops the job (plain's node hands none of its gradients on); an early flush now would
+        # have handed them over. Those jobs wait for the next cap check or flush.
+        if self.max_pending_bytes is not None and not self._cap_deferred and not job.check_nan:
             self._enforce_cap()
 
     def _backward_finished(self, task: int, *, raised: bool = False) -> None:
