@@ -1228,6 +1228,16 @@ def test_anomaly_mode_checks_only_the_input_gradients_a_backward_wants(layer):
     assert_grads_match(patched, reference, torch.float64)
 
 
+def test_anomaly_mode_under_autograd_grad_of_a_leaf_input_names_the_nan():
+    """Asking autograd whether it runs a leaf's accumulator raises under autograd.grad: the NaN
+    the node returned was reported as that question's error."""
+    layer = twobp.patch(nn.Linear(4, 4).double())
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    loss = _masked_nan_loss(nn.Sequential(nn.Identity(), layer), "Linear", x)
+    with torch.autograd.detect_anomaly(check_nan=True), pytest.raises(RuntimeError, match="returned nan values"):
+        torch.autograd.grad(loss, [x])
+
+
 @pytest.mark.parametrize("check_nan", [True, False])
 def test_anomaly_mode(check_nan):
     patched, reference = patched_and_reference(convnet())

@@ -8,6 +8,7 @@ import gc
 import inspect
 import io
 import os
+import pickle
 import subprocess
 import sys
 import textwrap
@@ -1063,8 +1064,55 @@ def test_a_copy_of_a_freed_original_whose_wrapper_it_shares_is_refused():
     clone = _hand_made_copy(original, lambda forward: forward)
     del original
     gc.collect()
-    with pytest.raises(RuntimeError, match="garbage collected"):
+    with pytest.raises(RuntimeError, match="of a module since freed"):
         clone(torch.randn(5, 4, dtype=torch.float64))
+
+
+def test_the_original_is_not_refused_once_its_wrapped_copies_are_gone():
+    """A copy with a wrapper of the original's call made the original's own ambiguous calls
+    (its forward called by a parent, a checkpoint of it) refused for good, and in its deep copies."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3).double())
+    plain = copy.deepcopy(model)
+    twobp.patch(model)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    clone = _hand_made_copy(model[0], functools.partial)
+    clone(x)
+    del clone
+    gc.collect()
+    for copied in (model, copy.deepcopy(model)):
+        torch.utils.checkpoint.checkpoint(copied[0].forward, x, use_reentrant=False).sum().backward()
+    torch.utils.checkpoint.checkpoint(plain[0].forward, x, use_reentrant=False).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(model, plain, torch.float64)
+
+
+def test_unpatching_a_copy_that_shares_the_originals_wrapper_computes_the_original():
+    """The copy's forward is the wrapper made on the original (bound to it in plain): unpatching
+    the copy took it for one made on the copy, and the original's calls were refused."""
+    torch.manual_seed(0)
+    original = nn.Linear(4, 3).double()
+    plain = copy.deepcopy(original)
+    twobp.patch(original)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    for model in (original, plain):
+        model.forward = functools.partial(model.forward)
+        clone = _hand_made_copy(model, lambda forward: forward)
+        if model is original:
+            twobp.unpatch(clone)
+        clone(x).sum().backward()
+    twobp.flush_weight_grads()
+    assert_grads_match(original, plain, torch.float64)
+
+
+def test_pickling_a_copy_leaves_its_original_out():
+    """A copy's call kept the call it was adopted from in its pickle, and that call its module:
+    torch.save of a copy wrote the original's parameters too (twice the bytes)."""
+    original = twobp.patch(nn.Linear(64, 64))
+    clone = copy.copy(original)
+    clone._parameters = {name: nn.Parameter(p.detach().clone()) for name, p in original._parameters.items()}
+    plain = copy.copy(twobp.unpatch(copy.deepcopy(original)))
+    assert len(pickle.dumps(clone)) < 1.2 * len(pickle.dumps(plain))
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])

@@ -485,7 +485,7 @@ def _checked_for_nan(ctx: Any, grads: Any) -> Any:
     kept = list(returned)
     for index, has_nan in enumerate(nan):
         node = edges[index - offset][0] if index >= offset else None
-        if has_nan and (node is None or not torch._C._will_engine_execute_node(node)):
+        if has_nan and (node is None or not _will_execute(node)):
             kept[index] = None
     if any(isinstance(g, Tensor) and has_nan for g, has_nan in zip(kept, nan, strict=True)):
         queued = getattr(ctx, "twobp_nan_checked", None)
@@ -493,6 +493,15 @@ def _checked_for_nan(ctx: Any, grads: Any) -> Any:
             queue, job = queued
             queue.withdraw(job)
     return tuple(kept) if isinstance(grads, tuple) else kept[0]
+
+
+def _will_execute(node: Any) -> bool:
+    """Whether this backward runs ``node``: under ``autograd.grad`` a leaf's accumulator, which
+    PyTorch will not answer for, is one the call captures (it wants that gradient)."""
+    try:
+        return bool(torch._C._will_engine_execute_node(node))
+    except RuntimeError:
+        return True
 
 
 def _withdraw_when_stopped(node: Any, queued: tuple[WeightGradQueue, WeightGradJob]) -> None:

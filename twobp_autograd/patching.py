@@ -70,7 +70,7 @@ class DeferredForwardCall:
     # (accelerate's add_hook_to_module), and a weakref there made the model unpicklable.
     # So do the other two: the list only this call and its module's __dict__ refer to (see
     # _copies_share), and the call a shallow copy's call was adopted from.
-    __slots__ = ("_module", "_copies", "_adopted_from", "__dict__", "__weakref__")
+    __slots__ = ("_module", "_copies", "_adopted_from", "_wrapping_copies", "__dict__", "__weakref__")
 
     #: Set after the first deferred call, which checks that the rule's op computed with its
     #: deferred parameters detached (a class default: calls pickled before it existed load too).
@@ -81,7 +81,8 @@ class DeferredForwardCall:
     runs_alone: Callable[[nn.Module], Any] | None = None
 
     #: Set once a shallow copy that adopted a call of its own kept a wrapper of this one as its
-    #: forward: that wrapper calls this call for the copy, so every call looks for its caller.
+    #: forward: that wrapper calls this call for the copy, so calls look for their caller while
+    #: such a copy lives (see _wrapped_by_live_copies).
     wrapped_by_copies = False
 
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
@@ -92,6 +93,7 @@ class DeferredForwardCall:
         # takes it (see _copies_share).
         self._copies: list[Any] = []
         self._adopted_from: Callable[[], DeferredForwardCall | None] = _no_module
+        self._wrapping_copies: weakref.WeakSet[nn.Module] | None = None  # see _note_wrapping_copy
         self.deferred = deferred  # the class's forward once unpatched
         self.runs_alone = getattr(deferred, "runs_alone", None)
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
@@ -159,7 +161,13 @@ class DeferredForwardCall:
         unpicklable = ("class_forward", "classes_of_the_rule", "runs_alone")
         state = {key: value for key, value in self.__dict__.items() if key not in unpicklable}
         state["_copies"] = self._copies  # one object with its module's entry (the pickle's memo)
-        state["_adopted_from"] = self._adopted_from()  # held by the copy's wrapper, which comes along
+        owner = self.owner()
+        if owner is not None and owner.__dict__.get("forward") is not self:
+            # A copy's call whose forward is a wrapper of the call it was adopted from: that call
+            # comes along in the wrapper anyway (not the original's module, where it is not).
+            state["_adopted_from"] = self._adopted_from()
+        if not _wrapped_by_live_copies(self):
+            state.pop("wrapped_by_copies", None)
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
 
@@ -172,6 +180,7 @@ class DeferredForwardCall:
         self._copies = copies if copies is not None else []  # (pickled before it existed: always looks)
         adopted_from = state.pop("_adopted_from", None)
         self._adopted_from = weakref.ref(adopted_from) if adopted_from is not None else _no_module
+        self._wrapping_copies = None  # wrapped_by_copies, if set, stands untracked
         self.__dict__.update(state)
         if isinstance(self.deferred, tuple):  # a rule's name: no rule is a tuple
             found = _found_by_name(*self.deferred)
@@ -209,7 +218,7 @@ class DeferredForwardCall:
         # with its own parameters and flags. (A module merely given this call as its forward holds
         # no _CALL of it: this call's module computes.) Looking costs a frame's locals per call,
         # so only where a copy may call (see _copies_share).
-        if not compiling and (module is None or self.wrapped_by_copies or _copies_share(self, module)):
+        if not compiling and (module is None or _wrapped_by_live_copies(self) or _copies_share(self, module)):
             module = _module_computing(self, *_called_module(sys._getframe(1)), module)
         if module is None:
             module = self.module  # raises: only this forward was kept
@@ -383,10 +392,31 @@ def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
     if forward is shared:
         copy.__dict__["forward"] = own
     elif forward is not None and (original is None or forward is not original.__dict__.get("forward")):
-        shared.wrapped_by_copies = True  # a wrapper made on the copy, which calls the shared call for it
+        _note_wrapping_copy(shared, copy)
     copy.__dict__[_CALL] = own
     copy.__dict__[_COPIES] = own._copies
     return copy
+
+
+def _note_wrapping_copy(call: DeferredForwardCall, copy: nn.Module) -> None:
+    """``copy`` keeps, as its forward, a wrapper made on it that calls ``call`` for it."""
+    if call._wrapping_copies is None and not call.wrapped_by_copies:
+        call._wrapping_copies = weakref.WeakSet()
+    if call._wrapping_copies is not None:  # (else copied or loaded with such copies: not tracked)
+        call._wrapping_copies.add(copy)
+    call.wrapped_by_copies = True
+
+
+def _wrapped_by_live_copies(call: DeferredForwardCall) -> bool:
+    """Whether a copy that keeps a wrapper of ``call`` may still call it (one copied or loaded
+    with it is not tracked: counted as live)."""
+    if not call.wrapped_by_copies:
+        return False
+    copies = call._wrapping_copies
+    if copies is None or len(copies):
+        return True
+    call.wrapped_by_copies = False  # they are gone
+    return False
 
 
 def _warn_class_changed_once(module: nn.Module) -> None:
@@ -454,14 +484,22 @@ def _module_computing(
         # reached past a wrapper.
         if forward is call:
             made_on_the_original = wrapped and module is not None and forward is module.__dict__.get("forward")
+        elif forward is not None and module is None and not adopted:
+            raise RuntimeError(
+                "twobp: a shallow copy whose forward is a wrapper calls the patched forward of a module "
+                "since freed: whether that wrapper was made on the original before the copy (plain "
+                "computes with the original, which the wrapper keeps alive) or on the copy cannot be "
+                "told. Keep a reference to the original, or call twobp.patch(copy) before wrapping "
+                "the copy's forward."
+            )
         else:
-            made_on_the_original = forward is not None and (
-                forward is module.__dict__.get("forward") if module is not None else not adopted
+            made_on_the_original = (
+                forward is not None and module is not None and forward is module.__dict__.get("forward")
             )
         if not made_on_the_original:
             return _adopt(called, call) if held is call else called
         return module
-    if call.wrapped_by_copies:
+    if _wrapped_by_live_copies(call):
         raise RuntimeError(
             "twobp: a patched forward that a wrapper on a shallow copy of its module also calls was "
             "called with no call of that copy to tell them apart (its forward called directly, a "
@@ -807,9 +845,13 @@ def _unpatch_module(module: nn.Module) -> None:
     if isinstance(call, DeferredForwardCall):
         if call.owner() is module:  # not a shallow copy sharing the original's call
             call.deferred = _class_forward
-        elif module.__dict__.get("forward") not in (None, call):
-            # A copy unpatched under a wrapper that may call the shared call for it: it computes
-            # with its own parameters in plain, which that call can no longer tell (refused).
-            call.wrapped_by_copies = True
+        else:
+            # A copy unpatched under a wrapper made on it, which calls the shared call for it: it
+            # computes with its own parameters in plain, which that call can no longer tell.
+            forward, original = module.__dict__.get("forward"), call.owner()
+            if forward is not None and forward is not call and (
+                original is None or forward is not original.__dict__.get("forward")
+            ):
+                _note_wrapping_copy(call, module)
         if module.__dict__.get("forward") is call:
             del module.forward
