@@ -1068,23 +1068,49 @@ def test_a_copy_of_a_freed_original_whose_wrapper_it_shares_is_refused():
         clone(torch.randn(5, 4, dtype=torch.float64))
 
 
-def test_the_original_is_not_refused_once_its_wrapped_copies_are_gone():
-    """A copy with a wrapper of the original's call made the original's own ambiguous calls
-    (its forward called by a parent, a checkpoint of it) refused for good, and in its deep copies."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3).double())
-    plain = copy.deepcopy(model)
-    twobp.patch(model)
-    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
-    clone = _hand_made_copy(model[0], functools.partial)
+@pytest.mark.parametrize("kept", ["the-wrapper", "a-copy-of-the-copy"])
+def test_a_wrapped_copys_wrapper_outliving_the_copy_is_refused(kept):
+    """The wrapper keeps the copy alive in plain, which computes; here it keeps the original's
+    call, and tracking the copies themselves let the original compute once they were freed (its
+    .grad given where plain leaves None, silently)."""
+    original = twobp.patch(nn.Linear(4, 3).double())
+    clone = _hand_made_copy(original, functools.partial)
+    x = torch.randn(5, 4, dtype=torch.float64)
     clone(x)
+    call = clone.forward if kept == "the-wrapper" else _hand_made_copy(clone, lambda forward: forward)
     del clone
     gc.collect()
-    for copied in (model, copy.deepcopy(model)):
-        torch.utils.checkpoint.checkpoint(copied[0].forward, x, use_reentrant=False).sum().backward()
-    torch.utils.checkpoint.checkpoint(plain[0].forward, x, use_reentrant=False).sum().backward()
-    twobp.flush_weight_grads()
-    assert_grads_match(model, plain, torch.float64)
+    with pytest.raises(RuntimeError, match="no call of that copy to tell them apart"):
+        call(x)
+
+
+@pytest.mark.parametrize("how", ["copy.copy", "by-hand-then-patch"])
+def test_a_copy_taking_its_originals_wrapper_refuses_once_the_original_is_freed(how):
+    """The wrapper made on the original before the copy keeps the original alive in plain, which
+    computes; here the original was freed and the copy, with a call of its own, computed (2x the
+    output, its .grad given where plain leaves None, silently)."""
+    original = twobp.patch(nn.Linear(4, 3).double())
+    original.forward = functools.partial(original.forward)
+    if how == "copy.copy":
+        clone = copy.copy(original)
+    else:
+        clone = _hand_made_copy(original, lambda forward: forward)
+        twobp.patch(clone)
+    del original
+    gc.collect()
+    with pytest.raises(RuntimeError, match="garbage collected"):
+        clone(torch.randn(5, 4, dtype=torch.float64))
+
+
+def test_a_copy_of_an_uncalled_wrapped_copy_computes_as_plain_or_is_refused():
+    """A wrapper made on a copy never called, then that copy copied: plain's wrapper computes the
+    first copy; the second took it for its own and computed (3x against 2x, silently)."""
+    original = twobp.patch(nn.Linear(4, 3).double())
+    clone = _hand_made_copy(original, functools.partial)
+    second = _hand_made_copy(clone, lambda forward: forward)
+    with pytest.raises(RuntimeError, match="no call of that copy to tell them apart"):
+        second(torch.randn(5, 4, dtype=torch.float64))
+    del clone
 
 
 def test_unpatching_a_copy_that_shares_the_originals_wrapper_computes_the_original():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import fnmatch
 import functools
+import gc
 import importlib
 import inspect
 import io
@@ -70,7 +71,7 @@ class DeferredForwardCall:
     # (accelerate's add_hook_to_module), and a weakref there made the model unpicklable.
     # So do the other two: the list only this call and its module's __dict__ refer to (see
     # _copies_share), and the call a shallow copy's call was adopted from.
-    __slots__ = ("_module", "_copies", "_adopted_from", "_wrapping_copies", "__dict__", "__weakref__")
+    __slots__ = ("_module", "_copies", "_adopted_from", "__dict__", "__weakref__")
 
     #: Set after the first deferred call, which checks that the rule's op computed with its
     #: deferred parameters detached (a class default: calls pickled before it existed load too).
@@ -81,9 +82,13 @@ class DeferredForwardCall:
     runs_alone: Callable[[nn.Module], Any] | None = None
 
     #: Set once a shallow copy that adopted a call of its own kept a wrapper of this one as its
-    #: forward: that wrapper calls this call for the copy, so calls look for their caller while
-    #: such a copy lives (see _wrapped_by_live_copies).
+    #: forward: that wrapper calls this call for the copy, so every call looks for its caller. For
+    #: good: the wrapper may outlive the copy, and keeps it alive in plain.
     wrapped_by_copies = False
+
+    #: On a shallow copy's own call: its forward is the wrapper its original had before the copy,
+    #: bound to the original in plain (which computes there, kept alive by it).
+    takes_the_originals_wrapper = False
 
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         # Weak: the module holds this call in its __dict__; a strong reference back would make
@@ -93,7 +98,6 @@ class DeferredForwardCall:
         # takes it (see _copies_share).
         self._copies: list[Any] = []
         self._adopted_from: Callable[[], DeferredForwardCall | None] = _no_module
-        self._wrapping_copies: weakref.WeakSet[nn.Module] | None = None  # see _note_wrapping_copy
         self.deferred = deferred  # the class's forward once unpatched
         self.runs_alone = getattr(deferred, "runs_alone", None)
         # What the rule was chosen for: a class swapped since, or its forward replaced, computes
@@ -166,8 +170,7 @@ class DeferredForwardCall:
             # A copy's call whose forward is a wrapper of the call it was adopted from: that call
             # comes along in the wrapper anyway (not the original's module, where it is not).
             state["_adopted_from"] = self._adopted_from()
-        if not _wrapped_by_live_copies(self):
-            state.pop("wrapped_by_copies", None)
+
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
 
@@ -180,7 +183,6 @@ class DeferredForwardCall:
         self._copies = copies if copies is not None else []  # (pickled before it existed: always looks)
         adopted_from = state.pop("_adopted_from", None)
         self._adopted_from = weakref.ref(adopted_from) if adopted_from is not None else _no_module
-        self._wrapping_copies = None  # wrapped_by_copies, if set, stands untracked
         self.__dict__.update(state)
         if isinstance(self.deferred, tuple):  # a rule's name: no rule is a tuple
             found = _found_by_name(*self.deferred)
@@ -218,7 +220,7 @@ class DeferredForwardCall:
         # with its own parameters and flags. (A module merely given this call as its forward holds
         # no _CALL of it: this call's module computes.) Looking costs a frame's locals per call,
         # so only where a copy may call (see _copies_share).
-        if not compiling and (module is None or _wrapped_by_live_copies(self) or _copies_share(self, module)):
+        if not compiling and (module is None or self.wrapped_by_copies or _copies_share(self, module)):
             module = _module_computing(self, *_called_module(sys._getframe(1)), module)
         if module is None:
             module = self.module  # raises: only this forward was kept
@@ -391,32 +393,13 @@ def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
     original = shared.owner()
     if forward is shared:
         copy.__dict__["forward"] = own
-    elif forward is not None and (original is None or forward is not original.__dict__.get("forward")):
-        _note_wrapping_copy(shared, copy)
+    elif forward is not None and original is not None and forward is original.__dict__.get("forward"):
+        own.takes_the_originals_wrapper = True
+    elif forward is not None:
+        shared.wrapped_by_copies = True  # a wrapper made on the copy, which calls the shared call for it
     copy.__dict__[_CALL] = own
     copy.__dict__[_COPIES] = own._copies
     return copy
-
-
-def _note_wrapping_copy(call: DeferredForwardCall, copy: nn.Module) -> None:
-    """``copy`` keeps, as its forward, a wrapper made on it that calls ``call`` for it."""
-    if call._wrapping_copies is None and not call.wrapped_by_copies:
-        call._wrapping_copies = weakref.WeakSet()
-    if call._wrapping_copies is not None:  # (else copied or loaded with such copies: not tracked)
-        call._wrapping_copies.add(copy)
-    call.wrapped_by_copies = True
-
-
-def _wrapped_by_live_copies(call: DeferredForwardCall) -> bool:
-    """Whether a copy that keeps a wrapper of ``call`` may still call it (one copied or loaded
-    with it is not tracked: counted as live)."""
-    if not call.wrapped_by_copies:
-        return False
-    copies = call._wrapping_copies
-    if copies is None or len(copies):
-        return True
-    call.wrapped_by_copies = False  # they are gone
-    return False
 
 
 def _warn_class_changed_once(module: nn.Module) -> None:
@@ -473,18 +456,18 @@ def _module_computing(
         return module
     held = None if called is None else called.__dict__.get(_CALL)
     # A call of its own, adopted from ``call`` (its owner: a copy of a copy shares it, unadopted).
-    adopted = (
-        isinstance(held, DeferredForwardCall) and held._adopted_from() is call and held.owner() is called
-    )
+    own = held if isinstance(held, DeferredForwardCall) and held._adopted_from() is call else None
+    adopted = own is not None and own.owner() is called
     if called is not None and (held is call or adopted):
         forward = called.__dict__.get("forward")
-        # One instance forward, copied with __dict__: a wrapper made on the original before the
-        # copy (bound to it, as plain's bound forward is) computes the original, also once freed
-        # (plain's wrapper keeps it alive: refused); the shared call itself is the copy's, unless
-        # reached past a wrapper.
-        if forward is call:
-            made_on_the_original = wrapped and module is not None and forward is module.__dict__.get("forward")
-        elif forward is not None and module is None and not adopted:
+        if forward is None or (forward is call and not wrapped):
+            return _adopt(called, call) if held is call else called
+        # A wrapper as its forward (or the shared call reached past one): made on the original
+        # before the copy, it is bound to the original in plain, which computes (kept alive by
+        # it: a freed one cannot); made on the copy, the copy computes.
+        if own is not None and adopted:
+            return module if own.takes_the_originals_wrapper else called
+        if module is None:
             raise RuntimeError(
                 "twobp: a shallow copy whose forward is a wrapper calls the patched forward of a module "
                 "since freed: whether that wrapper was made on the original before the copy (plain "
@@ -492,22 +475,41 @@ def _module_computing(
                 "told. Keep a reference to the original, or call twobp.patch(copy) before wrapping "
                 "the copy's forward."
             )
-        else:
-            made_on_the_original = (
-                forward is not None and module is not None and forward is module.__dict__.get("forward")
-            )
-        if not made_on_the_original:
-            return _adopt(called, call) if held is call else called
-        return module
-    if _wrapped_by_live_copies(call):
-        raise RuntimeError(
-            "twobp: a patched forward that a wrapper on a shallow copy of its module also calls was "
-            "called with no call of that copy to tell them apart (its forward called directly, a "
-            "checkpoint's recomputation, a copy of the copy, the copy unpatched): which module "
-            "computes cannot be told. Call twobp.patch(copy) on a copy made by copying a patched "
-            "module's __dict__ before wrapping its forward: it gets a call of its own."
-        )
+        if forward is module.__dict__.get("forward"):
+            return module
+        if forward is not call and _wrapper_of_another_copy(call, called, forward):
+            raise _copy_not_told_apart()
+        return _adopt(called, call)
+    if call.wrapped_by_copies:
+        raise _copy_not_told_apart()
     return module
+
+
+def _copy_not_told_apart() -> RuntimeError:
+    return RuntimeError(
+        "twobp: a patched forward that a wrapper on a shallow copy of its module also calls was "
+        "called with no call of that copy to tell them apart (its forward called directly, a "
+        "checkpoint's recomputation, a copy of the copy, the copy unpatched): which module "
+        "computes cannot be told. Call twobp.patch(copy) on a copy made by copying a patched "
+        "module's __dict__ before wrapping its forward: it gets a call of its own."
+    )
+
+
+def _wrapper_of_another_copy(call: DeferredForwardCall, called: nn.Module, forward: Any) -> bool:
+    """Whether another shallow copy sharing ``call`` holds the same wrapper as its forward: made
+    on one of the two before the other was copied from it, it computes with that one in plain,
+    which cannot be told. Looked up only where other copies share ``call`` (rare: their dicts
+    are found among the referrers of its ``_copies``)."""
+    copies = call._copies
+    if sys.getrefcount(copies) <= _UNSHARED_COPIES + 1:  # as measured, and ``called``'s dict
+        return False
+    return any(
+        isinstance(holder, dict)
+        and holder is not called.__dict__
+        and holder.get(_CALL) is call
+        and holder.get("forward") is forward
+        for holder in gc.get_referrers(copies)
+    )
 
 
 #: Frames of a wrapper between ``nn.Module.__call__`` and a patched forward looked past.
@@ -852,6 +854,6 @@ def _unpatch_module(module: nn.Module) -> None:
             if forward is not None and forward is not call and (
                 original is None or forward is not original.__dict__.get("forward")
             ):
-                _note_wrapping_copy(call, module)
+                call.wrapped_by_copies = True
         if module.__dict__.get("forward") is call:
             del module.forward
