@@ -505,7 +505,7 @@ def _will_execute(node: Any) -> bool:
 
 
 def _withdraw_when_stopped(node: Any, queued: tuple[WeightGradQueue, WeightGradJob]) -> None:
-    """As :func:`_withdraw_where_stopped`, for a tap's work and the op's node after it (once)."""
+    """As :func:`_checked_for_nan` withdraws a node's work: for a tap's, on the op's node after it (once)."""
 
     def check(grad_inputs: Any, grad_outputs: Any) -> None:
         handle.remove()

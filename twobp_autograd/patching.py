@@ -167,10 +167,9 @@ class DeferredForwardCall:
         state["_copies"] = self._copies  # one object with its module's entry (the pickle's memo)
         owner = self.owner()
         if owner is not None and owner.__dict__.get("forward") is not self:
-            # A copy's call whose forward is a wrapper of the call it was adopted from: that call
-            # comes along in the wrapper anyway (not the original's module, where it is not).
+            # A copy's own call under a wrapper: the call it was adopted from, which the wrapper
+            # holds (and pickles) anyway. Elsewhere left out: it would carry the original's module.
             state["_adopted_from"] = self._adopted_from()
-
         state["module"] = self.owner()  # None: only shallow copies sharing this call are left
         return state
 
