@@ -1098,7 +1098,25 @@ def test_a_copy_taking_its_originals_wrapper_refuses_once_the_original_is_freed(
         twobp.patch(clone)
     del original
     gc.collect()
-    with pytest.raises(RuntimeError, match="garbage collected"):
+    with pytest.raises(RuntimeError, match="the original was freed"):
+        clone(torch.randn(5, 4, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("then", ["original-freed", "original-wrapped-again"])
+def test_a_copy_made_by_copy_copy_of_a_hand_copy_holding_an_older_wrapper_is_refused(then):
+    """``copy.copy`` of a hand copy whose forward is the original's earlier wrapper, once the
+    original was freed or wrapped again: the wrapper is bound to the original in plain, but the
+    copy took it for its own and computed (6x the output, silently)."""
+    original = twobp.patch(nn.Linear(4, 3).double())
+    original.forward = functools.partial(original.forward)
+    hand = _hand_made_copy(original, lambda forward: forward)
+    if then == "original-freed":
+        del original
+        gc.collect()
+    else:
+        original.forward = functools.partial(original.forward)
+    clone = copy.copy(hand)
+    with pytest.raises(RuntimeError, match="no call of that copy to tell them apart"):
         clone(torch.randn(5, 4, dtype=torch.float64))
 
 

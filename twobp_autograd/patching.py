@@ -87,8 +87,10 @@ class DeferredForwardCall:
     wrapped_by_copies = False
 
     #: On a shallow copy's own call: its forward is the wrapper its original had before the copy,
-    #: bound to the original in plain (which computes there, kept alive by it).
+    #: bound to the original in plain (which computes there, kept alive by it); or a wrapper made
+    #: before the copy on a module that cannot be told (see _adopt).
     takes_the_originals_wrapper = False
+    wrapper_not_told_apart = False
 
     def __init__(self, module: nn.Module, deferred: DeferredForward) -> None:
         # Weak: the module holds this call in its __dict__; a strong reference back would make
@@ -379,9 +381,10 @@ def _rule_found_again(module: nn.Module | None) -> Any:
     return _class_forward
 
 
-def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
+def _adopt(copy: nn.Module, shared: DeferredForwardCall, *, made_now: bool = False) -> nn.Module:
     """Give a shallow copy a call of its own (its forward called directly, not through
-    ``nn.Module.__call__``, then finds it too)."""
+    ``nn.Module.__call__``, then finds it too); ``made_now``: as it is made (copy.copy, a
+    replica), when a wrapper it holds as its forward was made before it, on another module."""
     own = DeferredForwardCall(copy, shared.deferred)
     own._adopted_from = weakref.ref(shared)
     if shared.class_forward is None:  # copied or loaded after its module was freed
@@ -394,6 +397,10 @@ def _adopt(copy: nn.Module, shared: DeferredForwardCall) -> nn.Module:
         copy.__dict__["forward"] = own
     elif forward is not None and original is not None and forward is original.__dict__.get("forward"):
         own.takes_the_originals_wrapper = True
+    elif forward is not None and made_now:
+        # Made on a module since freed or rewrapped, or on a copy this one was copied from: plain's
+        # computes with that one, which cannot be told.
+        own.wrapper_not_told_apart = True
     elif forward is not None:
         shared.wrapped_by_copies = True  # a wrapper made on the copy, which calls the shared call for it
     copy.__dict__[_CALL] = own
@@ -465,7 +472,19 @@ def _module_computing(
         # before the copy, it is bound to the original in plain, which computes (kept alive by
         # it: a freed one cannot); made on the copy, the copy computes.
         if own is not None and adopted:
-            return module if own.takes_the_originals_wrapper else called
+            if own.wrapper_not_told_apart:
+                raise _copy_not_told_apart()
+            if not own.takes_the_originals_wrapper:
+                return called
+            if module is None:
+                raise RuntimeError(
+                    "twobp: this shallow copy's forward is a wrapper its original had before the copy, "
+                    "which computes with the original in plain (the wrapper keeps it alive); here the "
+                    "original was freed (a patched forward holds its module weakly, and a copy saved or "
+                    "deep-copied alone takes the original along only in its wrapper). Keep a reference "
+                    "to the original, or remove the wrapper before copying."
+                )
+            return module
         if module is None:
             raise RuntimeError(
                 "twobp: a shallow copy whose forward is a wrapper calls the patched forward of a module "
@@ -653,7 +672,7 @@ def _call_of_its_own(module: nn.Module) -> nn.Module:
     A call not set up yet is being unpickled with it (a deep copy of a shallow copy): skipped."""
     call = module.__dict__.get(_CALL)
     if isinstance(call, DeferredForwardCall) and hasattr(call, "_module") and call.owner() is not module:
-        _adopt(module, call)
+        _adopt(module, call, made_now=True)
     return module
 
 
