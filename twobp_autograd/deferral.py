@@ -462,10 +462,9 @@ class _WeightGradTap(torch.autograd.Function):
 _is_anomaly_enabled = torch.is_anomaly_enabled
 
 
-def _has_nan(grads: Any) -> bool:
-    """Whether autograd's anomaly check would find a NaN in a node's returned gradients."""
-    grads = grads if isinstance(grads, tuple) else (grads,)
-    return any(isinstance(g, Tensor) and bool(g.isnan().any()) for g in grads)
+def _holds_nan(grad: Any) -> bool:
+    """Whether autograd's anomaly check would find a NaN in this returned gradient."""
+    return isinstance(grad, Tensor) and bool(grad.isnan().any())
 
 
 def _checked_for_nan(ctx: Any, grads: Any) -> Any:
@@ -477,7 +476,7 @@ def _checked_for_nan(ctx: Any, grads: Any) -> Any:
     if not torch.is_anomaly_check_nan_enabled():
         return grads
     returned = grads if isinstance(grads, tuple) else (grads,)
-    nan = [isinstance(g, Tensor) and bool(g.isnan().any()) for g in returned]
+    nan = [_holds_nan(g) for g in returned]
     if not any(nan):
         return grads
     edges = ctx.next_functions  # one per tensor input: the Functions take those last
@@ -509,7 +508,7 @@ def _withdraw_when_stopped(node: Any, queued: tuple[WeightGradQueue, WeightGradJ
 
     def check(grad_inputs: Any, grad_outputs: Any) -> None:
         handle.remove()
-        if _has_nan(tuple(grad_inputs)):
+        if any(_holds_nan(g) for g in grad_inputs):
             queue, job = queued
             queue.withdraw(job)
 
